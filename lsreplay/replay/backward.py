@@ -1,0 +1,202 @@
+"""Branch replay backward, and the per-rollout reference it must equal.
+
+Both accumulate into each parameter's `.grad` the gradient of
+
+    sum over trees i, completions j, tokens t of weights[i][j][t] * log p(token t of completion j)
+
+Replay walks each tree depth first. At a branching node it takes the node's keys/values
+as leaf tensors (from the caching pass, or computed here without grad), runs every child
+subtree on top of them (so their dK/dV accumulates in the leaves' .grad), then runs the
+node itself once with grad and injects the accumulated dK/dV through its recomputed K/V
+together with its own token losses, including the logits at its last position that
+predict each child's first token. Memory holds one root-to-leaf path of activations plus
+its ancestors' K/V, whatever the number of branches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from lsreplay.replay.memory import (
+    ActivationMeter,
+    activation_bytes_per_position,
+    device_peak_bytes,
+    kv_bytes_per_position,
+)
+from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, kv_bytes, new_kv, target_logprobs
+from lsreplay.tree import Node, RolloutTree
+
+log = logging.getLogger(__name__)
+
+# (tree index, node) -> cached K/V of that node's positions, or None to recompute it.
+PrefixKVSource = Callable[[int, Node], PrefixKV | None]
+
+
+@dataclass
+class BackwardStats:
+    objective: float  # sum of weights * logprobs (what was differentiated)
+    positions: int  # token positions run forward+backward (padding included)
+    per_rollout_positions: int  # what a per-rollout pipeline runs
+    seconds: float
+    peak_activation_bytes: int  # saved-for-backward + held K/V, see memory.py
+    device_peak_bytes: int | None = None
+
+    @property
+    def positions_ratio(self) -> float:
+        return self.per_rollout_positions / max(self.positions, 1)
+
+
+class _Replay:
+    """State of one replay_backward call."""
+
+    def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None):
+        self.model, self.meter, self.prefix_kv = model, meter, prefix_kv
+        dtype = next(model.parameters()).dtype
+        self.position_bytes = activation_bytes_per_position(model.config, dtype)
+        self.kv_position_bytes = kv_bytes_per_position(model.config, dtype)
+        self.budget_bytes = budget_bytes
+        self.objective = torch.zeros((), dtype=torch.float64)
+        self.positions = 0
+        self.recomputed = 0
+
+    def tree(self, index: int, tree: RolloutTree, entry_weights: torch.Tensor) -> None:
+        self.index, self.t, self.w = index, tree, entry_weights
+        # Unless configured, a leaf micro-batch may use what one root-to-leaf path needs.
+        longest = max(n.end for n in tree.nodes)
+        self.budget = self.budget_bytes or longest * self.position_bytes
+        if tree.root.is_leaf:
+            self.run([tree.root], [], None)
+        else:
+            self.node(tree.root, [])
+
+    def node(self, node: Node, ancestors: list[PrefixKV]) -> None:
+        kv = self.leaf_kv(node, ancestors)
+        with self.meter.hold(2 * kv_bytes(kv)):  # the K/V and its gradient
+            below = ancestors + [kv]
+            past_len = node.end
+            leaves = [self.t.nodes[c] for c in node.children if self.t.nodes[c].is_leaf]
+            for batch in self.leaf_batches(leaves, past_len):
+                self.run(batch, below, None)
+            for c in node.children:
+                if not self.t.nodes[c].is_leaf:
+                    self.node(self.t.nodes[c], below)
+            grads = ([k.grad for k in kv[0]], [v.grad for v in kv[1]])
+            self.run([node], ancestors, grads)
+
+    def leaf_kv(self, node: Node, ancestors: list[PrefixKV]) -> PrefixKV:
+        kv = self.prefix_kv(self.index, node) if self.prefix_kv else None
+        if kv is None:
+            if self.prefix_kv:
+                self.recomputed += 1
+            with torch.no_grad():
+                past = concat_kv([(list(map(torch.Tensor.detach, k)), list(map(torch.Tensor.detach, v)))
+                                  for k, v in ancestors])
+                _, cache = forward_segments(self.model, [node.tokens], node.start, past)
+                kv = new_kv(cache, node.start)
+        return ([k.detach().clone().requires_grad_() for k in kv[0]],
+                [v.detach().clone().requires_grad_() for v in kv[1]])
+
+    def leaf_batches(self, leaves: list[Node], past_len: int) -> list[list[Node]]:
+        """Group sibling leaves so that each group's estimated memory (the broadcast
+        prefix K/V copied per row inside attention, plus suffix activations) fits."""
+        leaves = sorted(leaves, key=lambda n: -len(n.tokens))
+        batches: list[list[Node]] = []
+        for leaf in leaves:
+            if batches:
+                rows = len(batches[-1]) + 1
+                width = len(batches[-1][0].tokens)
+                cost = rows * (past_len * self.kv_position_bytes + width * self.position_bytes)
+                if cost <= self.budget:
+                    batches[-1].append(leaf)
+                    continue
+            batches.append([leaf])
+        return batches
+
+    def run(self, nodes: list[Node], ancestors: list[PrefixKV], kv_grads) -> None:
+        """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward:
+        their entries' weighted logprobs, plus <K, dK> + <V, dV> for a node's own K/V."""
+        past = concat_kv(ancestors)
+        hidden, cache = forward_segments(self.model, [n.tokens for n in nodes], nodes[0].start, past)
+        self.positions += hidden.shape[0] * hidden.shape[1]
+        objective = hidden.new_zeros(())
+        for row, n in enumerate(nodes):
+            if n.entry_ids:
+                lp = target_logprobs(self.model, hidden[row], n.entry_pos, n.entry_targets)
+                w = self.w[n.entry_ids].to(lp)
+                term = (lp * w).sum()
+                self.objective += term.detach().double().cpu()
+                objective = objective + term
+        surrogate = objective
+        if kv_grads is not None:
+            keys, values = new_kv(cache, nodes[0].start)
+            for own, grad in zip(keys + values, kv_grads[0] + kv_grads[1]):
+                if grad is not None:
+                    surrogate = surrogate + (own * grad).sum()
+        if surrogate.requires_grad:
+            surrogate.backward()
+
+
+def _entry_weights(trees: list[RolloutTree], weights) -> list[torch.Tensor]:
+    if len(weights) != len(trees):
+        raise ValueError(f"got weights for {len(weights)} trees, expected {len(trees)}")
+    return [t.entry_weights(w) for t, w in zip(trees, weights)]
+
+
+def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
+                    prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
+                    meter: ActivationMeter | None = None) -> BackwardStats:
+    """Accumulate the weighted-logprob gradient of `trees` into `.grad`, branch replay style.
+
+    prefix_kv: where cached K/V of branching nodes come from (None: computed here without
+    grad). budget_bytes: memory allowed to one micro-batch of sibling leaves (default:
+    what one root-to-leaf path needs)."""
+    entry_w = _entry_weights(trees, weights)
+    meter = meter or ActivationMeter(model)
+    state = _Replay(model, meter, prefix_kv, budget_bytes)
+    start = time.perf_counter()
+    with meter.measure():
+        for i, (tree, w) in enumerate(zip(trees, entry_w)):
+            state.tree(i, tree, w)
+    if state.recomputed:
+        log.warning("recomputed %d prefix K/V entries that were missing or corrupt in the cache", state.recomputed)
+    device = next(model.parameters()).device
+    return BackwardStats(
+        objective=float(state.objective), positions=state.positions,
+        per_rollout_positions=sum(t.total_positions for t in trees),
+        seconds=time.perf_counter() - start, peak_activation_bytes=meter.peak,
+        device_peak_bytes=device_peak_bytes(device))
+
+
+def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
+                   meter: ActivationMeter | None = None) -> BackwardStats:
+    """The per-rollout reference: every completion's full sequence, forward and backward."""
+    if len(weights) != len(trees):
+        raise ValueError(f"got weights for {len(weights)} trees, expected {len(trees)}")
+    meter = meter or ActivationMeter(model)
+    objective, positions = torch.zeros((), dtype=torch.float64), 0
+    start = time.perf_counter()
+    with meter.measure():
+        for tree, tree_w in zip(trees, weights):
+            for comp, w in zip(tree.completions, tree_w):
+                if not comp:
+                    continue
+                hidden, _ = forward_segments(model, [tree.prompt_ids + comp], 0, None)
+                positions += hidden.shape[1]
+                targets_at = range(tree.prompt_len - 1, tree.prompt_len - 1 + len(comp))
+                lp = target_logprobs(model, hidden[0], list(targets_at), comp)
+                term = (lp * torch.as_tensor(w).to(lp)).sum()
+                objective += term.detach().double().cpu()
+                if term.requires_grad:
+                    term.backward()
+    device = next(model.parameters()).device
+    return BackwardStats(
+        objective=float(objective), positions=positions,
+        per_rollout_positions=sum(t.total_positions for t in trees),
+        seconds=time.perf_counter() - start, peak_activation_bytes=meter.peak,
+        device_peak_bytes=device_peak_bytes(device))

@@ -1,0 +1,72 @@
+"""Running token segments of a tree through an HF decoder after a given prefix K/V.
+
+Both the no-grad caching pass and the replay backward are built from two operations:
+run sibling segments (right-padded into one batch) at their absolute positions on top
+of their ancestors' keys/values, and read the logprobs of chosen targets at chosen
+positions. Only those positions go through the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+# Per-layer keys and values of a run of positions: ([k_0, ..., k_L-1], [v_0, ..., v_L-1]),
+# each (1, kv_heads, positions, head_dim), post-rotary as HF caches them.
+PrefixKV = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def concat_kv(parts: list[PrefixKV]) -> PrefixKV | None:
+    """Join ancestors' K/V along positions (differentiably, so grads reach each part)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    layers = range(len(parts[0][0]))
+    keys = [torch.cat([p[0][i] for p in parts], dim=-2) for i in layers]
+    values = [torch.cat([p[1][i] for p in parts], dim=-2) for i in layers]
+    return keys, values
+
+
+def kv_bytes(kv: PrefixKV) -> int:
+    return sum(t.numel() * t.element_size() for half in kv for t in half)
+
+
+def forward_segments(model: PreTrainedModel, segments: list[list[int]], start: int,
+                     past: PrefixKV | None) -> tuple[torch.Tensor, DynamicCache]:
+    """Hidden states (B, T, d) of `segments` placed at positions start.. after `past`.
+
+    Segments are right-padded: causal attention means a real token never sees the
+    padding after it, so no attention mask is needed and padded outputs are ignored.
+    The past is broadcast over the batch; the returned cache holds past + new K/V."""
+    device = next(model.parameters()).device
+    width = max(len(s) for s in segments)
+    ids = torch.zeros(len(segments), width, dtype=torch.long, device=device)
+    for b, seg in enumerate(segments):
+        ids[b, : len(seg)] = torch.as_tensor(seg, dtype=torch.long)
+    positions = torch.arange(start, start + width, device=device).expand(len(segments), width)
+    cache = DynamicCache(config=model.config)
+    if past is not None:
+        for layer, (k, v) in enumerate(zip(*past)):
+            batch_shape = (len(segments), *k.shape[1:])
+            cache.update(k.expand(batch_shape), v.expand(batch_shape), layer)
+    out = model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+    return out.last_hidden_state, cache
+
+
+def new_kv(cache: DynamicCache, past_len: int, row: int = 0) -> PrefixKV:
+    """The K/V a forward appended to `cache` (positions after `past_len`) for one row."""
+    keys = [layer.keys[row : row + 1, :, past_len:] for layer in cache.layers]
+    values = [layer.values[row : row + 1, :, past_len:] for layer in cache.layers]
+    return keys, values
+
+
+def target_logprobs(model: PreTrainedModel, hidden: torch.Tensor, positions, targets) -> torch.Tensor:
+    """log p(targets[i] | position positions[i]) from one row of hidden states (T, d)."""
+    device = hidden.device
+    positions = torch.as_tensor(positions, dtype=torch.long, device=device)
+    targets = torch.as_tensor(targets, dtype=torch.long, device=device)
+    logits = model.get_output_embeddings()(hidden[positions])
+    # bf16/fp16 logits lose too much in log_softmax; float64 stays float64.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
