@@ -1,0 +1,185 @@
+"""Checkpoints of training state: policy and drafter weights, optimizer state, RNG states.
+
+Everything is written through a Store as safetensors (tensors) and JSON (everything else),
+never pickle, so a checkpoint can be read without trusting who wrote it. Each save returns a
+manifest {"prefix", "files": {name: entry}}; passing it back to the matching load makes the
+load verify the sha256 of what it reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from lsreplay.storage import CorruptEntry, MissingEntry, Store
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+META_FILE = "meta.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_JSON = "optimizer.json"
+RNG_FILE = "rng.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged, or does not fit what it is loaded into."""
+
+
+def save_module(
+    store: Store, prefix: str, module: torch.nn.Module, meta: dict | None = None
+) -> dict:
+    """Save parameters and persistent buffers; a tied weight is written once, under the name
+    named_parameters() gives it."""
+    files = {
+        MODEL_FILE: store.write_tensors(f"{prefix}/{MODEL_FILE}", _module_tensors(module)),
+        META_FILE: store.write_json(f"{prefix}/{META_FILE}", meta or {}),
+    }
+    return {"prefix": prefix, "files": files}
+
+
+def load_module(
+    store: Store, prefix: str, module: torch.nn.Module, manifest: dict | None = None
+) -> None:
+    key = f"{prefix}/{MODEL_FILE}"
+    tensors = _read(store, prefix, MODEL_FILE, manifest, store.read_tensors)
+    # Checked before loading, so a checkpoint that does not fit leaves the module untouched.
+    problems = _mismatches(module.state_dict(), tensors)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {store.url(key)} does not fit {type(module).__name__}: {problems}; "
+            "load it into the architecture and config it was saved from"
+        )
+    module.load_state_dict(tensors, strict=False)
+    log.info("loaded %d tensors from %s", len(tensors), store.url(key))
+
+
+def save_optimizer(store: Store, prefix: str, optimizer: torch.optim.Optimizer) -> dict:
+    """Tensors go to optimizer.safetensors as "state.{param_index}.{name}" (or
+    "param_groups.{group_index}.{name}"); every other value, with its place, to optimizer.json."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    plain_state = {
+        str(index): _split(values, f"state.{index}", tensors)
+        for index, values in state["state"].items()
+    }
+    groups = [
+        _split(group, f"param_groups.{i}", tensors) for i, group in enumerate(state["param_groups"])
+    ]
+    json_key = f"{prefix}/{OPTIMIZER_JSON}"
+    try:
+        json_entry = store.write_json(json_key, {"state": plain_state, "param_groups": groups})
+    except TypeError as e:
+        raise CheckpointError(
+            f"optimizer {type(optimizer).__name__} holds a value JSON cannot store ({e}), "
+            f"so {store.url(json_key)} was not written; make that state a tensor or a plain value"
+        ) from e
+    files = {
+        OPTIMIZER_TENSORS: store.write_tensors(f"{prefix}/{OPTIMIZER_TENSORS}", tensors),
+        OPTIMIZER_JSON: json_entry,
+    }
+    return {"prefix": prefix, "files": files}
+
+
+def load_optimizer(
+    store: Store, prefix: str, optimizer: torch.optim.Optimizer, manifest: dict | None = None
+) -> None:
+    plain = _read(store, prefix, OPTIMIZER_JSON, manifest, store.read_json)
+    tensors = _read(store, prefix, OPTIMIZER_TENSORS, manifest, store.read_tensors)
+    state: dict[int, dict] = defaultdict(dict)
+    for index, values in plain["state"].items():
+        state[int(index)].update(values)
+    groups = plain["param_groups"]
+    for key, tensor in tensors.items():
+        part, index, name = key.split(".", 2)
+        target = state[int(index)] if part == "state" else groups[int(index)]
+        target[name] = tensor
+    _restore_tuples(groups, optimizer.param_groups)
+    try:
+        optimizer.load_state_dict({"state": dict(state), "param_groups": groups})
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(
+            f"optimizer checkpoint {store.url(prefix)} does not fit this "
+            f"{type(optimizer).__name__} ({e}); build the optimizer over the same parameter "
+            "groups as when it was saved"
+        ) from e
+
+
+def save_rng(store: Store, prefix: str, generators: dict[str, torch.Generator]) -> dict:
+    states = {name: g.get_state() for name, g in generators.items()}
+    entry = store.write_tensors(f"{prefix}/{RNG_FILE}", states)
+    return {"prefix": prefix, "files": {RNG_FILE: entry}}
+
+
+def load_rng(store: Store, prefix: str, manifest: dict | None = None) -> dict[str, torch.Tensor]:
+    """Generator states by name (uint8 tensors), for torch.Generator.set_state."""
+    return _read(store, prefix, RNG_FILE, manifest, store.read_tensors)
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # state_dict() drops non-persistent buffers; the named_* iterators drop tied duplicates.
+    state = module.state_dict()
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    return {n: state[n] for n in names if n in state}
+
+
+def _mismatches(current: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> str:
+    """Describe keys that would not load; a key absent from the checkpoint is fine when its
+    tensor shares storage with one that is loaded (a tied weight, saved once)."""
+    loaded_storages = {_storage(current[k]) for k in loaded if k in current}
+    missing = [
+        k for k in current if k not in loaded and _storage(current[k]) not in loaded_storages
+    ]
+    unexpected = [k for k in loaded if k not in current]
+    reshaped = [k for k in loaded if k in current and loaded[k].shape != current[k].shape]
+    parts = [("missing keys", missing), ("unexpected keys", unexpected), ("shapes differ", reshaped)]
+    return "; ".join(
+        f"{label} {keys[:10]}" + (" ..." if len(keys) > 10 else "") for label, keys in parts if keys
+    )
+
+
+def _storage(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _split(values: dict, place: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """Move the tensor values of one state or group dict into tensors (keyed by place) and
+    return the rest."""
+    plain = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"{place}.{name}"] = value
+        else:
+            plain[name] = value
+    return plain
+
+
+def _restore_tuples(groups: list[dict], live_groups: list[dict]) -> None:
+    """JSON turns tuples (AdamW's betas) into lists; give them back the live optimizer's type."""
+    for group, live in zip(groups, live_groups):
+        for name, value in group.items():
+            if isinstance(live.get(name), tuple) and isinstance(value, list):
+                group[name] = tuple(value)
+
+
+def _read(store: Store, prefix: str, name: str, manifest: dict | None, reader: Callable):
+    """Read one checkpoint file, verifying it against the manifest when there is one."""
+    key = f"{prefix}/{name}"
+    sha256 = None
+    if manifest is not None:
+        entry = manifest.get("files", {}).get(name)
+        if entry is None or entry.get("key") != key:
+            raise CheckpointError(
+                f"the manifest passed for {store.url(key)} does not describe that file "
+                f"(manifest prefix {manifest.get('prefix')!r}); "
+                "pass the manifest that this checkpoint's save returned"
+            )
+        sha256 = entry["sha256"]
+    # An unreachable store stays a StorageError: the checkpoint itself may be fine.
+    try:
+        return reader(key, sha256)
+    except (MissingEntry, CorruptEntry) as e:
+        raise CheckpointError(f"unusable checkpoint file: {e}") from e

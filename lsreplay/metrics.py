@@ -1,0 +1,29 @@
+"""One flat metrics record per RL step, from the stages' manifests."""
+
+from __future__ import annotations
+
+
+def step_record(step: int, manifests: dict[str, dict]) -> dict:
+    trees, prefixes, policy = manifests["trees"], manifests["prefixes"], manifests["policy"]
+    record = {
+        "step": step,
+        "reward_mean": trees["reward_mean"],
+        "loss": policy["loss"],
+        "grad_norm": policy["grad_norm"],
+        "rollouts": trees["rollouts"],
+        "completion_tokens": trees["completion_tokens"],
+        "rollout_tokens_per_s": trees["tokens_per_s"],
+        "positions": policy["positions"],
+        "per_rollout_positions": policy["per_rollout_positions"],
+        "positions_ratio": policy["positions_ratio"],
+        "prefix_kv_bytes": prefixes["kv_bytes"],
+        "peak_activation_bytes": policy["peak_activation_bytes"],
+        "train_positions_per_s": policy["positions"] / max(policy["backward_seconds"], 1e-9),
+    }
+    for stage, manifest in manifests.items():
+        if "seconds" in manifest:
+            record[f"{stage}_seconds"] = manifest["seconds"]
+    if "drafter" in manifests:
+        d = manifests["drafter"]
+        record.update(drafter_loss=d["drafter_loss"], drafter_top1_accept=d["drafter_top1_accept"])
+    return record

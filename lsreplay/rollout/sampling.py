@@ -1,0 +1,66 @@
+"""Next-token sampling for rollouts: temperature, top-k, top-p, greedy, and the logprob to record.
+
+The recorded logprob is always that of the raw policy (softmax of the unmodified logits),
+whatever the sampling distribution was; see `sample_next` for why.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token. temperature 0 means greedy; top_k 0 and top_p 1 mean no truncation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.LongTensor, torch.FloatTensor]:
+    """Pick one token per row of `logits` (B, V); return the tokens (B,) and their logprobs (B,).
+
+    The logprob is log_softmax of the raw logits (temperature 1, no truncation): the policy's
+    own probability of the token. That is the quantity the trainer recomputes (old/reference
+    logprobs, the replay forward), so PPO ratios and KL terms compare like with like. It is not
+    the probability under the tempered/truncated distribution actually sampled from: when
+    temperature != 1 or top-k/top-p cut the tail, the rollouts are mildly off-policy and these
+    logprobs do not correct for that. `generator` must live on the device of `logits`.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scaled = _truncate(logits.float() / params.temperature, params)
+        probs = torch.softmax(scaled, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Mask to -inf the tokens top-k and then top-p exclude (the order transformers uses)."""
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        ranked, order = logits.sort(dim=-1, descending=True)
+        probs = ranked.softmax(dim=-1)
+        # A token is cut when those ranked above it already cover top_p, so the top one always stays.
+        cut_ranked = probs.cumsum(dim=-1) - probs >= params.top_p
+        cut = torch.zeros_like(cut_ranked).scatter(-1, order, cut_ranked)
+        logits = logits.masked_fill(cut, float("-inf"))
+    return logits

@@ -1,0 +1,15 @@
+"""The five stages of one RL step, as plain functions of (run, step) -> manifest.
+
+Each reads its inputs from the run's store, writes its outputs there, and returns a
+small JSON manifest (keys, sha256, counts, timings). A stage that already finished for
+this step returns its manifest without redoing the work. Prefect tasks wrap these;
+nothing here imports Prefect.
+"""
+
+from lsreplay.stages.drafter import distill_drafter
+from lsreplay.stages.policy import train_policy
+from lsreplay.stages.prefixes import cache_prefixes
+from lsreplay.stages.prompts import sample_prompts
+from lsreplay.stages.trees import generate_trees
+
+__all__ = ["cache_prefixes", "distill_drafter", "generate_trees", "sample_prompts", "train_policy"]

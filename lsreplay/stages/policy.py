@@ -1,0 +1,70 @@
+"""Stage 4: the policy update. GRPO weights from the caching pass's logprobs, branch
+replay (or the per-rollout baseline) backward, clip, AdamW step, checkpoint."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from lsreplay.algos import loss_and_weights
+from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
+from lsreplay.checkpoint import load_optimizer, save_module, save_optimizer, save_rng
+from lsreplay.replay import naive_backward, replay_backward
+from lsreplay.run import Run
+from lsreplay.stages.common import load_trees, policy_before
+from lsreplay.stages.prefixes import StoredPrefixKV, load_activations
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A step whose loss or gradient is NaN/inf; it is never checkpointed."""
+
+
+def make_optimizer(run: Run, model) -> torch.optim.Optimizer:
+    o = run.cfg.optim
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+
+
+def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
+    """Loss value and dL/dlogp per completion token, at the caching pass's logprobs."""
+    old = [t.completion_values(load_activations(run, step, i, prefixes).entry_logprobs)
+           for i, t in enumerate(trees)]
+    a = run.cfg.algo
+    batch = GRPOBatch(
+        advantages=[group_advantages(torch.tensor(r["rewards"]), a.scale_rewards) for r in records],
+        old_logprobs=old, clip_eps=a.clip_eps, loss_agg=a.loss_agg)
+    return loss_and_weights(lambda lp: grpo_loss(lp, batch), old)
+
+
+def train_policy(run: Run, step: int) -> dict:
+    if done := run.done(step, "policy"):
+        return done
+    records, trees = load_trees(run, step)
+    prefixes = run.done(step, "prefixes")
+    loss, weights = grpo_weights(run, step, records, trees, prefixes)
+    model = policy_before(run, step, trainable=True)
+    optimizer = make_optimizer(run, model)
+    if step > 0:
+        load_optimizer(run.store, run.checkpoint("policy", step - 1), optimizer)
+    start = time.perf_counter()
+    if run.cfg.replay.mode == "replay":
+        stats = replay_backward(model, trees, weights, prefix_kv=StoredPrefixKV(run, prefixes),
+                                budget_bytes=run.cfg.replay.budget_mb * 2**20 or None)
+    else:
+        stats = naive_backward(model, trees, weights)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), run.cfg.optim.grad_clip))
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteLoss(f"step {step}: loss={loss} grad_norm={grad_norm}; the step was not committed "
+                            "(the last good checkpoint is kept). Lower optim.lr or check the rewards.")
+    optimizer.step()
+    prefix = run.checkpoint("policy", step)
+    ckpt = [save_module(run.store, prefix, model, {"step": step}), save_optimizer(run.store, prefix, optimizer),
+            save_rng(run.store, prefix, {"rollout": run.generator(step + 1, "trees")})]
+    files = [e for c in ckpt for e in c["files"].values()]
+    return run.finish(step, "policy", {
+        "files": files, "checkpoint": prefix, "loss": loss, "grad_norm": grad_norm,
+        "objective": stats.objective, "positions": stats.positions,
+        "per_rollout_positions": stats.per_rollout_positions, "positions_ratio": stats.positions_ratio,
+        "peak_activation_bytes": stats.peak_activation_bytes, "backward_seconds": stats.seconds,
+        "seconds": time.perf_counter() - start})

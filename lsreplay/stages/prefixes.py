@@ -1,0 +1,88 @@
+"""Stage 3: the caching pass. One no-grad forward per tree records the K/V of every
+branching node (for replay), every entry's logprob (old logprobs) and every position's
+last hidden state (drafter data), each tensor file with its sha256 in the manifest."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from lsreplay.replay.capture import TreeActivations, capture_tree
+from lsreplay.replay.segments import PrefixKV
+from lsreplay.run import Run
+from lsreplay.stages.common import load_trees, policy_before
+from lsreplay.storage import StorageError
+
+log = logging.getLogger(__name__)
+
+
+def kv_key(run: Run, step: int, tree: int, node: int) -> str:
+    return run.key(step, "prefix_kv", f"tree_{tree:03d}", f"node_{node:04d}.safetensors")
+
+
+def activations_key(run: Run, step: int, tree: int) -> str:
+    return run.key(step, "activations", f"tree_{tree:03d}.safetensors")
+
+
+def kv_tensors(kv: PrefixKV) -> dict[str, torch.Tensor]:
+    keys, values = kv
+    return {**{f"k{i}": k for i, k in enumerate(keys)}, **{f"v{i}": v for i, v in enumerate(values)}}
+
+
+def tensors_kv(tensors: dict[str, torch.Tensor]) -> PrefixKV:
+    layers = len(tensors) // 2
+    return [tensors[f"k{i}"] for i in range(layers)], [tensors[f"v{i}"] for i in range(layers)]
+
+
+def activation_tensors(acts: TreeActivations) -> dict[str, torch.Tensor]:
+    return {"entry_logprobs": acts.entry_logprobs, **{f"hidden.{n}": h for n, h in acts.hidden.items()}}
+
+
+def load_activations(run: Run, step: int, tree: int, manifest: dict) -> TreeActivations:
+    entry = manifest["activations"][tree]
+    tensors = run.store.read_tensors(entry["key"], sha256=entry["sha256"])
+    hidden = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("hidden.")}
+    return TreeActivations(entry_logprobs=tensors["entry_logprobs"], hidden=hidden)
+
+
+class StoredPrefixKV:
+    """Prefix K/V read back from the store, verified; None (recompute) if missing or corrupt."""
+
+    def __init__(self, run: Run, manifest: dict):
+        self.run, self.entries = run, manifest["prefix_kv"]
+
+    def __call__(self, tree: int, node) -> PrefixKV | None:
+        entry = self.entries[tree].get(str(node.id))
+        if entry is None:
+            log.warning("tree %d node %d: no cached prefix K/V in the manifest; recomputing it", tree, node.id)
+            return None
+        try:
+            return tensors_kv(self.run.store.read_tensors(entry["key"], sha256=entry["sha256"]))
+        except StorageError as e:
+            log.warning("tree %d node %d: cached prefix K/V unusable (%s); recomputing it", tree, node.id, e)
+            return None
+
+
+def cache_prefixes(run: Run, step: int) -> dict:
+    if done := run.done(step, "prefixes"):
+        return done
+    _, trees = load_trees(run, step)
+    model = policy_before(run, step)
+    files, kv_entries, act_entries, start = [], [], [], time.perf_counter()
+    for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
+        acts = capture_tree(model, tree)
+        nodes = {}
+        for node_id, kv in acts.prefix_kv.items():
+            nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
+        act_entry = run.store.write_tensors(activations_key(run, step, i), activation_tensors(acts))
+        kv_entries.append(nodes)
+        act_entries.append(act_entry)
+        files += [*nodes.values(), act_entry]
+    return run.finish(step, "prefixes", {
+        "files": files, "prefix_kv": kv_entries, "activations": act_entries,
+        "unique_positions": sum(t.unique_positions for t in trees),
+        "kv_bytes": sum(e["bytes"] for nodes in kv_entries for e in nodes.values()),
+        "seconds": time.perf_counter() - start})

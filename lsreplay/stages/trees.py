@@ -1,0 +1,59 @@
+"""Stage 2: sample each prompt's rollouts as a tree and score them."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from tqdm.auto import tqdm
+
+from lsreplay.data import ANSWER_INSTRUCTION, Prompt, score
+from lsreplay.models import eos_ids, load_tokenizer
+from lsreplay.rollout.sampling import SamplingParams
+from lsreplay.rollout.tree_sampler import sample_tree
+from lsreplay.run import Run
+from lsreplay.stages.common import policy_before
+
+
+def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int) -> list[int]:
+    messages = [{"role": "user", "content": prompt.question + ANSWER_INSTRUCTION}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > max_tokens:
+        raise ValueError(f"prompt {prompt.index} has {len(ids)} tokens, more than data.max_prompt_tokens="
+                         f"{max_tokens}; raise the limit or use shorter prompts")
+    return ids
+
+
+def generate_trees(run: Run, step: int) -> dict:
+    if done := run.done(step, "trees"):
+        return done
+    cfg, r = run.cfg, run.cfg.rollout
+    prompts = [Prompt(**p) for p in run.store.read_json(run.key(step, "prompts.json"))["prompts"]]
+    model, tokenizer = policy_before(run, step), load_tokenizer(cfg.model)
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    records, positions, start = [], 0, time.perf_counter()
+    bar = tqdm(total=len(prompts) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
+               unit="tok", leave=False)
+    for i, prompt in enumerate(prompts):
+        prompt_ids = render_prompt(tokenizer, prompt, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+        out = sample_tree(model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
+                          params, eos_ids(tokenizer, model), run.generator(step, "trees", i), bar.update)
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in out.completions]
+        task_args = dict(cfg.data.task_args).get(prompt.task)
+        records.append({
+            "prompt_index": prompt.index, "prompt_ids": prompt_ids, "completions": out.completions,
+            "logprobs": out.logprobs, "finished": out.finished, "texts": texts,
+            "rewards": [score(prompt, t, task_args) for t in texts]})
+        positions += out.forward_positions
+    bar.close()
+    seconds = time.perf_counter() - start
+    entry = run.store.write_json(run.key(step, "trees.json"), {"trees": records})
+    rewards = [x for rec in records for x in rec["rewards"]]
+    lengths = [len(c) for rec in records for c in rec["completions"]]
+    return run.finish(step, "trees", {
+        "files": [entry], "trees": len(records), "rollouts": len(rewards),
+        "reward_mean": sum(rewards) / len(rewards), "completion_tokens": sum(lengths),
+        "forward_positions": positions, "seconds": seconds, "tokens_per_s": sum(lengths) / seconds})

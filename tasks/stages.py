@@ -1,0 +1,47 @@
+"""Prefect tasks: one per stage, each a thin wrapper that holds a pool slot while the
+stage runs and returns the stage's manifest (never tensors)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from lsreplay import stages
+from lsreplay.config import Config
+from lsreplay.run import Run
+from tasks.pool import pool_devices
+
+# Completed work is skipped by the stages themselves (their manifests in the run's
+# store), so a new flow run of the same experiment resumes; Prefect's own cache,
+# keyed by flow run, would not. Retries cover transient failures (storage, a flaky node).
+RETRIES = dict(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+
+
+def _on_pool(stage, cfg: Config, step: int) -> dict:
+    with pool_devices(cfg.pool):
+        return stage(Run(cfg), step)
+
+
+@task(name="sample-prompts", **RETRIES)
+def sample_prompts(cfg: Config, step: int) -> dict:
+    return stages.sample_prompts(Run(cfg), step)
+
+
+@task(name="generate-trees", **RETRIES)
+def generate_trees(cfg: Config, step: int) -> dict:
+    return _on_pool(stages.generate_trees, cfg, step)
+
+
+@task(name="cache-prefixes", **RETRIES)
+def cache_prefixes(cfg: Config, step: int) -> dict:
+    return _on_pool(stages.cache_prefixes, cfg, step)
+
+
+@task(name="train-policy", **RETRIES)
+def train_policy(cfg: Config, step: int) -> dict:
+    return _on_pool(stages.train_policy, cfg, step)
+
+
+@task(name="distill-drafter", **RETRIES)
+def distill_drafter(cfg: Config, step: int) -> dict:
+    return _on_pool(stages.distill_drafter, cfg, step)

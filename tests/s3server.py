@@ -1,0 +1,32 @@
+"""A real S3-protocol server (moto) on loopback for tests that exercise the S3 code path.
+
+A plain module, not a conftest: test modules that need S3 import the fixture from here.
+"""
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+BUCKET = "lsreplay-test"
+KEY = "test-key-id"
+# Distinctive so tests can assert that it never leaks into messages or reprs.
+SECRET = "test-secret-do-not-print"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """Yield (endpoint_url, storage_options) for a fresh moto server holding BUCKET."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint_url = f"http://{host}:{port}"
+        client_kwargs = {"endpoint_url": endpoint_url, "region_name": "us-east-1"}
+        # s3fs's mkdir sends a location constraint that moto refuses for us-east-1.
+        client = boto3.client(
+            "s3", aws_access_key_id=KEY, aws_secret_access_key=SECRET, **client_kwargs
+        )
+        client.create_bucket(Bucket=BUCKET)
+        yield endpoint_url, {"key": KEY, "secret": SECRET, "client_kwargs": client_kwargs}
+    finally:
+        server.stop()

@@ -1,0 +1,126 @@
+"""Tree rollout sampling: tree shape, KV-cache forking instead of re-encoding, EOS, greedy, determinism."""
+
+from itertools import groupby
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lsreplay.rollout.sampling import SamplingParams, sample_next
+from lsreplay.rollout.tree_sampler import sample_tree
+
+VOCAB = 128
+# An id outside the vocabulary: the model can never emit it, so no sequence ends early.
+NO_EOS = VOCAB
+PROMPT = [int(t) for t in torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).float().eval()
+
+
+def _tree(model, branching=(3, 2), segment=(5,), max_new=12, eos=NO_EOS, seed=0, **params):
+    return sample_tree(
+        model, PROMPT, list(branching), list(segment), max_new, SamplingParams(**params), eos,
+        torch.Generator().manual_seed(seed),
+    )
+
+
+def test_shape_and_shared_segments(model):
+    tree = _tree(model)
+    assert len(tree.completions) == 6 and not any(tree.finished)
+    assert all(len(c) == 12 for c in tree.completions)
+    assert [len(lp) for lp in tree.logprobs] == [12] * 6
+    for k in range(3):
+        assert tree.completions[2 * k][:5] == tree.completions[2 * k + 1][:5]
+        assert tree.completions[2 * k][5:] != tree.completions[2 * k + 1][5:]
+    assert len({tuple(c[:5]) for c in tree.completions}) == 3
+
+
+def test_forks_the_cache_instead_of_recomputing(model):
+    counted = []
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, out: counted.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        tree = _tree(model)
+    finally:
+        hook.remove()
+    # Sampled token t of a row is encoded only if token t+1 follows: 5 steps at batch 3, 6 at batch 6.
+    assert tree.forward_positions == sum(counted) == len(PROMPT) + 3 * 5 + 6 * 6
+    per_rollout = 6 * (len(PROMPT) + 11)
+    assert tree.forward_positions < per_rollout / 2
+
+
+def _assert_logprobs_match_a_fresh_forward(model, tree):
+    """Each completion re-encoded from scratch (no cache) must give the recorded logprobs."""
+    for completion, recorded in zip(tree.completions, tree.logprobs):
+        ids = torch.tensor([PROMPT + completion])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(recorded), expected, atol=1e-5, rtol=0)
+
+
+def test_recorded_logprobs_match_a_fresh_forward(model):
+    _assert_logprobs_match_a_fresh_forward(model, _tree(model))
+
+
+def test_eos_ends_branches_early_and_they_are_not_forked(model):
+    eos = list(range(12))  # ~10% of a random model's near-uniform mass: some branches end, some don't
+    tree = _tree(model, branching=(4, 2), eos=eos, seed=2)
+    for completion, done in zip(tree.completions, tree.finished):
+        assert done == (completion[-1] in eos)
+        assert not any(t in eos for t in completion[:-1])
+        assert len(completion) == 12 or done
+    lengths = [len(c) for c in tree.completions]
+    # This seed covers: an EOS inside the first segment, one exactly at the branch point (5),
+    # one in the second level, one on the very last token, and unfinished leaves.
+    assert {4, 5, 8} <= set(lengths) and True in tree.finished and False in tree.finished
+    assert any(n == 12 and done for n, done in zip(lengths, tree.finished))
+    # Leaves are depth-first: siblings share the first segment and sit together; a first-level
+    # branch that ended within its segment is a lone leaf, the others have two children.
+    groups = [list(g) for _, g in groupby(tree.completions, key=lambda c: tuple(c[:5]))]
+    assert len(groups) == 4
+    for group in groups:
+        assert len(group) == (1 if len(group[0]) <= 5 else 2)
+    # Dropping finished rows must keep each survivor's own cache rows.
+    _assert_logprobs_match_a_fresh_forward(model, tree)
+
+
+def test_greedy_branches_agree_with_generate(model):
+    tree = _tree(model, temperature=0.0)
+    assert all(c == tree.completions[0] for c in tree.completions)
+    out = model.generate(
+        torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+        do_sample=False, max_new_tokens=12, eos_token_id=NO_EOS, pad_token_id=0,
+    )
+    assert tree.completions[0] == out[0, len(PROMPT) :].tolist()
+
+
+def test_same_seed_same_tree(model):
+    first, again, other = _tree(model, seed=7), _tree(model, seed=7), _tree(model, seed=8)
+    assert first == again
+    assert first.completions != other.completions
+
+
+def test_top_k_and_top_p_restrict_the_sample_but_not_the_recorded_logprob():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample_next(logits, SamplingParams(top_p=0.7), gen)
+    assert set(tokens.tolist()) == {0, 1}
+    raw = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, raw)
+    tokens, _ = sample_next(logits, SamplingParams(top_k=1, temperature=2.0), gen)
+    assert set(tokens.tolist()) == {0}
+
+
+def test_rejects_mismatched_shape(model):
+    with pytest.raises(ValueError):
+        _tree(model, branching=(2, 2), segment=())
