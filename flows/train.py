@@ -1,4 +1,4 @@
-"""The training flow: the RL step loop, one task per stage.
+r"""The training flow: the RL step loop, one task per stage.
 
     prompts -> trees -> prefix cache -> policy update
                                      \-> drafter distillation

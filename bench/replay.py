@@ -1,0 +1,228 @@
+"""Branch replay backward vs the per-rollout backward, side by side in one run.
+
+    .venv/bin/python bench/replay.py [--shapes g8,g16,g4x4] [--quick] [--smoke]
+
+A Llama-shaped model with random init (float32, sdpa, GQA) and synthetic rollout trees:
+G completions of S tokens after a shared prompt of P tokens, and a two-level tree whose
+completions first share a middle segment. Per shape it times, on the same model and
+weights (random per token), the per-rollout `naive_backward` and `replay_backward` given
+the K/V cached by the no-grad caching pass (`capture_tree`, timed separately: the
+pipeline runs it anyway for old logprobs), interleaved and repeated (min of the repeats),
+after a warm-up. It reports the positions each runs, the ActivationMeter peak of each
+(saved-for-backward + held K/V), and the max relative gradient difference.
+
+    ideal      = total_positions / unique_positions   (G(P+S)/(P+GS) for one level)
+    speedup    = naive seconds / replay seconds
+    efficiency = speedup / ideal
+    mem_ratio  = replay peak / naive peak
+
+Targets: efficiency >= 0.8 and mem_ratio <= 1. The machine is shared and noisy, which is
+why only ratios measured side by side are reported. The last line is key=value pairs:
+the headline is the worst efficiency (with its shape's speedup and ideal) and the
+largest mem_ratio; per-shape values carry a `_<shape>` suffix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
+from lsreplay.replay.capture import capture_tree  # noqa: E402
+from lsreplay.replay.memory import ActivationMeter  # noqa: E402
+from lsreplay.tree import RolloutTree  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    prompt: int
+    levels: tuple[tuple[int, int], ...]  # (branching, segment length) from the root down
+
+    @property
+    def leaves(self) -> int:
+        return math.prod(b for b, _ in self.levels)
+
+    def describe(self) -> str:
+        g = "x".join(str(b) for b, _ in self.levels)
+        segs = "+".join(str(n) for _, n in self.levels)
+        return f"G={g} P={self.prompt} S={segs}"
+
+
+MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=8192)
+SMOKE_MODEL = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024)
+
+SHAPES = {s.name: s for s in [
+    Shape("g8", 2048, ((8, 128),)),
+    Shape("g16", 4096, ((16, 256),)),
+    Shape("g4x4", 2048, ((4, 128), (4, 128))),
+]}
+SMOKE_SHAPES = {s.name: s for s in [
+    Shape("g4", 128, ((4, 16),)),
+    Shape("g2x2", 96, ((2, 8), (2, 8))),
+]}
+
+
+def make_model(spec: dict, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(**spec, tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.eval()  # replay differentiates exactly what the caching pass computed: no dropout
+    return model
+
+
+def make_tree(shape: Shape, vocab: int, rng: random.Random) -> RolloutTree:
+    """Siblings start with distinct tokens, so the trie has exactly the intended shape."""
+    prompt = [rng.randrange(vocab) for _ in range(shape.prompt)]
+
+    def grow(level: int) -> list[list[int]]:
+        if level == len(shape.levels):
+            return [[]]
+        branching, length = shape.levels[level]
+        firsts = rng.sample(range(vocab), branching)
+        out = []
+        for first in firsts:
+            segment = [first] + [rng.randrange(vocab) for _ in range(length - 1)]
+            out += [segment + rest for rest in grow(level + 1)]
+        return out
+
+    return RolloutTree.from_sequences(prompt, grow(0))
+
+
+def grads(model) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def max_rel_diff(a: list, b: list) -> float:
+    """Per tensor max |a - b| / max |a|, the worst over tensors."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                return math.inf
+            continue
+        scale = x.abs().max().item()
+        diff = (x - y).abs().max().item()
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def run_shape(model, shape: Shape, reps: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    tree = make_tree(shape, model.config.vocab_size, rng)
+    gen = torch.Generator().manual_seed(seed)
+    weights = [[torch.randn(len(c), generator=gen, dtype=torch.float64) for c in tree.completions]]
+    trees = [tree]
+
+    cache_s, acts = math.inf, None
+    for _ in range(reps):
+        start = time.perf_counter()
+        acts = [capture_tree(model, tree, keep_hidden=False)]
+        cache_s = min(cache_s, time.perf_counter() - start)
+    prefix_kv = lambda i, node: acts[i].prefix_kv.get(node.id)  # noqa: E731
+
+    naive_s = replay_s = math.inf
+    rel = 0.0
+    for _ in range(reps):  # interleaved, so both see the same machine load
+        model.zero_grad(set_to_none=True)
+        naive = naive_backward(model, trees, weights, meter=ActivationMeter(model))
+        g_naive = grads(model)
+        model.zero_grad(set_to_none=True)
+        replay = replay_backward(model, trees, weights, prefix_kv=prefix_kv, meter=ActivationMeter(model))
+        g_replay = grads(model)
+        model.zero_grad(set_to_none=True)
+        naive_s, replay_s = min(naive_s, naive.seconds), min(replay_s, replay.seconds)
+        rel = max(rel, max_rel_diff(g_naive, g_replay))
+
+    ideal = tree.total_positions / tree.unique_positions
+    speedup = naive_s / replay_s
+    return dict(
+        shape=shape, ideal=ideal, speedup=speedup, efficiency=speedup / ideal,
+        naive_s=naive_s, replay_s=replay_s, cache_s=cache_s,
+        naive_pos=naive.positions, replay_pos=replay.positions,
+        naive_peak=naive.peak_activation_bytes, replay_peak=replay.peak_activation_bytes,
+        mem_ratio=replay.peak_activation_bytes / naive.peak_activation_bytes,
+        grad_rel=rel, objective_gap=abs(naive.objective - replay.objective) / max(abs(naive.objective), 1e-30),
+    )
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma-separated shape names (default: all of {','.join(SHAPES)})")
+    ap.add_argument("--quick", action="store_true", help="one timed repeat instead of two (noisier)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model and shapes, for the test suite")
+    ap.add_argument("--reps", type=int, default=None, help="timed repeats per shape (min is kept)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    wall = time.perf_counter()
+    catalogue, spec = (SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else (SHAPES, MODEL)
+    names = args.shapes.split(",") if args.shapes else list(catalogue)
+    unknown = [n for n in names if n not in catalogue]
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}; choose from {list(catalogue)}")
+    reps = args.reps or (1 if args.quick or args.smoke else 2)
+
+    model = make_model(spec, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: Llama {spec['num_hidden_layers']} layers, hidden {spec['hidden_size']}, "
+          f"intermediate {spec['intermediate_size']}, heads {spec['num_attention_heads']}/"
+          f"{spec['num_key_value_heads']} kv, vocab {spec['vocab_size']}, {n_params / 1e6:.2f}M params, "
+          f"float32, sdpa, {torch.get_num_threads()} threads; timed repeats: {reps} (min)", flush=True)
+
+    # Warm-up: first-call costs (allocator, kernels, lazy init) off the clock.
+    warm = Shape("warmup", 64, ((2, 8),))
+    run_shape(model, warm, 1, args.seed)
+
+    header = (f"{'shape':<6} {'tree':<24} {'naive_s':>8} {'replay_s':>8} {'cache_s':>7} {'speedup':>7} "
+              f"{'ideal':>6} {'effic':>6} {'naive_pos':>9} {'replay_pos':>10} {'naive_MiB':>9} "
+              f"{'replay_MiB':>10} {'mem_ratio':>9} {'grad_rel':>9}")
+    print(header)
+    print("-" * len(header), flush=True)
+    results = []
+    for i, name in enumerate(names):
+        r = run_shape(model, catalogue[name], reps, args.seed + 1 + i)
+        results.append(r)
+        print(f"{name:<6} {r['shape'].describe():<24} {r['naive_s']:>8.2f} {r['replay_s']:>8.2f} "
+              f"{r['cache_s']:>7.2f} {r['speedup']:>7.2f} {r['ideal']:>6.2f} {r['efficiency']:>6.2f} "
+              f"{r['naive_pos']:>9} {r['replay_pos']:>10} {mib(r['naive_peak']):>9} "
+              f"{mib(r['replay_peak']):>10} {r['mem_ratio']:>9.3f} {r['grad_rel']:>9.2e}", flush=True)
+
+    worst = min(results, key=lambda r: r["efficiency"])
+    kv = dict(speedup=f"{worst['speedup']:.3f}", ideal=f"{worst['ideal']:.3f}",
+              efficiency=f"{worst['efficiency']:.3f}",
+              mem_ratio=f"{max(r['mem_ratio'] for r in results):.3f}",
+              grad_rel_diff=f"{max(r['grad_rel'] for r in results):.3e}",
+              worst_shape=worst["shape"].name)
+    for r in results:
+        n = r["shape"].name
+        kv |= {f"speedup_{n}": f"{r['speedup']:.3f}", f"ideal_{n}": f"{r['ideal']:.3f}",
+               f"efficiency_{n}": f"{r['efficiency']:.3f}", f"mem_ratio_{n}": f"{r['mem_ratio']:.3f}",
+               f"cache_s_{n}": f"{r['cache_s']:.3f}", f"grad_rel_diff_{n}": f"{r['grad_rel']:.3e}"}
+    kv["wall_s"] = f"{time.perf_counter() - wall:.1f}"
+    print(" ".join(f"{k}={v}" for k, v in kv.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

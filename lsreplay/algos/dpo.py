@@ -1,0 +1,58 @@
+"""DPO over pairs of completions of one prompt (leaves of one tree, sharing a prefix).
+
+    L = mean over pairs (c, r) of -log sigmoid(beta * ((lp_c - ref_c) - (lp_r - ref_r)))
+
+with lp = the sequence logprob (sum of token logprobs) of a completion under the policy and
+ref the same under the frozen reference. dL/dlogp per token is the same for every token of
+a completion (+-beta * sigmoid(-margin) / pairs), and on a prefix shared by the chosen and
+the rejected completion the two weights cancel on the tree's shared entries: the shared
+prefix of a pair gets no gradient from it, as it should.
+
+The policy's sequence logprobs come from the caching pass (no grad), `loss_and_weights`
+gives the per-token weights, and the replay backward injects them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from lsreplay.algos.naive import capture_logprobs
+from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.tree import RolloutTree
+
+# per tree: (chosen completion index, rejected completion index) pairs
+Pairs = list[list[tuple[int, int]]]
+
+
+def sequence_logprobs(logprobs: NestedLogprobs) -> list[torch.Tensor]:
+    """Per tree: the sum of each completion's token logprobs (0 for an empty one)."""
+    return [torch.stack([lp.sum() for lp in tree]) if tree else torch.zeros(0, dtype=torch.float64)
+            for tree in logprobs]
+
+
+def reference_sequence_logprobs(reference: PreTrainedModel, trees: list[RolloutTree]) -> list[torch.Tensor]:
+    """Sequence logprobs of every completion under the frozen reference (no-grad caching pass)."""
+    logprobs, _ = capture_logprobs(reference, trees, keep_kv=False)
+    return [s.detach() for s in sequence_logprobs(logprobs)]
+
+
+def dpo_loss(logprobs: NestedLogprobs, pairs: Pairs, ref_seq_logprobs: list[torch.Tensor],
+             beta: float = 0.1) -> torch.Tensor:
+    """-log sigmoid(beta * policy-minus-reference margin), averaged over all pairs of all trees."""
+    if not (len(logprobs) == len(pairs) == len(ref_seq_logprobs)):
+        raise ValueError(f"logprobs, pairs and reference cover {len(logprobs)}, {len(pairs)} and "
+                         f"{len(ref_seq_logprobs)} trees")
+    margins = []
+    for i, (lps, tree_pairs, ref) in enumerate(zip(logprobs, pairs, ref_seq_logprobs)):
+        if len(ref) != len(lps):
+            raise ValueError(f"tree {i}: {len(lps)} completions but {len(ref)} reference sequence logprobs")
+        for c, r in tree_pairs:
+            if not (0 <= c < len(lps) and 0 <= r < len(lps)) or c == r:
+                raise ValueError(f"tree {i}: pair ({c}, {r}) must name two completions of the {len(lps)}")
+            lp_c, lp_r = lps[c].sum(), lps[r].sum()
+            margins.append((lp_c - ref[c].to(lp_c)) - (lp_r - ref[r].to(lp_r)))
+    if not margins:
+        return torch.zeros((), dtype=torch.float64)
+    return -F.logsigmoid(beta * torch.stack(margins)).mean()

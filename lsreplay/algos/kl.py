@@ -1,0 +1,71 @@
+"""KL penalty to a frozen reference model, per token, composed onto a policy loss.
+
+With d = ref_logp - logp at each sampled token (Schulman's estimators of KL(pi || ref)):
+
+- k1 = -d                   unbiased, can be negative
+- k2 = d^2 / 2              biased, low variance
+- k3 = exp(d) - d - 1       unbiased, >= 0 (GRPO's choice)
+
+The reference logprobs come from a no-grad caching pass of the reference model over the
+same trees (`reference_logprobs`); they are constants of the loss. The penalty is
+aggregated like the policy loss and added with a coefficient (`with_kl`), so the composed
+loss is again one function of the nested logprobs: replay and the per-rollout reference
+differentiate it the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from lsreplay.algos.grpo import aggregate
+from lsreplay.algos.naive import LossFn, capture_logprobs
+from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.tree import RolloutTree
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) at the sampled tokens."""
+    d = ref_logprobs.to(logprobs) - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def kl_loss(logprobs: NestedLogprobs, ref_logprobs: NestedLogprobs, estimator: str = "k3",
+            loss_agg: str = "token-mean", max_tokens: int | None = None) -> torch.Tensor:
+    """The per-token KL estimate of every completion, aggregated over the batch."""
+    if len(logprobs) != len(ref_logprobs):
+        raise ValueError(f"{len(logprobs)} trees of logprobs but {len(ref_logprobs)} of reference logprobs")
+    per_token = []
+    for i, (lps, refs) in enumerate(zip(logprobs, ref_logprobs)):
+        if len(lps) != len(refs):
+            raise ValueError(f"tree {i}: {len(lps)} completions but {len(refs)} reference logprobs")
+        per_token.extend(kl_per_token(lp, ref, estimator) for lp, ref in zip(lps, refs))
+    return aggregate(per_token, loss_agg, max_tokens)
+
+
+def with_kl(loss_fn: LossFn, ref_logprobs: NestedLogprobs, kl_coef: float, estimator: str = "k3",
+            loss_agg: str = "token-mean", max_tokens: int | None = None) -> LossFn:
+    """total(logprobs) = loss_fn(logprobs) + kl_coef * kl_loss(logprobs, ref_logprobs)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if not kl_coef:
+        return loss_fn
+
+    def total(logprobs: NestedLogprobs) -> torch.Tensor:
+        return loss_fn(logprobs) + kl_coef * kl_loss(logprobs, ref_logprobs, estimator, loss_agg, max_tokens)
+
+    return total
+
+
+def reference_logprobs(reference: PreTrainedModel, trees: list[RolloutTree]) -> NestedLogprobs:
+    """Per-token logprobs of the frozen reference model: a no-grad caching pass per tree."""
+    logprobs, _ = capture_logprobs(reference, trees, keep_kv=False)
+    return logprobs

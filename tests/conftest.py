@@ -1,0 +1,54 @@
+"""Shared fixtures: a Prefect test server, tiny random models, a tiny model folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lsreplay.config import ModelConfig
+from lsreplay.models import resolve_model_dir
+
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, attn_implementation="sdpa")
+
+
+def tiny_model(arch: str = "llama", vocab: int = 64, dtype=torch.float64, seed: int = 0, **overrides):
+    """A tiny random Llama or Qwen2 (grouped-query attention; Qwen2 has q/k/v biases)."""
+    torch.manual_seed(seed)
+    kwargs = {**SIZES, "vocab_size": vocab, **overrides}
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template, saved as an HF folder."""
+    out = tmp_path_factory.mktemp("tiny-smollm")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig()), local_files_only=True)
+    model = tiny_model("llama", vocab=len(tokenizer), dtype=torch.float32, tie_word_embeddings=False,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # A random model never writes a number, so every reward would be 0 and no advantage
+    # would move the weights. Give every input embedding a common direction u (it rides the
+    # residual stream to the last hidden state) and aim the digit rows of the LM head at u:
+    # the model then writes random digits, some of them right.
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(SIZES["hidden_size"], generator=g)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.add_(u)
+        head = model.get_output_embeddings().weight
+        head.mul_(0.05)
+        head[digits] = u + 0.05 * torch.randn(len(digits), len(u), generator=g)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
