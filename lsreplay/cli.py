@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.insert(0, args.config)  # `lsreplay train steps=2`: no config file given
         args.config = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
     from lsreplay.config import ConfigError
     from lsreplay.data import DatasetError
     from lsreplay.models import ModelError

@@ -7,14 +7,26 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from lsreplay import stages
-from lsreplay.config import Config
+from lsreplay.checkpoint import CheckpointError
+from lsreplay.config import Config, ConfigError
+from lsreplay.data import DatasetError
+from lsreplay.models import ModelError
 from lsreplay.run import Run
+from lsreplay.stages.policy import NonFiniteLoss
 from tasks.pool import pool_devices
+
+# Errors that a retry cannot fix: the run stops at once with the message.
+PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss)
+
+
+def _transient(task, task_run, state) -> bool:
+    return not isinstance(state.result(raise_on_failure=False), PERMANENT)
+
 
 # Completed work is skipped by the stages themselves (their manifests in the run's
 # store), so a new flow run of the same experiment resumes; Prefect's own cache,
 # keyed by flow run, would not. Retries cover transient failures (storage, a flaky node).
-RETRIES = dict(retries=2, retry_delay_seconds=[2, 10], cache_policy=NO_CACHE)
+RETRIES = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
 def _on_pool(stage, cfg: Config, step: int) -> dict:
