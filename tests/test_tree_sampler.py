@@ -124,3 +124,29 @@ def test_top_k_and_top_p_restrict_the_sample_but_not_the_recorded_logprob():
 def test_rejects_mismatched_shape(model):
     with pytest.raises(ValueError):
         _tree(model, branching=(2, 2), segment=())
+
+
+def test_many_trees_batched_with_left_padding_match_each_tree_alone(model):
+    """Prompts of different lengths in one batch: every tree's recorded logprobs equal a
+    fresh per-rollout forward, and each tree is the one its generator draws alone."""
+    from lsreplay.rollout.tree_sampler import sample_trees
+
+    prompts = [PROMPT[:n] for n in (40, 7, 23)]
+    seeds = [3, 4, 5]
+    eos = list(range(8))  # some sequences finish early, so rows leave the batch
+    trees, trace = sample_trees(model, prompts, [2, 2], [4], 12, SamplingParams(), eos,
+                                [torch.Generator().manual_seed(s) for s in seeds])
+    for prompt, seed, tree in zip(prompts, seeds, trees):
+        alone = sample_trees(model, [prompt], [2, 2], [4], 12, SamplingParams(), eos,
+                             [torch.Generator().manual_seed(seed)])[0][0]
+        assert tree.completions == alone.completions
+        assert tree.forward_positions == alone.forward_positions
+        for completion, recorded in zip(tree.completions, tree.logprobs):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(recorded), expected, atol=1e-5, rtol=0)
+    lengths = [len(c) for t in trees for c in t.completions]
+    summary = trace.summary(lengths)
+    assert summary["length_max"] == max(lengths) and 0 <= summary["tail_time_share"] <= 1
+    assert trace.live[0] == 6 and trace.finished[-1] == len(lengths)

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from lsreplay.data import ANSWER_INSTRUCTION, Prompt, score
 from lsreplay.models import eos_ids, load_tokenizer
 from lsreplay.rollout.sampling import SamplingParams
-from lsreplay.rollout.tree_sampler import sample_tree
+from lsreplay.rollout.tree_sampler import sample_trees
 from lsreplay.run import Run
 from lsreplay.stages.common import policy_before
 
@@ -34,26 +34,29 @@ def generate_trees(run: Run, step: int) -> dict:
     prompts = [Prompt(**p) for p in run.store.read_json(run.key(step, "prompts.json"))["prompts"]]
     model, tokenizer = policy_before(run, step), load_tokenizer(cfg.model)
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    records, positions, start = [], 0, time.perf_counter()
-    bar = tqdm(total=len(prompts) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
-               unit="tok", leave=False)
-    for i, prompt in enumerate(prompts):
-        prompt_ids = render_prompt(tokenizer, prompt, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
-        out = sample_tree(model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
-                          params, eos_ids(tokenizer, model), run.generator(step, "trees", i), bar.update)
-        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in out.completions]
-        task_args = dict(cfg.data.task_args).get(prompt.task)
-        records.append({
-            "prompt_index": prompt.index, "prompt_ids": prompt_ids, "completions": out.completions,
-            "logprobs": out.logprobs, "finished": out.finished, "texts": texts,
-            "rewards": [score(prompt, t, task_args) for t in texts]})
-        positions += out.forward_positions
-    bar.close()
+    prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
+    start = time.perf_counter()
+    with tqdm(total=len(prompts) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
+              unit="tok", leave=False) as bar:
+        trees, trace = sample_trees(
+            model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens, params,
+            eos_ids(tokenizer, model), [run.generator(step, "trees", i) for i in range(len(prompts))], bar.update)
     seconds = time.perf_counter() - start
+    records = [tree_record(tokenizer, prompt, tree, dict(cfg.data.task_args).get(prompt.task))
+               for prompt, tree in zip(prompts, trees)]
     entry = run.store.write_json(run.key(step, "trees.json"), {"trees": records})
     rewards = [x for rec in records for x in rec["rewards"]]
     lengths = [len(c) for rec in records for c in rec["completions"]]
     return run.finish(step, "trees", {
         "files": [entry], "trees": len(records), "rollouts": len(rewards),
         "reward_mean": sum(rewards) / len(rewards), "completion_tokens": sum(lengths),
-        "forward_positions": positions, "seconds": seconds, "tokens_per_s": sum(lengths) / seconds})
+        "forward_positions": sum(t.forward_positions for t in trees), "seconds": seconds,
+        "tokens_per_s": sum(lengths) / seconds, **trace.summary(lengths)})
+
+
+def tree_record(tokenizer, prompt: Prompt, tree, task_args: dict | None) -> dict:
+    """What the store keeps of one tree: tokens, behaviour logprobs, texts, rewards."""
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions]
+    return {"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
+            "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts,
+            "rewards": [score(prompt, t, task_args) for t in texts]}
