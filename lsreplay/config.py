@@ -13,6 +13,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from lsreplay.algos.grpo import LOSS_AGGS
+from lsreplay.algos.kl import KL_ESTIMATORS
+
 DTYPES = ("float32", "float64", "bfloat16")
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -61,11 +64,14 @@ class RolloutConfig:
 class AlgoConfig:
     name: str = "grpo"
     # token-mean: every completion token counts equally across the batch;
-    # seq-mean: each completion's token mean, averaged over completions.
+    # seq-mean: each completion's token mean, averaged over completions;
+    # seq-mean-token-sum-norm: Dr. GRPO's unbiased sum / (completions * max_new_tokens).
     loss_agg: str = "token-mean"
     # Divide advantages by the group's reward std (False = Dr. GRPO's unbiased variant).
     scale_rewards: bool = True
+    # KL penalty to the frozen base model (0 = off; no reference pass then).
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"
     clip_eps: float = 0.2
 
 
@@ -196,7 +202,10 @@ def validate(cfg: Config) -> None:
     _check(r.temperature >= 0, "rollout.temperature", "must be >= 0 (0 = greedy)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(cfg.algo.name in ("grpo",), "algo.name", "grpo", cfg.algo.name)
-    _check(cfg.algo.loss_agg in ("token-mean", "seq-mean"), "algo.loss_agg", "token-mean or seq-mean", cfg.algo.loss_agg)
+    _check(cfg.algo.loss_agg in LOSS_AGGS, "algo.loss_agg", " or ".join(LOSS_AGGS), cfg.algo.loss_agg)
+    _check(cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS),
+           cfg.algo.kl_estimator)
+    _check(cfg.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0", cfg.algo.kl_coef)
     _check(cfg.optim.lr > 0, "optim.lr", "must be > 0", cfg.optim.lr)
     _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)

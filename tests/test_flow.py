@@ -11,7 +11,8 @@ from lsreplay.run import STAGES
 def overrides(run_dir, model_dir):
     return [f"run_dir={run_dir}", f"model.path={model_dir}", "steps=2", "data.size=8",
             "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
-            "rollout.max_new_tokens=8", "drafter.steps=2", "drafter.batch_size=2", "optim.lr=1e-3"]
+            "rollout.max_new_tokens=8", "drafter.steps=2", "drafter.batch_size=2", "optim.lr=1e-3",
+            "algo.kl_coef=0.05"]
 
 
 def step_files(run_dir):

@@ -17,7 +17,7 @@ import transformers
 from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import reference_logprobs, with_kl
-from lsreplay.algos.naive import capture_logprobs, naive_loss_backward, replay_loss_backward
+from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
 from lsreplay.tree import RolloutTree
 
@@ -200,7 +200,7 @@ def exact_rmsnorm(monkeypatch):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_replay_exact_without_float32_norm(exact_rmsnorm, kind, name):
     """A far tighter check than 1e-6: with every op in float64, any replay error shows
-    (measured: <= 2e-14)."""
+    (measured: <= 2.1e-14 over all depths and losses)."""
     replay_loss, naive_loss, rel, _, _ = compare(kind, torch.float64, 3, name)
     assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
     assert rel <= 1e-11, rel

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from lsreplay.algos.naive import capture_logprobs
+from lsreplay.algos.backward import capture_logprobs
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.tree import RolloutTree
 

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lsreplay.algos.grpo import aggregate
-from lsreplay.algos.naive import LossFn, capture_logprobs
+from lsreplay.algos.backward import LossFn, capture_logprobs
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.tree import RolloutTree
 

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from lsreplay.algos.grpo import clipped_policy_loss
 from lsreplay.algos.kl import with_kl
-from lsreplay.algos.naive import capture_logprobs, naive_loss_backward, replay_loss_backward
+from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.tree import RolloutTree
 
@@ -46,7 +46,7 @@ def minibatch_orders(num_trees: int, epochs: int, minibatch_trees: int | None,
         raise ValueError(f"need minibatch_trees >= 1 and epochs >= 0, got {minibatch_trees} and {epochs}")
     out = []
     for _ in range(epochs):
-        order = torch.randperm(num_trees, generator=generator).tolist() if generator is not None else list(range(num_trees))
+        order = list(range(num_trees)) if generator is None else torch.randperm(num_trees, generator=generator).tolist()
         out.append([order[s : s + size] for s in range(0, num_trees, size)])
     return out
 
@@ -73,7 +73,7 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
     orders = minibatch_orders(len(trees), epochs, minibatch_trees, generator)
     fresh = None  # activations valid for the current weights (until the next optimizer step)
     if old_logprobs is None:
-        first = set(orders[0][0]) if orders and mode == "replay" else set()
+        first = set(orders[0][0]) if orders and orders[0] and mode == "replay" else set()
         old_logprobs, acts = [], []
         for i, tree in enumerate(trees):  # one tree at a time: only the first minibatch's K/V is kept
             lps, a = capture_logprobs(model, [tree], keep_kv=i in first)

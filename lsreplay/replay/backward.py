@@ -91,6 +91,10 @@ class _Replay:
 
     def leaf_kv(self, node: Node, ancestors: list[PrefixKV]) -> PrefixKV:
         kv = self.prefix_kv(self.index, node) if self.prefix_kv else None
+        if kv is not None and kv[0][0].shape[-2] != len(node.tokens):
+            log.warning("tree %d node %d: cached K/V covers %d positions, the node has %d; recomputing it",
+                        self.index, node.id, kv[0][0].shape[-2], len(node.tokens))
+            kv = None
         if kv is None:
             if self.prefix_kv:
                 self.recomputed += 1

@@ -23,6 +23,7 @@ class TreeActivations:
     prefix_kv: dict[int, PrefixKV] = field(default_factory=dict)  # branching nodes only
     entry_logprobs: torch.Tensor | None = None  # (num_entries,)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node id -> (len, d)
+    ref_entry_logprobs: torch.Tensor | None = None  # the reference model's, when a KL penalty needs them
 
     def path_sequences(self, tree: RolloutTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(tokens, hidden states) of every root-to-leaf path: the drafter's training data."""

@@ -8,8 +8,10 @@ import time
 
 import torch
 
+from lsreplay import faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
+from lsreplay.algos.kl import with_kl
 from lsreplay.checkpoint import load_optimizer, save_module, save_optimizer, save_rng
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.run import Run
@@ -28,25 +30,33 @@ def make_optimizer(run: Run, model) -> torch.optim.Optimizer:
 
 def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
     """Loss value and dL/dlogp per completion token, at the caching pass's logprobs."""
-    old = [t.completion_values(load_activations(run, step, i, prefixes).entry_logprobs)
-           for i, t in enumerate(trees)]
-    a = run.cfg.algo
+    acts = [load_activations(run, step, i, prefixes) for i in range(len(trees))]
+    old = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
+    algo, max_tokens = run.cfg.algo, run.cfg.rollout.max_new_tokens
     batch = GRPOBatch(
-        advantages=[group_advantages(torch.tensor(r["rewards"]), a.scale_rewards) for r in records],
-        old_logprobs=old, clip_eps=a.clip_eps, loss_agg=a.loss_agg)
-    return loss_and_weights(lambda lp: grpo_loss(lp, batch), old)
+        advantages=[group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards) for r in records],
+        old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg, max_tokens=max_tokens)
+    loss_fn = lambda lp: grpo_loss(lp, batch)  # noqa: E731
+    if algo.kl_coef > 0:
+        ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)]
+        loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens)
+    return loss_and_weights(loss_fn, old)
 
 
 def train_policy(run: Run, step: int) -> dict:
     if done := run.done(step, "policy"):
         return done
+    run.begin(step, "policy")
     records, trees = load_trees(run, step)
-    prefixes = run.done(step, "prefixes")
+    prefixes = run.manifest(step, "prefixes")
     loss, weights = grpo_weights(run, step, records, trees, prefixes)
+    loss = faults.loss("policy", step, loss)
     model = policy_before(run, step, trainable=True)
     optimizer = make_optimizer(run, model)
     if step > 0:
-        load_optimizer(run.store, run.checkpoint("policy", step - 1), optimizer)
+        with run.reading(step - 1, "policy"):
+            load_optimizer(run.store, run.checkpoint("policy", step - 1), optimizer,
+                           run.checkpoint_manifest("policy", step - 1))
     start = time.perf_counter()
     if run.cfg.replay.mode == "replay":
         stats = replay_backward(model, trees, weights, prefix_kv=StoredPrefixKV(run, prefixes),
@@ -58,9 +68,15 @@ def train_policy(run: Run, step: int) -> dict:
         raise NonFiniteLoss(f"step {step}: loss={loss} grad_norm={grad_norm}; the step was not committed "
                             "(the last good checkpoint is kept). Lower optim.lr or check the rewards.")
     optimizer.step()
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise NonFiniteLoss(f"step {step}: the optimizer step made {len(bad)} parameters non-finite ({bad[0]}, ...); "
+                            "the step was not committed (the last good checkpoint is kept). Lower optim.lr.")
     prefix = run.checkpoint("policy", step)
-    ckpt = [save_module(run.store, prefix, model, {"step": step}), save_optimizer(run.store, prefix, optimizer),
-            save_rng(run.store, prefix, {"rollout": run.generator(step + 1, "trees")})]
+    ckpt = [save_module(run.store, prefix, model, {"step": step})]
+    faults.hook("policy", step, "mid")  # a kill here leaves a partial checkpoint without a done marker
+    ckpt += [save_optimizer(run.store, prefix, optimizer),
+             save_rng(run.store, prefix, {"rollout": run.generator(step + 1, "trees")})]
     files = [e for c in ckpt for e in c["files"].values()]
     return run.finish(step, "policy", {
         "files": files, "checkpoint": prefix, "loss": loss, "grad_norm": grad_norm,

@@ -10,6 +10,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from lsreplay import faults
+from lsreplay.models import load_model
 from lsreplay.replay.capture import TreeActivations, capture_tree
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.run import Run
@@ -38,14 +40,19 @@ def tensors_kv(tensors: dict[str, torch.Tensor]) -> PrefixKV:
 
 
 def activation_tensors(acts: TreeActivations) -> dict[str, torch.Tensor]:
-    return {"entry_logprobs": acts.entry_logprobs, **{f"hidden.{n}": h for n, h in acts.hidden.items()}}
+    out = {"entry_logprobs": acts.entry_logprobs, **{f"hidden.{n}": h for n, h in acts.hidden.items()}}
+    if acts.ref_entry_logprobs is not None:
+        out["ref_entry_logprobs"] = acts.ref_entry_logprobs
+    return out
 
 
 def load_activations(run: Run, step: int, tree: int, manifest: dict) -> TreeActivations:
     entry = manifest["activations"][tree]
-    tensors = run.store.read_tensors(entry["key"], sha256=entry["sha256"])
+    with run.reading(step, "prefixes"):
+        tensors = run.store.read_tensors(entry["key"], sha256=entry["sha256"])
     hidden = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("hidden.")}
-    return TreeActivations(entry_logprobs=tensors["entry_logprobs"], hidden=hidden)
+    return TreeActivations(entry_logprobs=tensors["entry_logprobs"], hidden=hidden,
+                           ref_entry_logprobs=tensors.get("ref_entry_logprobs"))
 
 
 class StoredPrefixKV:
@@ -69,11 +76,16 @@ class StoredPrefixKV:
 def cache_prefixes(run: Run, step: int) -> dict:
     if done := run.done(step, "prefixes"):
         return done
+    run.begin(step, "prefixes")
     _, trees = load_trees(run, step)
     model = policy_before(run, step)
+    # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
+    reference = load_model(run.cfg.model, trainable=False) if run.cfg.algo.kl_coef > 0 else None
     files, kv_entries, act_entries, start = [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
         acts = capture_tree(model, tree)
+        if reference is not None:
+            acts.ref_entry_logprobs = capture_tree(reference, tree, keep_hidden=False).entry_logprobs
         nodes = {}
         for node_id, kv in acts.prefix_kv.items():
             nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
@@ -81,6 +93,8 @@ def cache_prefixes(run: Run, step: int) -> dict:
         kv_entries.append(nodes)
         act_entries.append(act_entry)
         files += [*nodes.values(), act_entry]
+        if i == 0:
+            faults.hook("prefixes", step, "mid")  # some of the step's K/V written, no done marker
     return run.finish(step, "prefixes", {
         "files": files, "prefix_kv": kv_entries, "activations": act_entries,
         "unique_positions": sum(t.unique_positions for t in trees),
