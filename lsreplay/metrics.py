@@ -20,6 +20,8 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
         "peak_activation_bytes": policy["peak_activation_bytes"],
         "train_positions_per_s": policy["positions"] / max(policy["backward_seconds"], 1e-9),
     }
+    if "kl" in policy:
+        record["kl"] = policy["kl"]
     for stage, manifest in manifests.items():
         if "seconds" in manifest:
             record[f"{stage}_seconds"] = manifest["seconds"]

@@ -11,7 +11,7 @@ import torch
 from lsreplay import faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
-from lsreplay.algos.kl import with_kl
+from lsreplay.algos.kl import kl_loss, with_kl
 from lsreplay.checkpoint import load_optimizer, save_module, save_optimizer, save_rng
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.run import Run
@@ -36,11 +36,12 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
     batch = GRPOBatch(
         advantages=[group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards) for r in records],
         old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg, max_tokens=max_tokens)
-    loss_fn = lambda lp: grpo_loss(lp, batch)  # noqa: E731
+    loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), {}
     if algo.kl_coef > 0:
         ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)]
         loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens)
-    return loss_and_weights(loss_fn, old)
+        extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens))
+    return *loss_and_weights(loss_fn, old), extras
 
 
 def train_policy(run: Run, step: int) -> dict:
@@ -49,7 +50,7 @@ def train_policy(run: Run, step: int) -> dict:
     run.begin(step, "policy")
     records, trees = load_trees(run, step)
     prefixes = run.manifest(step, "prefixes")
-    loss, weights = grpo_weights(run, step, records, trees, prefixes)
+    loss, weights, extras = grpo_weights(run, step, records, trees, prefixes)
     loss = faults.loss("policy", step, loss)
     model = policy_before(run, step, trainable=True)
     optimizer = make_optimizer(run, model)
@@ -83,4 +84,4 @@ def train_policy(run: Run, step: int) -> dict:
         "objective": stats.objective, "positions": stats.positions,
         "per_rollout_positions": stats.per_rollout_positions, "positions_ratio": stats.positions_ratio,
         "peak_activation_bytes": stats.peak_activation_bytes, "backward_seconds": stats.seconds,
-        "seconds": time.perf_counter() - start})
+        "seconds": time.perf_counter() - start, **extras})

@@ -1,0 +1,99 @@
+"""A self-contained report of one or more runs: markdown, one PNG of curves, the data.
+
+`lsreplay report RUN_DIR [RUN_DIR ...] --out DIR` writes DIR/report.md, DIR/curves.png
+and DIR/curves.json (the plotted numbers, per run). Several runs are overlaid, each
+labelled by its run directory's name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on training machines
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+# (metric key in metrics.jsonl, panel title). Missing keys are skipped per run.
+PANELS = [
+    ("reward_mean", "reward (mean over rollouts)"),
+    ("loss", "loss"),
+    ("kl", "KL to reference"),
+    ("positions_saved", "token positions saved by replay"),
+    ("step_seconds", "wall time per step (s)"),
+    ("drafter_top1_accept", "drafter top-1 agreement"),
+]
+STAGE_KEYS = ("prompts_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "drafter_seconds")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory with at least one finished step?")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in rows:
+        r["positions_saved"] = r.get("per_rollout_positions", 0) - r.get("positions", 0)
+        r["step_seconds"] = sum(r.get(k, 0.0) for k in STAGE_KEYS)
+    return rows
+
+
+def curves(runs: dict[str, list[dict]]) -> dict[str, dict[str, list]]:
+    """Per panel, per run: the steps and values plotted."""
+    out: dict[str, dict[str, list]] = {}
+    for key, _ in PANELS:
+        for name, rows in runs.items():
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                out.setdefault(key, {})[name] = [list(p) for p in points]
+    return out
+
+
+def plot(data: dict[str, dict[str, list]], path: Path) -> None:
+    panels = [(k, t) for k, t in PANELS if k in data]
+    cols = 3
+    rows = max(1, -(-len(panels) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels):
+        for name, points in data[key].items():
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o", label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(runs: dict[str, list[dict]]) -> str:
+    lines = ["# lsreplay report", "", "![curves](curves.png)", ""]
+    for name, rows in runs.items():
+        lines += [f"## {name}", "", "| step | reward | loss | positions (replay / per-rollout) | step s | drafter top-1 |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['step']} | {r.get('reward_mean', float('nan')):.3f} | {r.get('loss', float('nan')):.4g} "
+                         f"| {r.get('positions', 0)} / {r.get('per_rollout_positions', 0)} "
+                         f"| {r['step_seconds']:.1f} | {r.get('drafter_top1_accept', float('nan')):.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """Write report.md, curves.png and curves.json into `out`; returns report.md's path."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    if len(set(names)) < len(names):  # same folder names: label by full path instead
+        names = [str(Path(d).resolve()) for d in run_dirs]
+    runs = {name: read_metrics(d) for name, d in zip(names, run_dirs)}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = curves(runs)
+    plot(data, out / "curves.png")
+    (out / "curves.json").write_text(json.dumps(data, indent=1))
+    (out / "report.md").write_text(markdown(runs))
+    return out / "report.md"

@@ -1,0 +1,27 @@
+"""`lsreplay report`: files exist, hold the curves' data, overlay several runs."""
+
+import json
+
+from lsreplay.report import write_report
+
+
+def fake_run(path, rewards):
+    path.mkdir(parents=True)
+    rows = [{"step": i, "reward_mean": r, "loss": -r, "kl": 0.01 * i, "positions": 100, "per_rollout_positions": 300,
+             "trees_seconds": 2.0, "policy_seconds": 1.0, "drafter_top1_accept": 0.1 * i} for i, r in enumerate(rewards)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_overlays_runs_and_keeps_the_data(tmp_path):
+    fake_run(tmp_path / "baseline", [0.1, 0.2, 0.3])
+    fake_run(tmp_path / "replay", [0.1, 0.25, 0.4])
+    md = write_report([tmp_path / "baseline", tmp_path / "replay"], tmp_path / "out")
+    text = md.read_text()
+    assert "curves.png" in text and "## baseline" in text and "## replay" in text
+    png = (tmp_path / "out/curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    data = json.loads((tmp_path / "out/curves.json").read_text())
+    assert data["reward_mean"]["replay"] == [[0, 0.1], [1, 0.25], [2, 0.4]]
+    assert data["positions_saved"]["baseline"][0] == [0, 200]
+    assert data["step_seconds"]["baseline"][0] == [0, 3.0]
+    assert set(data) >= {"loss", "kl", "drafter_top1_accept"}
