@@ -32,6 +32,9 @@ class ModelConfig:
     dtype: str = "float32"
     cache_dir: str = ".cache/models"
     attn_implementation: str = "sdpa"
+    # HF config kwargs with a model_type (e.g. Qwen2.5-7B's dims) for a randomly initialised
+    # model of that shape: planning and benchmarks. Empty = load model.path.
+    arch: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -88,8 +91,10 @@ class OptimConfig:
 class ReplayConfig:
     # "replay" (branch replay) or "naive" (per-rollout backward, the baseline).
     mode: str = "replay"
-    # Memory for one micro-batch of sibling leaves, MiB; 0 = what one root-to-leaf path needs.
+    # Memory for one micro-batch of sibling leaves, MiB; 0 = what one per-rollout backward needs.
     budget_mb: int = 0
+    # Shard weights, gradients and optimizer state over the ranks with FSDP2.
+    fsdp: bool = False
 
 
 @dataclass
@@ -115,6 +120,10 @@ class PoolConfig:
     # Prefect global concurrency limit standing for the accelerator pool.
     name: str = "cpu"
     slots: int = 1
+    # Memory per device in GiB for `lsreplay plan` (0 = unknown: no fit verdict).
+    device_memory_gb: float = 0.0
+    # Data-parallel ranks of the policy update (whole trees per rank).
+    devices_per_step: int = 1
 
 
 @dataclass
@@ -210,6 +219,10 @@ def validate(cfg: Config) -> None:
     _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
     _check(cfg.pool.slots >= 1, "pool.slots", "must be >= 1", cfg.pool.slots)
+    _check(cfg.pool.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)",
+           cfg.pool.device_memory_gb)
+    _check(1 <= cfg.pool.devices_per_step <= cfg.pool.slots, "pool.devices_per_step",
+           f"between 1 and pool.slots = {cfg.pool.slots}", cfg.pool.devices_per_step)
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
            "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)

@@ -23,12 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.replay.memory import (
-    ActivationMeter,
-    activation_bytes_per_position,
-    device_peak_bytes,
-    kv_bytes_per_position,
-)
+from lsreplay.replay.memory import ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows
 from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, kv_bytes, new_kv, target_logprobs
 from lsreplay.tree import Node, RolloutTree
 
@@ -57,9 +52,8 @@ class _Replay:
 
     def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None):
         self.model, self.meter, self.prefix_kv = model, meter, prefix_kv
-        dtype = next(model.parameters()).dtype
-        self.position_bytes = activation_bytes_per_position(model.config, dtype)
-        self.kv_position_bytes = kv_bytes_per_position(model.config, dtype)
+        self.dims = ModelDims.from_hf(model.config)
+        self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
         self.objective = torch.zeros((), dtype=torch.float64)
         self.positions = 0
@@ -67,9 +61,10 @@ class _Replay:
 
     def tree(self, index: int, tree: RolloutTree, entry_weights: torch.Tensor) -> None:
         self.index, self.t, self.w = index, tree, entry_weights
-        # Unless configured, a leaf micro-batch may use what one root-to-leaf path needs.
+        # Unless configured, a leaf micro-batch may use what the per-rollout backward needs
+        # for this tree's longest rollout.
         longest = max(n.end for n in tree.nodes)
-        self.budget = self.budget_bytes or longest * self.position_bytes
+        self.budget = self.budget_bytes or default_leaf_budget(self.dims, self.elt, longest, longest - tree.prompt_len)
         if tree.root.is_leaf:
             self.run([tree.root], [], None)
         else:
@@ -107,19 +102,15 @@ class _Replay:
                 [v.detach().clone().requires_grad_() for v in kv[1]])
 
     def leaf_batches(self, leaves: list[Node], past_len: int) -> list[list[Node]]:
-        """Group sibling leaves so that each group's estimated memory (the broadcast
-        prefix K/V copied per row inside attention, plus suffix activations) fits."""
+        """Group sibling leaves, longest first, so that each group's saved activations
+        (see memory.saved_bytes: the past K/V repeated per row inside attention, plus the
+        suffix activations) fit the budget."""
         leaves = sorted(leaves, key=lambda n: -len(n.tokens))
-        batches: list[list[Node]] = []
-        for leaf in leaves:
-            if batches:
-                rows = len(batches[-1]) + 1
-                width = len(batches[-1][0].tokens)
-                cost = rows * (past_len * self.kv_position_bytes + width * self.position_bytes)
-                if cost <= self.budget:
-                    batches[-1].append(leaf)
-                    continue
-            batches.append([leaf])
+        batches = []
+        while leaves:
+            rows = leaf_rows(self.dims, self.elt, len(leaves), len(leaves[0].tokens), past_len, self.budget)
+            batches.append(leaves[:rows])
+            leaves = leaves[rows:]
         return batches
 
     def run(self, nodes: list[Node], ancestors: list[PrefixKV], kv_grads) -> None:

@@ -10,6 +10,7 @@ reported next to it.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -85,17 +86,99 @@ def device_peak_bytes(device: torch.device) -> int | None:
     return None
 
 
-def activation_bytes_per_position(config, dtype: torch.dtype) -> int:
-    """Rough bytes autograd saves per token position for a Llama/Qwen2-style decoder:
-    per layer ~8 hidden-sized tensors (norms, projections' inputs, residuals) and ~4
-    intermediate-sized ones (gate, up, activation, down input); RMSNorm saves in float32."""
-    elt = torch.tensor([], dtype=dtype).element_size()
-    per_layer = 8 * config.hidden_size * elt + 4 * config.intermediate_size * elt + 2 * config.hidden_size * 4
-    return config.num_hidden_layers * per_layer
+
+# -- what ActivationMeter will count, predicted from the model's dimensions ----------------
+@dataclass(frozen=True)
+class ModelDims:
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, config) -> ModelDims:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        return cls(vocab=config.vocab_size, hidden=config.hidden_size, intermediate=config.intermediate_size,
+                   layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads or config.num_attention_heads, head_dim=head_dim,
+                   tied=bool(getattr(config, "tie_word_embeddings", False)), qkv_bias=bias)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def params(self) -> int:
+        h, i = self.hidden, self.intermediate
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        layer = attn + 3 * h * i + 2 * h
+        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
 
 
-def kv_bytes_per_position(config, dtype: torch.dtype) -> int:
-    """Bytes of keys + values of one position over all layers."""
-    elt = torch.tensor([], dtype=dtype).element_size()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elt
+def kv_bytes_per_position(dims: ModelDims, elt: int) -> int:
+    """Keys + values of one position over all layers."""
+    return 2 * dims.layers * dims.kv_dim * elt
+
+
+def entry_bytes(dims: ModelDims, elt: int) -> int:
+    """Per completion token scored: the LM head's input row, the float32 (float64 in a
+    float64 model) log_softmax output over the vocabulary, and two int64 indices."""
+    return dims.hidden * elt + dims.vocab * max(4, elt) + 16
+
+
+def per_position_bytes(dims: ModelDims, elt: int, past: bool) -> int:
+    """Saved-for-backward bytes per new position of one forward, excluding scored entries
+    and K/V of the past. Measured tensor by tensor (transformers 5.x, Llama/Qwen2, sdpa):
+    per layer two RMSNorms (float32 input copy, rsqrt, normed and scaled outputs: 4h + 4 +
+    2he), attention (query, output: 2 q_dim e; log-sum-exp: 4 per head; without a past the
+    grouped-query path also saves the new keys and values: 2 kv_dim e), MLP (gate, SiLU, up,
+    product: 4 i e); per forward the token ids, rotary cos/sin and the final norm."""
+    h, e = dims.hidden, elt
+    layer = 2 * (4 * h + 4 + 2 * h * e) + 2 * dims.q_dim * e + 4 * dims.heads + 4 * dims.intermediate * e
+    if not past:
+        layer += 2 * dims.kv_dim * e
+    return dims.layers * layer + 8 + 2 * dims.head_dim * e + 4 * h + 4 + h * e
+
+
+def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, entries: int,
+                kv_grads: bool = False) -> int:
+    """Bytes autograd keeps for one `forward_segments` + scoring + backward of `rows`
+    segments of `width` new positions after `past` positions of K/V.
+
+    With a past, HF passes sdpa an explicit mask, which turns off its grouped-query path:
+    keys and values are repeated to all query heads and saved per row for past + new
+    positions (2 q_dim e per layer and position), and every layer saves a copy of the mask
+    (rows x width x (past + width) x e). A node run that injects dK/dV saves those gradients too."""
+    out = rows * width * per_position_bytes(dims, elt, past > 0) + entries * entry_bytes(dims, elt)
+    if past > 0:
+        out += rows * dims.layers * 2 * dims.q_dim * elt * (past + width)
+        out += dims.layers * rows * width * (past + width) * elt  # each layer saves its own mask copy
+    if kv_grads:
+        out += width * kv_bytes_per_position(dims, elt)
+    return out
+
+
+def default_leaf_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> int:
+    """Replay's default budget for a micro-batch of sibling leaves: what the per-rollout
+    backward saves for one rollout, so batching leaves never costs more than naive does."""
+    return saved_bytes(dims, elt, 1, longest, 0, completion)
+
+
+def leaf_rows(dims: ModelDims, elt: int, count: int, width: int, past: int, budget: int) -> int:
+    """How many of `count` sibling leaves of `width` new positions after `past` positions
+    fit one micro-batch within `budget` (at least one)."""
+    rows = 1
+    while rows < count and saved_bytes(dims, elt, rows + 1, width, past, (rows + 1) * (width - 1)) <= budget:
+        rows += 1
+    return rows

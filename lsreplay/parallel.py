@@ -1,0 +1,319 @@
+"""Data parallel (and FSDP2) branch-replay backward over the accelerator pool.
+
+Trees are the unit of work: a rank runs the replay (or naive) backward of whole trees,
+so no prefix K/V ever crosses ranks. `split_trees` balances ranks by the positions they
+compute. The loss weights are global (GRPO normalises over the whole batch), so they are
+computed once for every tree *before* splitting; the sum over ranks of each rank's
+gradient is then exactly the single-process gradient, and gradients are summed, not
+averaged.
+
+Two ways to hold the model:
+
+- plain data parallel: every rank holds the whole model; after the local backward the
+  gradients are summed with one all-reduce per dtype bucket (gloo on CPU, NCCL on GPU).
+- FSDP2 (`shard_model`, torch's `fully_shard` per decoder layer plus the root): between
+  steps each rank keeps 1/world of the parameters, gradients and optimizer state. Ranks
+  run different trees, hence a different number of forward/backward calls, so FSDP's
+  per-call all-gather / reduce-scatter would not line up across ranks. Instead the
+  backward gathers the parameters once (`unshard`), accumulates gradients locally with
+  gradient sync off (FSDP keeps them unsharded, in `reduce_dtype` if set), then every
+  rank runs one identical zero-weight forward/backward with sync on, in which FSDP
+  reduce-scatters (sums) the accumulated gradients into each rank's shard, and the
+  parameters are resharded. During the backward a rank therefore holds the full compute
+  weights and a full gradient accumulator; `lsreplay.plan` counts exactly that.
+
+`launch` runs a function on `world_size` local processes (torch.multiprocessing spawn,
+127.0.0.1 on a free port) and returns each rank's return value.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward
+from lsreplay.tree import RolloutTree
+
+
+# -- splitting ---------------------------------------------------------------------------
+def tree_cost(tree: RolloutTree, mode: str = "replay") -> int:
+    """Positions a rank computes for `tree`: unique (replay) or per-rollout (naive)."""
+    return tree.unique_positions if mode == "replay" else tree.total_positions
+
+
+def split_trees(trees: Sequence[RolloutTree], ranks: int, mode: str = "replay") -> list[list[int]]:
+    """Assign whole trees to `ranks`, balanced by positions computed: greedy, largest
+    tree first, each to the least-loaded rank (ties: lowest rank). Returns tree indices
+    per rank, each list ascending. Deterministic, so every rank computes the same split."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    loads = [0] * ranks
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    order = sorted(range(len(trees)), key=lambda i: (-tree_cost(trees[i], mode), i))
+    for i in order:
+        r = min(range(ranks), key=lambda k: (loads[k], k))
+        out[r].append(i)
+        loads[r] += tree_cost(trees[i], mode)
+    return [sorted(x) for x in out]
+
+
+# -- FSDP2 -------------------------------------------------------------------------------
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no base_model.layers to shard")
+    return list(layers)
+
+
+def shard_model(model, param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                mesh=None):
+    """FSDP2: `fully_shard` every decoder layer, then the root (embeddings, final norm,
+    LM head; tied weights stay in one group). Gradients are summed over ranks, not
+    averaged. Mixed precision: keep the (sharded) parameters in e.g. float32 as master
+    weights and compute in `param_dtype` (e.g. bfloat16), reducing in `reduce_dtype`.
+    Build the optimizer after this, over `model.parameters()` (the sharded DTensors)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # global loss weights: sum, never average
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    model.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _fsdp_modules(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _sync_token(model) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return torch.zeros(1, 1, dtype=torch.long, device=device)
+
+
+def _fsdp_gather(model) -> None:
+    """Unshard every FSDP group once and keep it so for the whole local backward."""
+    model.set_reshard_after_forward(False)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+    with torch.no_grad():  # the root's forward runs FSDP's lazy init (root = the model)
+        model(input_ids=_sync_token(model), use_cache=False)
+    for m in _fsdp_modules(model):
+        m.unshard()
+
+
+def _fsdp_release(model) -> None:
+    for m in _fsdp_modules(model):
+        m.reshard()
+    model.set_reshard_after_forward(True)
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
+
+
+def _fsdp_reduce(model) -> None:
+    """Every rank: one identical zero-weight forward/backward with gradient sync on; its
+    post-backward reduce-scatters each group's accumulated unsharded gradient. Then reshard."""
+    model.set_requires_gradient_sync(True)
+    model.set_reshard_after_backward(True)
+    logits = model(input_ids=_sync_token(model), use_cache=False).logits
+    (logits.float().sum() * 0.0).backward()
+    _fsdp_release(model)
+
+
+@contextmanager
+def gathered(model):
+    """Full parameters on every rank inside the block (a collective), e.g. for the no-grad
+    caching pass (`capture_tree`) on a sharded model, which calls the decoder directly and
+    so never triggers the root's FSDP hooks. A no-op for an unsharded model."""
+    if not is_sharded(model):
+        yield model
+        return
+    _fsdp_gather(model)
+    try:
+        yield model
+    finally:
+        _fsdp_release(model)
+
+
+# -- plain data parallel -----------------------------------------------------------------
+def all_reduce_grads(model, group=None, bucket_bytes: int = 256 * 2**20) -> None:
+    """Sum every parameter's .grad over ranks (missing grads count as zero), in flattened
+    buckets of about `bucket_bytes` per dtype."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+
+    def flush(bucket: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    for dtype in sorted(by_dtype, key=str):
+        bucket, size = [], 0
+        for g in by_dtype[dtype]:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            if size >= bucket_bytes:
+                flush(bucket)
+                bucket, size = [], 0
+        if bucket:
+            flush(bucket)
+
+
+# -- the backward ------------------------------------------------------------------------
+def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: int, world_size: int,
+                           mode: str = "replay", fsdp: bool | None = None,
+                           prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
+                           group=None) -> BackwardStats:
+    """This rank's share of the batch gradient, summed over ranks into `.grad`.
+
+    `trees` and `weights` are the WHOLE batch (same on every rank; weights computed
+    globally); this rank backpropagates `split_trees(trees, world_size)[rank]` and the
+    gradients are summed over ranks, so every rank ends with the single-process gradient
+    (plain DP: the full gradient; FSDP: its shard). `prefix_kv(i, node)` is indexed by the
+    batch's tree index. fsdp: None = whether `model` was passed through `shard_model`.
+
+    Returns stats summed over ranks (objective, positions), the max peak and this
+    rank's wall time (compute + communication)."""
+    if len(weights) != len(trees):
+        raise ValueError(f"got weights for {len(weights)} trees, expected {len(trees)}")
+    if mode not in ("replay", "naive"):
+        raise ValueError(f"mode must be 'replay' or 'naive', got {mode!r}")
+    fsdp = is_sharded(model) if fsdp is None else fsdp
+    if fsdp and not is_sharded(model):
+        raise ValueError("fsdp=True needs a model passed through shard_model() first")
+    start = time.perf_counter()
+    mine = split_trees(trees, world_size, mode)[rank]
+    local_trees = [trees[i] for i in mine]
+    local_w = [weights[i] for i in mine]
+    if fsdp:
+        _fsdp_gather(model)
+    if mode == "replay":
+        source = None if prefix_kv is None else (lambda j, node: prefix_kv(mine[j], node))
+        stats = replay_backward(model, local_trees, local_w, prefix_kv=source, budget_bytes=budget_bytes)
+    else:
+        stats = naive_backward(model, local_trees, local_w)
+    if fsdp:
+        _fsdp_reduce(model)
+    else:
+        all_reduce_grads(model, group)
+    device = next(model.parameters()).device
+    sums = torch.tensor([stats.objective, stats.positions, stats.per_rollout_positions], dtype=torch.float64,
+                        device=device)
+    peak = torch.tensor([stats.peak_activation_bytes, stats.device_peak_bytes or 0], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(sums, group=group)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    return BackwardStats(
+        objective=float(sums[0]), positions=int(sums[1]), per_rollout_positions=int(sums[2]),
+        seconds=time.perf_counter() - start, peak_activation_bytes=int(peak[0]),
+        device_peak_bytes=int(peak[1]) if stats.device_peak_bytes is not None else None)
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter as a full (unsharded) CPU tensor, on every rank (a collective
+    under FSDP)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def full_grads(model) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient, full, on CPU (a collective under FSDP)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[name] = None if g is None else g.detach().cpu().clone()
+    return out
+
+
+# -- launching ---------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple, results,
+            threads: int | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if threads:
+        torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        out = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    buf = io.BytesIO()  # plain bytes: no shared-memory handles that die with this process
+    torch.save(out, buf)
+    results.put((rank, buf.getvalue()))
+
+
+def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None = None,
+           threads: int | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes joined in one
+    process group (127.0.0.1, a free port; gloo on CPU, NCCL on GPU). `fn` must be
+    importable (module level); its return value travels back through torch.save, so
+    keep it small (tensors, dicts, numbers). Returns the values by rank; a rank's
+    exception is raised here. threads: torch threads per rank."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = mp.spawn(_worker, args=(fn, world_size, port, backend or default_backend(), args, results, threads),
+                     nprocs=world_size, join=False)
+    out: list = [None] * world_size
+
+    def drain(timeout: float) -> None:
+        try:
+            while True:
+                rank, data = results.get(timeout=timeout)
+                out[rank] = torch.load(io.BytesIO(data), weights_only=False)
+                timeout = 0.01
+        except queue.Empty:
+            pass
+
+    while not procs.join(timeout=0.05):  # raises if a rank failed
+        drain(0.05)
+    drain(0.2)
+    return out

@@ -1,0 +1,391 @@
+"""Memory planner: will one RL step of this config fit the devices, and how many token
+positions does it train?
+
+    lsreplay plan CONFIG.yaml [key=value ...]
+
+Per device it counts, for branch replay and for the per-rollout (naive) backward:
+
+- model state: compute weights, the gradient accumulator, AdamW moments and (bfloat16
+  models: mixed precision) float32 master weights. Without FSDP every rank holds all of
+  it. With FSDP (`lsreplay.parallel.shard_model`) the master weights, moments and reduced
+  gradient are sharded over the ranks, but during the backward a rank holds the full
+  compute weights and a full gradient accumulator (float32 for mixed precision): the
+  backward gathers the parameters once and reduce-scatters once, because ranks run
+  different trees (see lsreplay/parallel.py).
+- held prefix K/V: the keys/values of the root-to-leaf path being replayed, and their
+  gradients (replay only).
+- saved activations of the largest single forward/backward of the step: naive, one full
+  rollout (prompt + completion); replay, the largest of: the recompute of a branching
+  node, a micro-batch of sibling leaves on top of their prefix. This mirrors
+  `replay_backward`'s schedule (including its leaf micro-batching) and counts what
+  `ActivationMeter` counts, with per-tensor byte counts measured for Llama/Qwen2 under
+  transformers 5.x sdpa (`saved_bytes`; tests/test_plan.py checks it against the meter).
+- workspace (estimate, not validated on a GPU): the transient logits of the run's
+  completion tokens and twice one layer's activations for the backward; plus a fixed
+  reserve (CUDA context, NCCL buffers) and 5% of the device for allocator fragmentation.
+
+Token positions per step are counted two ways: per-rollout (what a pipeline without
+replay computes and what replay stands in for: prompts x G x (P + completion)) and
+unique (what replay computes). Completions are taken at rollout.max_new_tokens and
+prompts at data.max_prompt_tokens: the worst case for memory.
+
+The last printed line is key=value (positions_per_step=..., fits=...). A plan that does
+not fit exits non-zero with a message saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from lsreplay.replay.memory import (
+    ModelDims,
+    default_leaf_budget,
+    kv_bytes_per_position,
+    leaf_rows,
+    per_position_bytes,
+    saved_bytes,
+)
+
+GiB = 2**30
+RESERVE_BYTES = 2 * GiB  # CUDA context, NCCL/gloo buffers
+FRAGMENTATION = 0.05  # of device memory, allocator slack
+ELT = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+
+# -- tree shape -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TreeShape:
+    """A rollout tree as the config shapes it: a prompt of P tokens, then per level a
+    fan-out and the tokens every branch of that level adds (the last level: up to the end
+    of the completion)."""
+
+    prompt: int
+    levels: tuple[tuple[int, int], ...]  # (branching, segment tokens), root first
+
+    @classmethod
+    def from_rollout(cls, prompt: int, branching, segment_tokens, max_new_tokens: int) -> TreeShape:
+        segs = list(segment_tokens) + [max_new_tokens - sum(segment_tokens)]
+        return cls(prompt, tuple(zip(branching, segs)))
+
+    def radix(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """As the trie stores it: a level of fan-out 1 does not branch, so its tokens join
+        the node above (the prompt, for the first). Returns (root length, levels)."""
+        root, levels = self.prompt, []
+        for b, s in self.levels:
+            if b == 1:
+                if levels:
+                    levels[-1] = (levels[-1][0], levels[-1][1] + s)
+                else:
+                    root += s
+            else:
+                levels.append((b, s))
+        return root, tuple(levels)
+
+    @property
+    def rollouts(self) -> int:
+        return math.prod(b for b, _ in self.levels)
+
+    @property
+    def completion(self) -> int:
+        return sum(s for _, s in self.levels)
+
+    @property
+    def total_positions(self) -> int:
+        """Per-rollout positions: G x (P + completion)."""
+        return self.rollouts * (self.prompt + self.completion)
+
+    @property
+    def unique_positions(self) -> int:
+        """Replay positions: P + sum over levels of (nodes at that level) x segment."""
+        out, nodes = self.prompt, 1
+        for b, s in self.levels:
+            nodes *= b
+            out += nodes * s
+        return out
+
+
+@dataclass
+class RunPeak:
+    """The forward/backward at which activation memory peaks."""
+
+    what: str
+    held_kv: int = 0  # held prefix K/V + their gradients (ActivationMeter.hold)
+    saved: int = 0  # saved for backward
+    rows: int = 1
+    width: int = 0
+    past: int = 0
+    entries: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.held_kv + self.saved
+
+
+def _run(dims, elt, what, held, rows, width, past, entries, kv_grads=False) -> RunPeak:
+    return RunPeak(what, held, saved_bytes(dims, elt, rows, width, past, entries, kv_grads),
+                   rows, width, past, entries)
+
+
+def naive_peak(dims: ModelDims, elt: int, shape: TreeShape) -> RunPeak:
+    """One full rollout (prompt + completion), scored on its completion tokens."""
+    return _run(dims, elt, "one rollout", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
+
+
+def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None) -> RunPeak:
+    """The largest run of `replay_backward` on a tree of this shape (branching nodes'
+    K/V recomputed or loaded: neither is saved for backward)."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    kvpp = kv_bytes_per_position(dims, elt)
+    root, levels = shape.radix()
+    if not levels:  # a single chain: the root is the one leaf
+        return _run(dims, elt, "single chain", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
+    longest = shape.prompt + shape.completion
+    budget = budget_bytes or default_leaf_budget(dims, elt, longest, shape.completion)
+    runs = []
+    start, length = 0, root  # the branching node at depth d: positions [start, start + length)
+    for depth, (branching, seg) in enumerate(levels):
+        end = start + length
+        held = 2 * kvpp * end  # this node's and its ancestors' K/V and gradients
+        first = "prompt" if depth == 0 else f"level-{depth} segment"
+        # the node itself, with grad, injecting its children's dK/dV; it also scores its own
+        # completion tokens and, at its last position, each child's first token
+        own_entries = (length - 1 if depth > 0 else length - shape.prompt) + branching
+        runs.append(_run(dims, elt, f"{first} recompute", held, 1, length, start, own_entries, kv_grads=True))
+        if depth == len(levels) - 1:  # children are leaves: micro-batches of siblings
+            rows = leaf_rows(dims, elt, branching, seg, end, budget)
+            runs.append(_run(dims, elt, f"{rows} leaves x {seg}", held, rows, seg, end, rows * (seg - 1)))
+        start, length = end, seg
+    return max(runs, key=lambda r: r.total)
+
+
+# -- model state ----------------------------------------------------------------------------
+@dataclass
+class StateBytes:
+    weights: int  # compute copy, full during the backward
+    grads: int  # gradient accumulator, full during the backward
+    master: int  # float32 master weights (mixed precision), sharded under FSDP
+    moments: int  # AdamW exp_avg + exp_avg_sq, sharded under FSDP
+    grad_shard: int  # FSDP: the reduced gradient shard (0 without FSDP: reduced in place)
+    notes: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.master + self.moments + self.grad_shard
+
+
+def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool) -> StateBytes:
+    """bfloat16 means mixed precision: bf16 compute weights, float32 master weights,
+    AdamW moments and gradient accumulation. float32/float64: one copy in that dtype."""
+    n = dims.params()
+    elt = ELT[dtype]
+    mixed = dtype == "bfloat16"
+    opt_elt = 4 if mixed else elt
+    shard = ranks if fsdp else 1
+    weights = n * elt
+    grads = n * opt_elt
+    master = n * 4 // shard if mixed else 0
+    moments = 2 * n * opt_elt // shard
+    grad_shard = n * opt_elt // shard if fsdp else 0
+    if fsdp and not mixed:  # the sharded parameter is the master copy
+        master = n * elt // shard
+    return StateBytes(weights, grads, master, moments, grad_shard,
+                      notes=f"{n / 1e9:.3f}B params, {'mixed bf16/fp32' if mixed else dtype}, "
+                            f"{'FSDP over ' + str(ranks) if fsdp else 'replicated'}")
+
+
+def workspace_bytes(dims: ModelDims, elt: int, run: RunPeak) -> int:
+    """Transients the meter does not see (estimate): the run's logits in the model dtype and
+    in float32 plus their gradient, and twice one layer's saved activations."""
+    logits = run.entries * dims.vocab * (elt + 4 + 4)
+    layer = run.rows * run.width * (per_position_bytes(dims, elt, run.past > 0) // max(dims.layers, 1))
+    return logits + 2 * layer
+
+
+# -- the plan -------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    model: str
+    dims: ModelDims
+    dtype: str
+    mode: str
+    ranks: int
+    fsdp: bool
+    device_bytes: int  # 0 = unknown
+    shape: TreeShape
+    trees: int
+    state: StateBytes
+    replay: RunPeak
+    naive: RunPeak
+    replay_workspace: int
+    naive_workspace: int
+    budget_bytes: int | None = None
+
+    @property
+    def trees_per_device(self) -> int:
+        return -(-self.trees // self.ranks)
+
+    @property
+    def positions_per_step(self) -> int:
+        return self.trees * self.shape.total_positions
+
+    @property
+    def replay_positions_per_step(self) -> int:
+        return self.trees * self.shape.unique_positions
+
+    def overhead(self) -> int:
+        """Context/NCCL reserve and fragmentation slack of an accelerator (none if unknown)."""
+        return RESERVE_BYTES + int(FRAGMENTATION * self.device_bytes) if self.device_bytes else 0
+
+    def peak(self, mode: str) -> int:
+        run, work = (self.replay, self.replay_workspace) if mode == "replay" else (self.naive, self.naive_workspace)
+        return self.state.total + run.total + work + self.overhead()
+
+    def fits(self, mode: str | None = None) -> bool | None:
+        if not self.device_bytes:
+            return None
+        return self.peak(mode or self.mode) <= self.device_bytes
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def load_plan_config(path: str | None, overrides: list[str] = ()) -> tuple:
+    """The run config and the fields the planner reads."""
+    from lsreplay.config import load_config
+
+    cfg = load_config(path, overrides)
+    return cfg, {"model.arch": dict(cfg.model.arch), "pool.device_memory_gb": cfg.pool.device_memory_gb,
+                 "pool.devices_per_step": cfg.pool.devices_per_step, "replay.fsdp": cfg.replay.fsdp}
+
+
+def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
+    """From model.arch (HF config kwargs with model_type) or the config of model.path."""
+    from transformers import AutoConfig
+
+    from lsreplay.config import ConfigError
+
+    if arch:
+        kwargs = dict(arch)
+        model_type = kwargs.pop("model_type", None)
+        if not model_type:
+            raise ConfigError("config key 'model.arch' needs a model_type (e.g. qwen2, llama) next to its dims")
+        try:
+            hf = AutoConfig.for_model(model_type, **kwargs)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"config key 'model.arch': {e}") from None
+        return f"{model_type} (random init from model.arch)", ModelDims.from_hf(hf)
+    from lsreplay.models import resolve_model_dir
+
+    folder = resolve_model_dir(cfg.model)
+    return str(cfg.model.path), ModelDims.from_hf(AutoConfig.from_pretrained(folder, local_files_only=True))
+
+
+def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str = "") -> Plan:
+    if dims is None:
+        model_name, dims = model_dims(cfg, values["model.arch"])
+    dtype_name = cfg.model.dtype
+    dtype = getattr(torch, dtype_name)
+    elt = ELT[dtype_name]
+    r = cfg.rollout
+    shape = TreeShape.from_rollout(cfg.data.max_prompt_tokens, r.branching, r.segment_tokens, r.max_new_tokens)
+    ranks, fsdp = values["pool.devices_per_step"], values["replay.fsdp"]
+    budget = cfg.replay.budget_mb * 2**20 or None
+    replay, naive = replay_peak(dims, dtype, shape, budget), naive_peak(dims, elt, shape)
+    return Plan(model=model_name, dims=dims, dtype=dtype_name, mode=cfg.replay.mode, ranks=ranks, fsdp=fsdp,
+                device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
+                trees=cfg.data.prompts_per_step, state=state_bytes(dims, dtype_name, ranks, fsdp),
+                replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
+                naive_workspace=workspace_bytes(dims, elt, naive), budget_bytes=budget)
+
+
+def format_plan(p: Plan) -> str:
+    d, s, st = p.dims, p.shape, p.state
+    tree = " x ".join(f"{b} (+{n})" for b, n in s.levels)
+    lines = [
+        (f"model     {p.model}: {d.layers} layers, hidden {d.hidden}, intermediate {d.intermediate}, "
+         f"heads {d.heads}/{d.kv_heads} kv, head_dim {d.head_dim}, vocab {d.vocab}; {st.notes}"),
+        (f"tree      prompt {s.prompt}, branching {tree} -> G={s.rollouts} rollouts of {s.completion} tokens; "
+         f"{s.total_positions} per-rollout / {s.unique_positions} unique positions "
+         f"({s.total_positions / s.unique_positions:.2f}x)"),
+        (f"step      {p.trees} trees on {p.ranks} device(s), {p.trees_per_device} per device (whole trees); "
+         f"per-rollout positions {p.positions_per_step:,}, replay positions {p.replay_positions_per_step:,}"),
+        f"peak run  replay: {p.replay.what} (past {p.replay.past}); naive: {p.naive.what} ({p.naive.width} positions)",
+        "",
+        f"{'per device, GiB':<44} {'replay':>10} {'naive':>10}",
+    ]
+    rows = [
+        ("weights (compute copy)", st.weights, st.weights),
+        ("gradient accumulator", st.grads, st.grads),
+        ("master weights (fp32)" + (" / ranks" if p.fsdp else ""), st.master, st.master),
+        ("AdamW moments" + (" / ranks" if p.fsdp else ""), st.moments, st.moments),
+        ("reduced gradient shard" if p.fsdp else "reduced gradient (in place)", st.grad_shard, st.grad_shard),
+        ("prefix K/V + dK/dV held (one path)", p.replay.held_kv, p.naive.held_kv),
+        ("activations saved for backward (peak run)", p.replay.saved, p.naive.saved),
+        ("workspace: logits, one layer's backward (est.)", p.replay_workspace, p.naive_workspace),
+        (f"reserve: context/NCCL + {FRAGMENTATION:.0%} fragmentation", p.overhead(), p.overhead()),
+    ]
+    for name, a, b in rows:
+        lines.append(f"{name:<44} {gib(a):>10} {gib(b):>10}")
+    lines.append(f"{'total':<44} {gib(p.peak('replay')):>10} {gib(p.peak('naive')):>10}")
+    if p.device_bytes:
+        verdict = lambda m: "fits" if p.fits(m) else "DOES NOT FIT"  # noqa: E731
+        lines.append(f"{'device memory':<44} {gib(p.device_bytes):>10} {gib(p.device_bytes):>10}")
+        lines.append(f"{'':<44} {verdict('replay'):>10} {verdict('naive'):>10}")
+    fits = p.fits()
+    kv = dict(mode=p.mode, devices=p.ranks, fsdp=str(p.fsdp).lower(), trees=p.trees, rollouts_per_tree=s.rollouts,
+              positions_per_step=p.positions_per_step, replay_positions_per_step=p.replay_positions_per_step,
+              positions_ratio=f"{s.total_positions / s.unique_positions:.3f}",
+              peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
+              naive_peak_gib=gib(p.peak("naive")), device_gib=gib(p.device_bytes),
+              fits="unknown" if fits is None else str(fits).lower())
+    lines.append(" ".join(f"{k}={v}" for k, v in kv.items()))
+    return "\n".join(lines)
+
+
+def advice(p: Plan) -> str:
+    need, have = p.peak(p.mode), p.device_bytes
+    tips = []
+    if not p.fsdp and p.ranks > 1:
+        tips.append("replay.fsdp=true (shards master weights, moments and gradients)")
+    elif p.state.total + p.overhead() > have:
+        tips.append(f"more devices per step with FSDP (the model state alone is {gib(p.state.total)} GiB)")
+    if p.mode == "naive" and p.fits("replay"):
+        tips.append("replay.mode=replay (it fits)")
+    run = p.replay if p.mode == "replay" else p.naive
+    tips.append(f"a shorter prompt or completion (the peak run is {run.what}, {gib(run.total)} GiB)")
+    if p.mode == "replay" and p.replay.rows > 1:
+        tips.append("a smaller replay.budget_mb (fewer sibling leaves per micro-batch)")
+    return (f"the {p.mode} step needs {gib(need)} GiB per device but a device has {gib(have)} GiB; "
+            f"try {'; or '.join(tips)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lsreplay.config import ConfigError
+    from lsreplay.models import ModelError
+
+    ap = argparse.ArgumentParser(prog="lsreplay plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="YAML config")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = ap.parse_args(argv)
+    try:
+        cfg, values = load_plan_config(args.config, args.overrides)
+        plan = make_plan(cfg, values)
+    except (ConfigError, ModelError) as e:
+        print(f"lsreplay plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan), flush=True)
+    if plan.fits() is False:
+        print(f"lsreplay plan: error: does not fit: {advice(plan)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

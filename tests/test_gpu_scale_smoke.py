@@ -1,0 +1,21 @@
+"""bench/gpu_scale.py --smoke: the GPU scale benchmark's code path on a tiny Qwen2 shape on
+CPU (out-of-memory simulated by a cap on the activation meter)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_scale_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_scale.py"), "--smoke", "--threads", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert float(kv["speedup_smoke"]) > 0 and float(kv["ideal_smoke"]) == 3.0  # G=4, P=48, S=6
+    assert float(kv["replay_tok_s_smoke"]) > 0 and float(kv["naive_tok_s_smoke"]) > 0
+    # the largest-tree search found a bound for both (the simulated cap) and a tree that trained
+    assert kv["max_bounded_smoke"] == "true"
+    assert int(kv["max_positions_replay_smoke"]) > 0 and int(kv["max_positions_naive_smoke"]) > 0
+    assert float(kv["wall_s"]) < 60

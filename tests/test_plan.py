@@ -1,0 +1,129 @@
+"""The memory planner: its activation estimate against ActivationMeter's measured peaks of
+the real replay / naive backward (small Llama and Qwen2 models, within 15%), its counts,
+the production config (fits 8 x 96 GiB with >= 2.1M positions per step) and refusals."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from lsreplay.plan import ModelDims, TreeShape, main, naive_peak, replay_peak
+from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
+from lsreplay.tree import RolloutTree
+
+PROD = str(Path(__file__).resolve().parents[1] / "configs" / "h20x8-qwen2.5-7b.yaml")
+SMALL = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def shaped_tree(shape: TreeShape, vocab: int, seed: int = 0) -> RolloutTree:
+    """A tree of exactly this shape: siblings start with distinct tokens."""
+    rng = random.Random(seed)
+
+    def grow(level: int) -> list[list[int]]:
+        if level == len(shape.levels):
+            return [[]]
+        branching, length = shape.levels[level]
+        out = []
+        for first in rng.sample(range(vocab), branching):
+            segment = [first] + [rng.randrange(vocab) for _ in range(length - 1)]
+            out += [segment + rest for rest in grow(level + 1)]
+        return out
+
+    return RolloutTree.from_sequences([rng.randrange(vocab) for _ in range(shape.prompt)], grow(0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CASES = {
+    # name: (arch, dtype, dims, shape, replay budget bytes)
+    "llama-f32-g4": ("llama", torch.float32, dict(SMALL, vocab_size=256), TreeShape(96, ((4, 16),)), None),
+    "llama-f32-2x3": ("llama", torch.float32, dict(SMALL, vocab_size=256), TreeShape(64, ((2, 8), (3, 12))), None),
+    "qwen2-bf16-g6": ("qwen2", torch.bfloat16, dict(SMALL, num_attention_heads=8, vocab_size=300),
+                      TreeShape(128, ((6, 24),)), None),
+    "qwen2-f64-3x2": ("qwen2", torch.float64, dict(SMALL, vocab_size=64, num_key_value_heads=1),
+                      TreeShape(40, ((3, 6), (2, 10))), None),
+    "llama-f32-budget": ("llama", torch.float32, dict(SMALL, vocab_size=2000), TreeShape(16, ((4, 48),)), 150_000),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_activation_estimate_matches_meter(name):
+    arch, dtype, dims, shape, budget = CASES[name]
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(0)
+    config = config_cls(**dims, attn_implementation="sdpa", tie_word_embeddings=arch == "qwen2")
+    model = model_cls(config).to(dtype).eval()
+    tree = shaped_tree(shape, dims["vocab_size"])
+    assert (tree.total_positions, tree.unique_positions) == (shape.total_positions, shape.unique_positions)
+    weights = [[torch.randn(len(c), dtype=torch.float64) for c in tree.completions]]
+    replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model))
+    naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+    m = ModelDims.from_hf(config)
+    planned_replay = replay_peak(m, dtype, shape, budget).total
+    planned_naive = naive_peak(m, torch.tensor([], dtype=dtype).element_size(), shape).total
+    assert planned_replay == pytest.approx(replay.peak_activation_bytes, rel=0.15)
+    assert planned_naive == pytest.approx(naive.peak_activation_bytes, rel=0.15)
+    # In fact it is much closer than the 15% asked.
+    assert planned_replay == pytest.approx(replay.peak_activation_bytes, rel=0.01)
+    assert planned_naive == pytest.approx(naive.peak_activation_bytes, rel=0.01)
+
+
+def test_param_count_of_qwen25_7b_and_1p5b():
+    seven = Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+    one_five = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                           num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+    assert ModelDims.from_hf(seven).params() == 7_615_616_512
+    assert ModelDims.from_hf(one_five).params() == 1_543_714_304
+
+
+def test_tree_shape_counts():
+    shape = TreeShape.from_rollout(4096, [4, 4], [512], 2048)
+    assert shape.rollouts == 16 and shape.completion == 2048
+    assert shape.total_positions == 16 * (4096 + 2048)
+    assert shape.unique_positions == 4096 + 4 * 512 + 16 * 1536
+    # A fan-out of 1 does not branch: its tokens belong to the node above.
+    assert TreeShape(10, ((1, 5), (3, 4))).radix() == (15, ((3, 4),))
+
+
+def _last_kv(out: str) -> dict:
+    return dict(item.split("=", 1) for item in out.strip().splitlines()[-1].split())
+
+
+def test_production_config_fits(capsys):
+    assert main([PROD]) == 0
+    out = capsys.readouterr().out
+    kv = _last_kv(out)
+    assert kv["fits"] == "true" and kv["devices"] == "8" and kv["device_gib"] == "96.00"
+    assert int(kv["positions_per_step"]) >= 2_100_000
+    assert float(kv["replay_peak_gib"]) <= 96 < float(kv["naive_peak_gib"])  # naive would not fit
+    assert re.search(r"qwen2 .*28 layers, hidden 3584, intermediate 18944, heads 28/4 kv.*vocab 152064", out)
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["replay.fsdp=false"], "replay.fsdp=true"),  # the replicated 7B state alone exceeds 96 GiB
+    (["pool.device_memory_gb=40"], "40.00 GiB"),
+    (["data.max_prompt_tokens=16384"], "shorter prompt"),
+])
+def test_impossible_config_is_refused(capsys, overrides, why):
+    assert main([PROD, *overrides]) == 1
+    captured = capsys.readouterr()
+    assert _last_kv(captured.out)["fits"] == "false"
+    assert "does not fit" in captured.err and why in captured.err
+
+
+def test_bad_planner_key_is_a_config_error(capsys):
+    assert main([PROD, "pool.devices_per_step=0"]) == 2
+    assert "pool.devices_per_step" in capsys.readouterr().err
