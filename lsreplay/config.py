@@ -95,6 +95,10 @@ class ReplayConfig:
     budget_mb: int = 0
     # Shard weights, gradients and optimizer state over the ranks with FSDP2.
     fsdp: bool = False
+    # "store": the backward reads prefix K/V back from the run's storage (works across
+    # processes and after a crash); "host": also keep them in CPU memory between the
+    # caching and backward stages of one process, read from storage only if missing.
+    kv_offload: str = "store"
 
 
 @dataclass
@@ -217,6 +221,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0", cfg.algo.kl_coef)
     _check(cfg.optim.lr > 0, "optim.lr", "must be > 0", cfg.optim.lr)
     _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
+    _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
     _check(cfg.pool.slots >= 1, "pool.slots", "must be >= 1", cfg.pool.slots)
     _check(cfg.pool.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)",

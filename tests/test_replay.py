@@ -115,3 +115,25 @@ def test_stored_prefix_kv_corrupt_or_missing_is_recomputed(tmp_path, caplog):
     assert "tree 1 node 0" in messages and "recomputing" in messages
     assert "recomputed 2 prefix K/V" in messages
     assert max_rel_diff(g_reference, g) <= 1e-12
+
+
+def test_host_offloaded_prefix_kv_is_served_from_memory(tmp_path):
+    from lsreplay.config import load_config
+    from lsreplay.run import Run
+    from lsreplay.stages.prefixes import HOST_KV, StoredPrefixKV, kv_key, kv_tensors
+
+    model = tiny_model("llama")
+    trees, weights = random_trees()
+    run = Run(load_config(None, [f"run_dir={tmp_path}", "replay.kv_offload=host"]))
+    acts = [capture_tree(model, t) for t in trees]
+    entries = []
+    for i, a in enumerate(acts):
+        entries.append({})
+        for n, kv in a.prefix_kv.items():
+            entry = run.store.write_tensors(kv_key(run, 0, i, n), kv_tensors(kv))
+            entries[i][str(n)] = entry
+            HOST_KV[entry["sha256"]] = kv
+            (tmp_path / entry["key"]).unlink()  # only host memory has them now
+    _, g_reference = grads_of(model, replay_backward, trees, weights)
+    _, g = grads_of(model, replay_backward, trees, weights, prefix_kv=StoredPrefixKV(run, {"prefix_kv": entries}))
+    assert all(torch.equal(g_reference[n], g[n]) for n in g) and not HOST_KV

@@ -55,8 +55,15 @@ def load_activations(run: Run, step: int, tree: int, manifest: dict) -> TreeActi
                            ref_entry_logprobs=tensors.get("ref_entry_logprobs"))
 
 
+# replay.kv_offload = "host": the caching stage also keeps the K/V it wrote in this
+# process's memory, keyed by sha256, so a backward in the same process skips reading
+# them back. Keyed by content hash, an entry can only ever stand for what the manifest names.
+HOST_KV: dict[str, PrefixKV] = {}
+
+
 class StoredPrefixKV:
-    """Prefix K/V read back from the store, verified; None (recompute) if missing or corrupt."""
+    """Prefix K/V read back from host memory or the store, verified; None (recompute) if
+    missing or corrupt."""
 
     def __init__(self, run: Run, manifest: dict):
         self.run, self.entries = run, manifest["prefix_kv"]
@@ -66,6 +73,8 @@ class StoredPrefixKV:
         if entry is None:
             log.warning("tree %d node %d: no cached prefix K/V in the manifest; recomputing it", tree, node.id)
             return None
+        if entry["sha256"] in HOST_KV:
+            return HOST_KV.pop(entry["sha256"])
         try:
             return tensors_kv(self.run.store.read_tensors(entry["key"], sha256=entry["sha256"]))
         except StorageError as e:
@@ -77,6 +86,7 @@ def cache_prefixes(run: Run, step: int) -> dict:
     if done := run.done(step, "prefixes"):
         return done
     run.begin(step, "prefixes")
+    HOST_KV.clear()  # an earlier step's K/V are stale
     _, trees = load_trees(run, step)
     model = policy_before(run, step)
     # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
@@ -89,6 +99,8 @@ def cache_prefixes(run: Run, step: int) -> dict:
         nodes = {}
         for node_id, kv in acts.prefix_kv.items():
             nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
+            if run.cfg.replay.kv_offload == "host":
+                HOST_KV[nodes[str(node_id)]["sha256"]] = kv
         act_entry = run.store.write_tensors(activations_key(run, step, i), activation_tensors(acts))
         kv_entries.append(nodes)
         act_entries.append(act_entry)
