@@ -2,37 +2,89 @@ r"""The training flow: the RL step loop, one task per stage.
 
     prompts -> trees -> prefix cache -> policy update
                                      \-> drafter distillation
+
+A stage that finished earlier (its done marker and files are in the store) returns its
+manifest at once, so running the flow again on the same run resumes it. A stage whose
+finished output turns out missing or damaged when a later stage reads it is recomputed.
+A stage that fails for good stops the run with "stage X of step N failed: cause"; the
+last committed checkpoint stays as it was.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 from prefect import flow, get_run_logger
 
-from lsreplay.config import load_config
+from flows import artifacts
+from lsreplay.config import Config, load_config
 from lsreplay.metrics import step_record
-from lsreplay.run import Run
+from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
 from tasks.pool import ensure_pool
-from tasks.stages import cache_prefixes, distill_drafter, generate_trees, sample_prompts, train_policy
+from tasks.stages import configured
+
+# How often the same stage output may be found damaged and recomputed before the run stops.
+MAX_RECOMPUTES = 2
 
 
 @flow(name="lsreplay-train")
-def train(config_path: str | None = None, overrides: list[str] | None = None, force: bool = False) -> list[dict]:
-    """Run (or resume) the configured number of RL steps; returns the per-step metrics."""
-    cfg = load_config(config_path, overrides or [])
+def train(config_path: str | None = None, overrides: list[str] | None = None, force: bool = False,
+          resume: str | None = None) -> list[dict]:
+    """Run (or resume) the configured number of RL steps; returns the per-step metrics.
+
+    `resume`: a run directory or storage URI whose saved config to continue (overrides on
+    top, e.g. steps=5). Credentials never go into these parameters: they come from the
+    config file or the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)."""
+    overrides = list(overrides or [])
+    cfg = open_run_config(resume, overrides) if resume else load_config(config_path, overrides)
+    return run_steps(cfg, force)
+
+
+def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     logger = get_run_logger()
-    run = Run(cfg)
+    run = preflight(cfg, force)
     run.save_or_check_config(force=force)
     ensure_pool(cfg.pool)
     logger.info("run %s: %d steps, storage %s", cfg.run_dir, cfg.steps, run.store.uri)
-    for step in range(cfg.steps):
-        manifests = {"prompts": sample_prompts(cfg, step)}
-        manifests["trees"] = generate_trees(cfg, step)
-        manifests["prefixes"] = cache_prefixes(cfg, step)
-        manifests["policy"] = train_policy(cfg, step)
-        if cfg.drafter.enabled:
-            manifests["drafter"] = distill_drafter(cfg, step)
+    tasks = configured()
+    progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
+    progress(0.0)
+    recomputes: Counter = Counter()
+    step = 0
+    while step < cfg.steps:
+        try:
+            manifests = _step(tasks, cfg, step)
+        except InputCorrupt as e:
+            recomputes[e.step, e.stage] += 1
+            if recomputes[e.step, e.stage] > MAX_RECOMPUTES:
+                logger.error("stage %s of step %d failed: its output is damaged again after %d recomputes",
+                             e.stage, e.step, MAX_RECOMPUTES)
+                raise StageFailed(e.stage, e.step, f"its output keeps coming out unusable: {e}") from e
+            logger.warning("%s", e)
+            run.invalidate(e.step, e.stage)
+            step = min(step, e.step)
+            continue
         record = step_record(step, manifests)
         run.append_metrics(record)
         logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in record.items()
                                                     if isinstance(v, float)))
+        artifacts.metrics_table(run)
+        step += 1
+        progress(step / cfg.steps)
+    artifacts.summary(run)
     return run.metrics()
+
+
+def _step(tasks: dict, cfg: Config, step: int) -> dict[str, dict]:
+    manifests = {}
+    for stage in STAGES:
+        if stage == "drafter" and not cfg.drafter.enabled:
+            continue
+        try:
+            manifests[stage] = tasks[stage](cfg, step)
+        except InputCorrupt:
+            raise
+        except Exception as e:
+            get_run_logger().error("stage %s of step %d failed: %s: %s", stage, step, type(e).__name__, e)
+            raise StageFailed(stage, step, e) from e
+    return manifests

@@ -1,4 +1,13 @@
-"""The `lsreplay` command."""
+"""The `lsreplay` command.
+
+    lsreplay train [CONFIG.yaml] [key=value ...] [--force]            run, or resume the run in run_dir
+    lsreplay resume RUN_DIR [key=value ...] [--steps N] [--force]      continue a run from its saved config
+    lsreplay serve [CONFIG.yaml] [key=value ...] (--cron EXPR | --interval SECONDS) [--name NAME]
+    lsreplay convert-model                                             the SmolLM2 conversion alone
+
+Exit status: 0 done, 1 a stage failed (the message names it), 2 bad input (config, model,
+data, storage, checkpoint).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +16,67 @@ import logging
 import os
 import sys
 
+# Credentials given as overrides travel by environment, never as flow parameters (which
+# the Prefect server stores and shows).
+SECRET_ENV = {"storage.key": "AWS_ACCESS_KEY_ID", "storage.secret": "AWS_SECRET_ACCESS_KEY"}
 
-def _train(args) -> int:
+
+def secrets_to_env(overrides: list[str]) -> list[str]:
+    """Move storage.key=/storage.secret= overrides into AWS_* variables; return the rest."""
+    kept = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() in SECRET_ENV:
+            os.environ[SECRET_ENV[key.strip()]] = value
+        else:
+            kept.append(item)
+    return kept
+
+
+def _prepare_logging() -> None:
     # Library logs (lsreplay.*) show in the terminal and in the Prefect UI next to the
     # task logs; must be set before Prefect configures logging on import.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lsreplay")
-    from lsreplay.config import load_config
 
-    load_config(args.config, args.overrides)  # fail on a bad config before Prefect starts
+
+def _train(args) -> int:
+    _prepare_logging()
+    from lsreplay.config import load_config
+    from lsreplay.run import preflight
+
+    overrides = secrets_to_env(args.overrides)
+    # Fail on bad input before Prefect starts.
+    preflight(load_config(args.config, overrides), force=args.force)
     from flows.train import train
 
-    metrics = train(config_path=args.config, overrides=args.overrides, force=args.force)
+    metrics = train(config_path=args.config, overrides=overrides, force=args.force)
     print(f"finished {len(metrics)} steps; metrics in the run directory's metrics.jsonl")
+    return 0
+
+
+def _resume(args) -> int:
+    _prepare_logging()
+    from lsreplay.run import open_run_config, preflight
+
+    overrides = secrets_to_env(args.overrides) + ([f"steps={args.steps}"] if args.steps else [])
+    preflight(open_run_config(args.run_dir, overrides), force=args.force)
+    from flows.train import train
+
+    metrics = train(resume=args.run_dir, overrides=overrides, force=args.force)
+    print(f"finished {len(metrics)} steps; metrics in the run directory's metrics.jsonl")
+    return 0
+
+
+def _serve(args) -> int:
+    _prepare_logging()
+    from lsreplay.config import load_config
+
+    overrides = secrets_to_env(args.overrides)
+    load_config(args.config, overrides)
+    from flows.serve import serve
+
+    config = os.path.abspath(args.config) if args.config else None
+    serve(config, overrides, cron=args.cron, interval=args.interval, name=args.name)
     return 0
 
 
@@ -29,32 +87,85 @@ def _convert(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from lsreplay.plan import main as plan_main
+
+    return plan_main([args.config, *args.overrides])
+
+
+def _report(args) -> int:
+    from lsreplay.report import write_report
+
+    print(write_report(args.run_dirs, args.out))
+    return 0
+
+
+def _config_and_overrides(args) -> None:
+    if args.config and "=" in args.config:
+        args.overrides.insert(0, args.config)  # `lsreplay train steps=2`: no config file given
+        args.config = None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lsreplay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="lsreplay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run or resume RL training (a Prefect flow)")
     train.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=2 rollout.branching=[4,2]")
     train.add_argument("--force", action="store_true", help="resume even if result-affecting config keys changed")
     train.set_defaults(fn=_train)
+    resume = sub.add_parser("resume", help="continue a run from the config saved in its directory")
+    resume.add_argument("run_dir", help="the run directory, or its storage URI (s3://bucket/prefix)")
+    resume.add_argument("overrides", nargs="*", help="key=value overrides, e.g. storage.endpoint_url=...")
+    resume.add_argument("--steps", type=int, help="total steps (more than before extends the run)")
+    resume.add_argument("--force", action="store_true", help="accept overrides that change results")
+    resume.set_defaults(fn=_resume)
+    serve = sub.add_parser("serve", help="serve the training flow as a Prefect deployment on a schedule")
+    serve.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    serve.add_argument("overrides", nargs="*", help="key=value overrides")
+    when = serve.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
+    when.add_argument("--interval", type=float, help="run every SECONDS")
+    serve.add_argument("--name", default="lsreplay-train", help="deployment name")
+    serve.set_defaults(fn=_serve)
     convert = sub.add_parser("convert-model", help="convert the shipped SmolLM2 GGUF to an HF folder (once)")
     convert.add_argument("--cache-dir", default=".cache/models")
     convert.set_defaults(fn=_convert)
-    args = parser.parse_args(argv)
-    if args.command == "train" and args.config and "=" in args.config:
-        args.overrides.insert(0, args.config)  # `lsreplay train steps=2`: no config file given
-        args.config = None
+    plan = sub.add_parser("plan", help="per-device memory plan of a config's RL step; exit 1 if it does not fit")
+    plan.add_argument("config", help="YAML config")
+    plan.add_argument("overrides", nargs="*", help="key=value overrides")
+    plan.set_defaults(fn=_plan)
+    report = sub.add_parser("report", help="markdown + PNG report of one or more runs, overlaid")
+    report.add_argument("run_dirs", nargs="+", help="run directories")
+    report.add_argument("--out", default="report", help="output folder (report.md, curves.png, curves.json)")
+    report.set_defaults(fn=_report)
+    # Overrides may also follow options (`resume RUN --steps 5 pool.slots=2`).
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides += extra
+    if args.command in ("train", "serve"):
+        _config_and_overrides(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
+    from lsreplay.checkpoint import CheckpointError
     from lsreplay.config import ConfigError
     from lsreplay.data import DatasetError
     from lsreplay.models import ModelError
+    from lsreplay.run import StageFailed
+    from lsreplay.storage import StorageError
 
     try:
         return args.fn(args)
-    except (ConfigError, DatasetError, ModelError) as e:
+    except (ConfigError, DatasetError, ModelError, StorageError, CheckpointError) as e:
         print(f"lsreplay: error: {e}", file=sys.stderr)
         return 2
+    except StageFailed as e:
+        print(f"lsreplay: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

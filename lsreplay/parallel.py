@@ -308,7 +308,7 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None 
         try:
             while True:
                 rank, data = results.get(timeout=timeout)
-                out[rank] = torch.load(io.BytesIO(data), weights_only=False)
+                out[rank] = torch.load(io.BytesIO(data), weights_only=True)
                 timeout = 0.01
         except queue.Empty:
             pass

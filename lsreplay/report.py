@@ -32,7 +32,12 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory with at least one finished step?")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return with_derived([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+
+
+def with_derived(rows: list[dict]) -> list[dict]:
+    """Copies of metrics rows plus the columns the report plots but runs do not log."""
+    rows = [dict(r) for r in rows]
     for r in rows:
         r["positions_saved"] = r.get("per_rollout_positions", 0) - r.get("positions", 0)
         r["step_seconds"] = sum(r.get(k, 0.0) for k in STAGE_KEYS)

@@ -9,25 +9,61 @@ Layout of a run's store (the run directory by default):
     step_0000/prefix_kv/...         cached K/V of every branching node (safetensors)
     step_0000/activations/...       entry logprobs and last hidden states per tree
     step_0000/<stage>.done.json     a stage's manifest, written last: the stage is finished
+    executions/step_0000/<stage>/   one small JSON per time a stage actually started work
     checkpoints/policy/step_0000/   weights, optimizer state, RNG state after the step
     checkpoints/drafter/step_0000/  drafter weights after the step
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
 import logging
+import os
+import posixpath
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterator
 
 import torch
+from omegaconf import OmegaConf
 
 from lsreplay import config as config_mod
+from lsreplay import faults
+from lsreplay.checkpoint import CheckpointError
 from lsreplay.config import Config, ConfigError
-from lsreplay.storage import MissingEntry, Store
+from lsreplay.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)
 
 STAGES = ("prompts", "trees", "prefixes", "policy", "drafter")
+
+
+class InputCorrupt(RuntimeError):
+    """A finished stage's output turned out missing or damaged when a later stage read it.
+    The flow deletes that stage's done marker and computes it again (deterministically)."""
+
+    def __init__(self, step: int, stage: str, cause: BaseException | str):
+        self.step, self.stage = step, stage
+        super().__init__(f"output of stage {stage} of step {step} is unusable ({cause}); it will be recomputed")
+
+    def __reduce__(self):  # keep the fields when the exception crosses a process or a pickle
+        return (type(self), (self.step, self.stage, str(self)))
+
+
+class StageFailed(RuntimeError):
+    """A stage failed for good; the message names the stage, the step and the cause."""
+
+    def __init__(self, stage: str, step: int, cause: BaseException | str):
+        self.stage, self.step = stage, step
+        text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"stage {stage} of step {step} failed: {text}")
+
+    def __reduce__(self):
+        return (type(self), (self.stage, self.step, str(self).split(" failed: ", 1)[-1]))
 
 
 def open_store(cfg: Config) -> Store:
@@ -35,10 +71,12 @@ def open_store(cfg: Config) -> Store:
     uri = s.uri or cfg.run_dir
     options: dict = {}
     if uri.startswith("s3://"):
-        if s.endpoint_url:
-            options["client_kwargs"] = {"endpoint_url": s.endpoint_url}
+        # Credentials and endpoint from the config, else from the usual AWS variables.
+        endpoint = s.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
         if s.key:
-            options.update(key=s.key, secret=s.secret)
+            options.update(key=s.key, secret=s.secret or os.environ.get("AWS_SECRET_ACCESS_KEY", ""))
     return Store(uri, options)
 
 
@@ -66,32 +104,99 @@ class Run:
         return torch.Generator().manual_seed(self.seed(step, stage, *more))
 
     # -- config on disk ---------------------------------------------------------------------
+    def check_config(self, force: bool = False) -> bool:
+        """Refuse a config that changes the results of an existing run (unless `force`).
+        True if the run already exists."""
+        if not self.store.exists("config.json"):
+            return False
+        saved = self.store.read_json("config.json")
+        if saved["result_hash"] != self.config_hash and not force:
+            raise ConfigError(
+                f"the run at {self.store.uri} was started with a different config "
+                f"({_diff(saved['config'], config_mod.to_dict(self.cfg))}); use a new run_dir, "
+                "or pass --force to continue with the new values")
+        return True
+
     def save_or_check_config(self, force: bool = False) -> None:
         """First run: write config.yaml. Resume: refuse a config that changes results."""
-        if self.store.exists("config.json"):
-            saved = self.store.read_json("config.json")
-            if saved["result_hash"] != self.config_hash and not force:
-                raise ConfigError(
-                    f"the run at {self.store.uri} was started with a different config "
-                    f"({_diff(saved['config'], config_mod.to_dict(self.cfg))}); use a new run_dir, "
-                    "or pass --force to continue with the new values")
+        self.check_config(force)
         self.store.write_bytes("config.yaml", config_mod.to_yaml(self.cfg).encode())
         self.store.write_json("config.json", {"result_hash": self.config_hash,
                                               "config": config_mod.to_dict(self.cfg)})
 
     # -- stage completion -------------------------------------------------------------------
     def done(self, step: int, stage: str) -> dict | None:
-        """The stage's manifest if it finished and its files are all there, else None."""
+        """The stage's manifest if it finished and its files are all there with the sizes
+        written, else None. (The sha256 of each file is checked where it is read.)"""
         marker = self.key(step, f"{stage}.done.json")
-        if not self.store.exists(marker):
+        try:
+            manifest = self.store.read_json(marker)
+        except MissingEntry:
             return None
-        manifest = self.store.read_json(marker)
-        missing = [e["key"] for e in manifest.get("files", []) if not self.store.exists(e["key"])]
-        if missing:
-            log.warning("step %d %s: %d output files missing (%s...); recomputing the stage",
-                        step, stage, len(missing), missing[0])
+        except CorruptEntry as e:
+            log.warning("step %d %s: unreadable done marker (%s); recomputing the stage", step, stage, e)
+            return None
+        files = manifest.get("files", [])
+        sizes = self.store.sizes(_common_dir([e["key"] for e in files])) if files else {}
+        bad = [e["key"] for e in files if sizes.get(e["key"]) != e["bytes"]]
+        if bad:
+            log.warning("step %d %s: %d output files missing or of the wrong size (%s...); recomputing the stage",
+                        step, stage, len(bad), bad[0])
             return None
         return manifest
+
+    def manifest(self, step: int, stage: str) -> dict:
+        """The manifest of a stage whose outputs this stage needs; InputCorrupt if unusable."""
+        if done := self.done(step, stage):
+            return done
+        raise InputCorrupt(step, stage, "it is not finished, or its files are missing")
+
+    @contextlib.contextmanager
+    def reading(self, step: int, stage: str) -> Iterator[None]:
+        """Reads of stage `stage`'s outputs of `step`: a missing or damaged file -> InputCorrupt."""
+        try:
+            yield
+        except (MissingEntry, CorruptEntry) as e:
+            raise InputCorrupt(step, stage, e) from e
+        except CheckpointError as e:
+            if isinstance(e.__cause__, (MissingEntry, CorruptEntry)):
+                raise InputCorrupt(step, stage, e) from e
+            raise
+
+    def checkpoint_manifest(self, kind: str, step: int) -> dict:
+        """The checkpoint manifest ({"prefix", "files": {name: entry}}) that the stage which
+        wrote checkpoint `kind` of `step` recorded, for verified loading."""
+        done = self.manifest(step, kind)
+        prefix = self.checkpoint(kind, step)
+        return {"prefix": prefix, "files": {posixpath.basename(e["key"]): e for e in done["files"]
+                                            if e["key"].startswith(prefix + "/")}}
+
+    @staticmethod
+    def sha256(manifest: dict, key: str) -> str | None:
+        """The sha256 a manifest recorded for `key` (None if it lists no such file)."""
+        return next((e["sha256"] for e in manifest.get("files", []) if e["key"] == key), None)
+
+    def invalidate(self, step: int, stage: str) -> None:
+        """Forget that a stage finished: it runs again (its outputs are overwritten)."""
+        self.store.delete(self.key(step, f"{stage}.done.json"))
+
+    def begin(self, step: int, stage: str) -> None:
+        """A stage starts real work: record it (executions/) and give injected faults their chance."""
+        now = datetime.datetime.now(datetime.UTC)
+        name = f"{now:%Y%m%dT%H%M%S%f}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        self.store.write_json(f"executions/step_{step:04d}/{stage}/{name}", {
+            "step": step, "stage": stage, "started": now.isoformat(), "pid": os.getpid(),
+            "host": socket.gethostname()})
+        faults.hook(stage, step, "start")
+
+    def executions(self) -> dict[tuple[int, str], int]:
+        """How many times each (step, stage) actually started work."""
+        counts: dict[tuple[int, str], int] = {}
+        for key in self.store.list("executions"):
+            _, step, stage, _ = key.split("/")
+            where = (int(step.removeprefix("step_")), stage)
+            counts[where] = counts.get(where, 0) + 1
+        return counts
 
     def finish(self, step: int, stage: str, manifest: dict) -> dict:
         manifest = {"step": step, "stage": stage, "config_hash": self.config_hash, **manifest}
@@ -114,6 +219,57 @@ class Run:
             return [json.loads(x) for x in self.store.read_bytes("metrics.jsonl").decode().splitlines() if x]
         except MissingEntry:
             return []
+
+
+def preflight(cfg: Config, force: bool = False) -> Run:
+    """What can be checked before any work: the store answers, the config fits an existing
+    run, the model folder and the prompt file are there. Raises ConfigError, StorageError,
+    ModelError or DatasetError with a message that says what to do."""
+    from lsreplay.data import PromptSet
+    from lsreplay.models import resolve_model_dir
+
+    run = Run(cfg)
+    run.check_config(force)
+    resolve_model_dir(cfg.model)
+    if cfg.data.path:
+        PromptSet.from_file(cfg.data.path)
+    return run
+
+
+def open_run_config(uri: str, overrides: list[str] = ()) -> Config:
+    """The config an existing run was started with (its config.json), with `overrides` on top.
+
+    `uri` is the run directory or the run's storage URI (s3://bucket/prefix; give the
+    endpoint as the override storage.endpoint_url=... if it is not AWS's). Redacted secrets
+    are dropped: credentials come from the environment or the overrides."""
+    local = "://" not in uri or uri.startswith("file://")
+    where = [f"run_dir={uri}"] if local else [f"storage.uri={uri}"]
+    probe = config_mod.load_config(None, where + [o for o in overrides if o.startswith("storage.")])
+    store = open_store(probe)
+    try:
+        saved = store.read_json("config.json")["config"]
+    except MissingEntry:
+        raise ConfigError(f"{uri} holds no run (no config.json there); start one with `lsreplay train`") from None
+    for key in config_mod.SECRET_KEYS:
+        section, name = key.split(".")
+        if saved.get(section, {}).get(name) == "***":
+            saved[section][name] = ""
+    if local:
+        saved["run_dir"] = uri
+    else:
+        saved.setdefault("storage", {})["uri"] = uri
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create(saved)))
+    try:
+        return config_mod.load_config(f.name, list(overrides))
+    finally:
+        os.unlink(f.name)
+
+
+def _common_dir(keys: list[str]) -> str:
+    """The deepest folder holding all of `keys`."""
+    common = posixpath.commonpath([posixpath.dirname(k) or "." for k in keys]) if keys else ""
+    return "" if common == "." else common
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> str:

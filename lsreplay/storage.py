@@ -15,8 +15,9 @@ import json
 import logging
 import os
 import posixpath
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import fsspec
 import safetensors.torch
@@ -24,19 +25,30 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors import SafetensorError
 
+from lsreplay import faults
+
 log = logging.getLogger(__name__)
 
 # Errors a remote client raises when it cannot talk to its endpoint. The S3 client is an
 # optional dependency: a local-only install has none, and nothing remote can fail then.
 _REMOTE_ERRORS: tuple[type[BaseException], ...] = ()
+_NOT_RETRIED: tuple[type[BaseException], ...] = ()
 with contextlib.suppress(ImportError):
-    from botocore.exceptions import BotoCoreError
+    from botocore.exceptions import BotoCoreError, EndpointConnectionError
 
     _REMOTE_ERRORS += (BotoCoreError,)
+    # The S3 client has already retried these with backoff before giving up: do not multiply.
+    _NOT_RETRIED += (EndpointConnectionError,)
 with contextlib.suppress(ImportError):
     from aiohttp import ClientError as AiohttpClientError
 
     _REMOTE_ERRORS += (AiohttpClientError,)
+
+# Transient failures (a dropped connection, a throttled request, an endpoint briefly down)
+# are retried with exponential backoff before an operation gives up: this many retries,
+# the first after this many seconds. The environment can change both (tests shorten them).
+RETRIES_ENV, BACKOFF_ENV = "LSREPLAY_STORAGE_RETRIES", "LSREPLAY_STORAGE_BACKOFF"
+DEFAULT_RETRIES, DEFAULT_BACKOFF = 3, 0.5
 
 # Marks the temporary file of a local write in progress; list() hides such files, which a
 # writer killed between write and rename leaves behind.
@@ -78,34 +90,57 @@ class Store:
 
     def exists(self, key: str) -> bool:
         path = self._path(key)
-        with self._errors(key):
+
+        def op() -> bool:
             try:
                 return self._fs.info(path)["type"] == "file"
             except FileNotFoundError:
                 return False
 
+        return self._call(key, op)
+
+    def size(self, key: str) -> int | None:
+        """The entry's size in bytes, or None if there is no entry."""
+        path = self._path(key)
+
+        def op() -> int | None:
+            try:
+                info = self._fs.info(path)
+            except FileNotFoundError:
+                return None
+            return int(info["size"]) if info["type"] == "file" else None
+
+        return self._call(key, op)
+
     def write_bytes(self, key: str, data: bytes) -> dict:
         path = self._path(key)
-        with self._errors(key):
+
+        def op() -> None:
+            faults.storage_write(key)
             if self._local:
                 _write_local_atomic(path, data)
             else:
                 # An object store publishes an object only once its upload completes.
                 self._fs.pipe_file(path, data)
+
+        self._call(key, op)
         key = _check_key(key)
         log.debug("wrote %s (%d bytes)", self.url(key), len(data))
         return {"key": key, "uri": self.url(key), "sha256": _sha256(data), "bytes": len(data)}
 
     def read_bytes(self, key: str, sha256: str | None = None) -> bytes:
         path = self._path(key)
-        with self._errors(key):
+
+        def op() -> bytes:
             try:
-                data = self._fs.cat_file(path)
+                return self._fs.cat_file(path)
             except FileNotFoundError as e:
                 raise MissingEntry(
                     f"no entry {self.url(key)}: it was never written, or was deleted; "
                     "check the run directory and the manifest that pointed here"
                 ) from e
+
+        data = self._call(key, op)
         actual = _sha256(data) if sha256 is not None else None
         if actual != sha256:
             raise CorruptEntry(
@@ -142,28 +177,68 @@ class Store:
 
     def list(self, prefix: str = "") -> list[str]:
         path = self._path(prefix) if prefix else self._root
-        with self._errors(prefix):
-            found = self._fs.find(path)
+        found = self._call(prefix, lambda: self._fs.find(path))
         keys = (posixpath.relpath(p, self._root) for p in found)
         return sorted(k for k in keys if _TMP_MARK not in posixpath.basename(k))
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """{key: size in bytes} of every entry under prefix, from one listing."""
+        path = self._path(prefix) if prefix else self._root
+
+        def op() -> dict:
+            try:
+                return self._fs.find(path, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        found = self._call(prefix, op)
+        out = {}
+        for p, info in found.items():
+            key = posixpath.relpath(p, self._root)
+            if info.get("type") == "file" and _TMP_MARK not in posixpath.basename(key):
+                out[key] = int(info["size"])
+        return out
 
     def delete(self, key: str) -> None:
         """Remove one entry; deleting an absent key is not an error, so cleanup can be rerun."""
         path = self._path(key)
-        with self._errors(key), contextlib.suppress(FileNotFoundError):
-            self._fs.rm_file(path)
+
+        def op() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm_file(path)
+
+        self._call(key, op)
 
     def delete_prefix(self, prefix: str) -> None:
         """Remove every entry under prefix (a folder-like key, not a string prefix)."""
         if not prefix.strip("/"):
             raise ValueError(f"refusing to delete the whole store {self.uri}: give a prefix")
         path = self._path(prefix)
-        with self._errors(prefix):
+
+        def op() -> None:
             if self._fs.exists(path):
                 self._fs.rm(path, recursive=True)
 
+        self._call(prefix, op)
+
     def _path(self, key: str) -> str:
         return f"{self._root}/{_check_key(key)}"
+
+    def _call(self, key: str, op: Callable):
+        """Run one filesystem operation; retry it with backoff while it fails transiently."""
+        retries = int(os.environ.get(RETRIES_ENV, DEFAULT_RETRIES))
+        backoff = float(os.environ.get(BACKOFF_ENV, DEFAULT_BACKOFF))
+        for attempt in range(retries + 1):
+            try:
+                with self._errors(key):
+                    return op()
+            except StorageError as e:
+                if attempt == retries or not _transient(e.__cause__):
+                    raise
+                delay = backoff * 2**attempt
+                log.warning("%s; retrying in %.1f s (retry %d of %d)", e, delay, attempt + 1, retries)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
 
     @contextlib.contextmanager
     def _errors(self, key: str) -> Iterator[None]:
@@ -185,6 +260,14 @@ class Store:
             ) from e
         except OSError as e:
             raise StorageError(f"I/O error on {self.url(key) if key else self.uri}: {e}") from e
+
+
+def _transient(error: BaseException | None) -> bool:
+    """A failure that may pass: a remote client's error, a dropped connection or timeout, or a
+    generic I/O error; not a missing entry or a refused permission."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, *_NOT_RETRIED)):
+        return False
+    return isinstance(error, (*_REMOTE_ERRORS, ConnectionError, TimeoutError)) or type(error) is OSError
 
 
 def _with_defaults(uri: str, options: dict) -> dict:

@@ -3,6 +3,8 @@ stage runs and returns the stage's manifest (never tensors)."""
 
 from __future__ import annotations
 
+import os
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -10,50 +12,83 @@ from lsreplay import stages
 from lsreplay.checkpoint import CheckpointError
 from lsreplay.config import Config, ConfigError
 from lsreplay.data import DatasetError
+from lsreplay.faults import InjectedError
 from lsreplay.models import ModelError
-from lsreplay.run import Run
+from lsreplay.run import InputCorrupt, Run
 from lsreplay.stages.policy import NonFiniteLoss
+from lsreplay.storage import CorruptEntry, MissingEntry
 from tasks.pool import pool_devices
 
-# Errors that a retry cannot fix: the run stops at once with the message.
-PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss)
+# Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt is
+# not retried either: the flow recomputes the stage whose output was damaged.)
+PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss, InjectedError,
+             InputCorrupt, MissingEntry, CorruptEntry)
+
+# Transient failures (storage errors the store's own retries did not absorb, a flaky node,
+# an injected fault) are retried this many times, after exponentially growing delays with
+# jitter. LSREPLAY_RETRY_DELAY sets the first delay in seconds (tests make it small).
+RETRIES = 2
+RETRY_DELAY_ENV = "LSREPLAY_RETRY_DELAY"
 
 
 def _transient(task, task_run, state) -> bool:
     return not isinstance(state.result(raise_on_failure=False), PERMANENT)
 
 
+def retry_delays() -> list[float]:
+    base = float(os.environ.get(RETRY_DELAY_ENV, "2"))
+    return [base * 4**i for i in range(RETRIES)]
+
+
 # Completed work is skipped by the stages themselves (their manifests in the run's
 # store), so a new flow run of the same experiment resumes; Prefect's own cache,
-# keyed by flow run, would not. Retries cover transient failures (storage, a flaky node).
-RETRIES = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_transient, cache_policy=NO_CACHE)
+# keyed by flow run, would not.
+OPTIONS = dict(retries=RETRIES, retry_delay_seconds=retry_delays(), retry_jitter_factor=0.2,
+               retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
-def _on_pool(stage, cfg: Config, step: int) -> dict:
+def _on_pool(stage, name: str, cfg: Config, step: int, **kwargs) -> dict:
+    run = Run(cfg)
+    if done := run.done(step, name):  # finished earlier: no need to wait for a device
+        return done
     with pool_devices(cfg.pool):
-        return stage(Run(cfg), step)
+        return stage(run, step, **kwargs)
 
 
-@task(name="sample-prompts", **RETRIES)
+@task(name="sample-prompts", **OPTIONS)
 def sample_prompts(cfg: Config, step: int) -> dict:
     return stages.sample_prompts(Run(cfg), step)
 
 
-@task(name="generate-trees", **RETRIES)
+@task(name="generate-trees", **OPTIONS)
 def generate_trees(cfg: Config, step: int) -> dict:
-    return _on_pool(stages.generate_trees, cfg, step)
+    from flows.artifacts import Progress  # the UI side; lsreplay itself never imports Prefect
+
+    return _on_pool(stages.generate_trees, "trees", cfg, step,
+                    progress=Progress(f"step {step}: rollout tokens sampled"))
 
 
-@task(name="cache-prefixes", **RETRIES)
+@task(name="cache-prefixes", **OPTIONS)
 def cache_prefixes(cfg: Config, step: int) -> dict:
-    return _on_pool(stages.cache_prefixes, cfg, step)
+    return _on_pool(stages.cache_prefixes, "prefixes", cfg, step)
 
 
-@task(name="train-policy", **RETRIES)
+@task(name="train-policy", **OPTIONS)
 def train_policy(cfg: Config, step: int) -> dict:
-    return _on_pool(stages.train_policy, cfg, step)
+    return _on_pool(stages.train_policy, "policy", cfg, step)
 
 
-@task(name="distill-drafter", **RETRIES)
+@task(name="distill-drafter", **OPTIONS)
 def distill_drafter(cfg: Config, step: int) -> dict:
-    return _on_pool(stages.distill_drafter, cfg, step)
+    return _on_pool(stages.distill_drafter, "drafter", cfg, step)
+
+
+# The tasks in the order a step runs them, by stage name (lsreplay.run.STAGES).
+STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_trees, "prefixes": cache_prefixes,
+               "policy": train_policy, "drafter": distill_drafter}
+
+
+def configured() -> dict:
+    """STAGE_TASKS with the retry delays the environment asks for now."""
+    delays = retry_delays()
+    return {name: t.with_options(retry_delay_seconds=delays) for name, t in STAGE_TASKS.items()}

@@ -11,14 +11,19 @@ from lsreplay.tree import RolloutTree
 
 
 def policy_before(run: Run, step: int, trainable: bool = False) -> PreTrainedModel:
-    """The policy that acts in `step`: the base model, or the checkpoint of step - 1."""
+    """The policy that acts in `step`: the base model, or the checkpoint of step - 1
+    (verified against the sha256 its stage recorded)."""
     model = load_model(run.cfg.model, trainable=trainable)
     if step > 0:
-        load_module(run.store, run.checkpoint("policy", step - 1), model)
+        with run.reading(step - 1, "policy"):
+            manifest = run.checkpoint_manifest("policy", step - 1)
+            load_module(run.store, run.checkpoint("policy", step - 1), model, manifest)
     return model
 
 
 def load_trees(run: Run, step: int) -> tuple[list[dict], list[RolloutTree]]:
     """The step's rollout records and their tries."""
-    records = run.store.read_json(run.key(step, "trees.json"))["trees"]
+    key = run.key(step, "trees.json")
+    with run.reading(step, "trees"):
+        records = run.store.read_json(key, sha256=run.sha256(run.manifest(step, "trees"), key))["trees"]
     return records, [RolloutTree.from_sequences(r["prompt_ids"], r["completions"]) for r in records]

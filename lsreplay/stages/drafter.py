@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
+
+from lsreplay import faults
 from lsreplay.checkpoint import load_module, save_module
 from lsreplay.drafter.distill import distill
 from lsreplay.drafter.model import Drafter
@@ -17,13 +20,20 @@ from lsreplay.stages.prefixes import load_activations
 def distill_drafter(run: Run, step: int) -> dict:
     if done := run.done(step, "drafter"):
         return done
+    run.begin(step, "drafter")
     d = run.cfg.drafter
-    prefixes = run.done(step, "prefixes")
+    prefixes = run.manifest(step, "prefixes")
     _, trees = load_trees(run, step)
     target = policy_before(run, step)
-    drafter = Drafter.from_target(target)
+    # A fresh drafter's initial weights come from the global RNG: seed it per (run, step), so
+    # a resumed process starts from the same weights as an uninterrupted one.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(run.seed(step, "drafter-init"))
+        drafter = Drafter.from_target(target)
     if step > 0:
-        load_module(run.store, run.checkpoint("drafter", step - 1), drafter)
+        with run.reading(step - 1, "drafter"):
+            load_module(run.store, run.checkpoint("drafter", step - 1), drafter,
+                        run.checkpoint_manifest("drafter", step - 1))
     sequences = [seq for i, tree in enumerate(trees)
                  for seq in load_activations(run, step, i, prefixes).path_sequences(tree)]
     start = time.perf_counter()
@@ -32,6 +42,7 @@ def distill_drafter(run: Run, step: int) -> dict:
     prefix = run.checkpoint("drafter", step)
     ckpt = save_module(run.store, prefix, drafter, {"step": step, "drafter": drafter.config_dict(),
                                                     "stats": dataclasses.asdict(stats)})
+    faults.hook("drafter", step, "mid")
     return run.finish(step, "drafter", {
         "files": list(ckpt["files"].values()), "checkpoint": prefix, "sequences": len(sequences),
         **{f"drafter_{k}": v for k, v in dataclasses.asdict(stats).items()},

@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from lsreplay import faults
 from lsreplay.data import PromptSet, generate_prompt_file
 from lsreplay.run import Run
 
@@ -25,7 +26,9 @@ def prompt_file(run: Run) -> Path:
 def sample_prompts(run: Run, step: int) -> dict:
     if done := run.done(step, "prompts"):
         return done
+    run.begin(step, "prompts")
     prompts = PromptSet.from_file(prompt_file(run)).sample(step, run.cfg.data.prompts_per_step, run.cfg.seed)
     entry = run.store.write_json(run.key(step, "prompts.json"),
                                  {"prompts": [dataclasses.asdict(p) for p in prompts]})
+    faults.hook("prompts", step, "mid")
     return run.finish(step, "prompts", {"files": [entry], "count": len(prompts)})

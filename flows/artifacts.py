@@ -1,0 +1,125 @@
+"""What a training flow shows in the Prefect UI (Artifacts tab of the flow run):
+
+- `lsreplay-<run>-metrics`: a table, one row per finished step (updated after every step)
+- a progress bar of finished steps, and one per step's rollout stage
+- `lsreplay-<run>-summary`: a markdown summary at the end, with the reward and loss curves
+  as an embedded PNG (also written to the run's store as curves.png)
+
+Artifacts are a view: a failure to create one is logged and never fails the run.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from uuid import UUID
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from lsreplay.run import Run
+
+log = logging.getLogger(__name__)
+
+TABLE_COLUMNS = ("step", "reward_mean", "loss", "kl", "grad_norm", "positions_ratio", "completion_tokens",
+                 "rollout_tokens_per_s", "train_positions_per_s", "drafter_loss", "drafter_top1_accept",
+                 "prompts_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "drafter_seconds")
+
+
+def run_slug(run: Run) -> str:
+    """A Prefect artifact key part naming the run: lowercase letters, digits and dashes."""
+    tail = run.store.uri.rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^a-z0-9]+", "-", tail.lower()).strip("-") or "run"
+
+
+def _safely(what: str, fn: Callable, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # the UI is a view; never fail the run for it
+        log.warning("could not create the %s artifact: %s: %s", what, type(e).__name__, e)
+        return None
+
+
+def metrics_table(run: Run) -> UUID | None:
+    rows = [{k: _round(r.get(k)) for k in TABLE_COLUMNS if k in r} for r in run.metrics()]
+    return _safely("metrics table", create_table_artifact, rows, key=f"lsreplay-{run_slug(run)}-metrics",
+                   description=f"Per-step metrics of {run.store.uri}")
+
+
+def _round(v):
+    return round(v, 6) if isinstance(v, float) else v
+
+
+class Progress:
+    """A Prefect progress artifact, created on first report and updated at most every
+    `every` seconds (and always at 100%)."""
+
+    def __init__(self, description: str, every: float = 2.0):
+        self.description, self.every = description, every
+        self.id: UUID | None = None
+        self.last = 0.0
+        self.failed = False
+
+    def __call__(self, fraction: float) -> None:
+        if self.failed:
+            return
+        now, percent = time.monotonic(), round(100 * min(max(fraction, 0.0), 1.0), 1)
+        if self.id is not None and percent < 100 and now - self.last < self.every:
+            return
+        self.last = now
+        try:
+            if self.id is None:
+                self.id = create_progress_artifact(percent, description=self.description)
+            else:
+                update_progress_artifact(self.id, percent)
+        except Exception as e:
+            self.failed = True
+            log.warning("could not report progress (%s): %s: %s", self.description, type(e).__name__, e)
+
+
+def curves_png(name: str, metrics: list[dict]) -> bytes:
+    """The curves of `lsreplay report` (reward, loss, KL, positions saved, step time,
+    drafter agreement) for this run, as PNG bytes (the store may be remote)."""
+    from lsreplay import report
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "curves.png"
+        report.plot(report.curves({name: report.with_derived(metrics)}), path)
+        return path.read_bytes()
+
+
+def summary(run: Run) -> UUID | None:
+    """Write curves.png to the run's store and the markdown summary (with the curves inline)."""
+    metrics = run.metrics()
+    if not metrics:
+        return None
+    png = _safely("curves", curves_png, run_slug(run), metrics)
+    if png is not None:
+        _safely("curves.png", run.store.write_bytes, "curves.png", png)
+    last = metrics[-1]
+    rows = "\n".join(f"| {k} | {_fmt(last[k])} |" for k in TABLE_COLUMNS if k in last and k != "step")
+    image = f"![reward and loss curves](data:image/png;base64,{base64.b64encode(png).decode()})\n" if png else ""
+    last_ckpt = run.checkpoint("policy", last["step"])
+    markdown = (
+        f"# lsreplay run `{run.store.uri}`\n\n"
+        f"{len(metrics)} steps finished; config hash `{run.config_hash}`.\n\n"
+        f"Policy checkpoint: `{run.store.url(last_ckpt)}`  \n"
+        f"Drafter checkpoint: `{run.store.url(run.checkpoint('drafter', last['step']))}`  \n"
+        f"Metrics: `{run.store.url('metrics.jsonl')}`, curves: `{run.store.url('curves.png')}`\n\n"
+        f"{image}\n"
+        f"## Step {last['step']}\n\n| metric | value |\n|---|---|\n{rows}\n")
+    return _safely("summary", create_markdown_artifact, markdown, key=f"lsreplay-{run_slug(run)}-summary",
+                   description=f"Summary of {run.store.uri}")
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

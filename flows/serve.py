@@ -1,0 +1,31 @@
+"""Serve the training flow as a Prefect deployment with a schedule (`lsreplay serve`).
+
+For deployments run by a work pool's workers instead, see prefect.yaml at the repository
+root (`prefect deploy`).
+"""
+
+from __future__ import annotations
+
+from prefect.deployments.runner import RunnerDeployment
+
+from flows.train import train
+
+
+def deployment(config_path: str | None, overrides: list[str], cron: str | None = None,
+               interval: float | None = None, name: str = "lsreplay-train") -> RunnerDeployment:
+    """A deployment of the training flow with these parameters and schedule. Secrets must
+    not be in `overrides` (the CLI moves them to the environment of the serving process,
+    which the flow runs it starts inherit)."""
+    if (cron is None) == (interval is None):
+        raise ValueError("give exactly one of cron and interval")
+    return train.to_deployment(name=name, cron=cron, interval=interval, tags=["lsreplay"],
+                               parameters={"config_path": config_path, "overrides": list(overrides)},
+                               description="RL post-training with branch replay (lsreplay)")
+
+
+def serve(config_path: str | None, overrides: list[str], cron: str | None = None,
+          interval: float | None = None, name: str = "lsreplay-train") -> None:
+    """Register the deployment and run its scheduled flow runs until interrupted."""
+    from prefect import serve as prefect_serve
+
+    prefect_serve(deployment(config_path, overrides, cron, interval, name))

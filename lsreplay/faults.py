@@ -1,0 +1,128 @@
+"""Fault injection for testing resume, retries and failure handling.
+
+Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated list of
+
+    STAGE[@STEP]:kill        SIGKILL this process in the middle of the stage (after it has
+                             written some of its outputs, before its done marker)
+    STAGE[@STEP]:fail[*N]    raise a transient InjectedFault when the stage starts, N times
+                             (default 1); Prefect's task retries then run it again
+    STAGE[@STEP]:error       raise a permanent InjectedError when the stage starts
+    policy[@STEP]:nan        make the policy loss NaN (the step must not be committed)
+    storage:fail[*N]         the next N store writes raise a transient ConnectionError
+
+STAGE is one of lsreplay.run.STAGES; without @STEP a fault applies at every step. Counts
+are per process. Stages call `hook(stage, step, point)` at "start" and "mid"; the store
+calls `storage_write(key)`. Unset, every hook returns at once.
+
+    LSREPLAY_FAULTS="trees@1:kill" lsreplay train ...
+    LSREPLAY_FAULTS="prefixes@0:fail*2,storage:fail*3" lsreplay train ...
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+ENV = "LSREPLAY_FAULTS"
+ACTIONS = ("kill", "fail", "error", "nan")
+_SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z]+)(?:\*(?P<count>\d+))?$")
+
+
+class InjectedFault(ConnectionError):
+    """A transient failure put there by LSREPLAY_FAULTS; a retry succeeds."""
+
+
+class InjectedError(RuntimeError):
+    """A permanent failure put there by LSREPLAY_FAULTS."""
+
+
+@dataclass
+class Fault:
+    target: str  # a stage name or "storage"
+    step: int | None
+    action: str
+    remaining: int  # how many more times it fires
+
+    def matches(self, target: str, step: int | None) -> bool:
+        return self.remaining > 0 and self.target == target and (self.step is None or self.step == step)
+
+
+def parse(spec: str) -> list[Fault]:
+    from lsreplay.run import STAGES
+
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        m = _SPEC.match(item)
+        if not m:
+            raise ValueError(f"{ENV}: cannot parse {item!r}; expected STAGE[@STEP]:ACTION[*N], "
+                             "e.g. trees@1:kill or storage:fail*3")
+        target, action = m["target"], m["action"]
+        if target not in (*STAGES, "storage"):
+            raise ValueError(f"{ENV}: unknown target {target!r} in {item!r}; one of {', '.join(STAGES)}, storage")
+        if action not in ACTIONS:
+            raise ValueError(f"{ENV}: unknown action {action!r} in {item!r}; one of {', '.join(ACTIONS)}")
+        if target == "storage" and (action != "fail" or m["step"]):
+            raise ValueError(f"{ENV}: {item!r}: storage faults are storage:fail[*N]")
+        if action == "nan" and target != "policy":
+            raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN")
+        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill") else 2**31)
+        faults.append(Fault(target, int(m["step"]) if m["step"] else None, action, count))
+    return faults
+
+
+# The parsed faults of the current LSREPLAY_FAULTS value; re-parsed (counters reset) when it changes.
+_active: tuple[str, list[Fault]] = ("", [])
+
+
+def active() -> list[Fault]:
+    global _active
+    spec = os.environ.get(ENV, "")
+    if spec != _active[0]:
+        _active = (spec, parse(spec))
+    return _active[1]
+
+
+def _take(target: str, step: int | None, actions: tuple[str, ...]) -> Fault | None:
+    for fault in active():
+        if fault.action in actions and fault.matches(target, step):
+            fault.remaining -= 1
+            return fault
+    return None
+
+
+def hook(stage: str, step: int, point: str) -> None:
+    """Called by each stage at "start" (after deciding to run) and "mid" (outputs partly written)."""
+    if not os.environ.get(ENV):
+        return
+    if point == "start":
+        if fault := _take(stage, step, ("fail",)):
+            log.warning("injected transient fault in stage %s of step %d (%d more)", stage, step, fault.remaining)
+            raise InjectedFault(f"injected transient fault in stage {stage} of step {step}")
+        if _take(stage, step, ("error",)):
+            raise InjectedError(f"injected permanent error in stage {stage} of step {step}")
+    elif point == "mid" and _take(stage, step, ("kill",)):
+        log.warning("injected kill in the middle of stage %s of step %d", stage, step)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def loss(stage: str, step: int, value: float) -> float:
+    """The loss, or NaN if a `nan` fault is set for this stage and step."""
+    if os.environ.get(ENV) and _take(stage, step, ("nan",)):
+        log.warning("injected NaN loss in stage %s of step %d", stage, step)
+        return math.nan
+    return value
+
+
+def storage_write(key: str) -> None:
+    """Called by the store before each write."""
+    if os.environ.get(ENV) and (fault := _take("storage", None, ("fail",))):
+        log.warning("injected transient storage fault writing %s (%d more)", key, fault.remaining)
+        raise InjectedFault(f"injected transient storage fault writing {key}")

@@ -1,0 +1,134 @@
+"""Helpers shared by the flow-level tests (resume, faults, S3, bad input): a tiny config,
+one reference run per test session, and `lsreplay` commands run in processes of their own
+against the session's Prefect test server.
+
+A plain module, not a conftest: the test modules import from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Import Prefect (which sets up its log handlers on the current sys.stderr) at collection,
+# not inside a test using capsys, whose stream is closed after that test. lsreplay's own
+# logs go to the Prefect UI too, as under the `lsreplay` command.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lsreplay")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # tests call stages outside flows
+import flows.train  # noqa: F401
+
+# Transient faults injected into the reference run: it must still end bit-identical to a
+# run without them (test_resume compares it with a run killed and resumed five times).
+REFERENCE_FAULTS = "storage:fail*2,prefixes@0:fail"
+
+# Retries in tests: (almost) immediate.
+FAST_RETRIES = {"LSREPLAY_RETRY_DELAY": "0.05", "LSREPLAY_STORAGE_BACKOFF": "0.01", "LSREPLAY_STORAGE_RETRIES": "2"}
+
+
+def tiny(run_dir, model_dir, steps: int = 2) -> list[str]:
+    """Overrides for a tiny two-step run of every stage (a pool of its own, see unique_pool)."""
+    return [f"run_dir={run_dir}", f"model.path={model_dir}", f"steps={steps}", "data.size=8",
+            "data.prompts_per_step=1", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
+            "rollout.max_new_tokens=6", "drafter.steps=2", "drafter.batch_size=2", "optim.lr=1e-3",
+            unique_pool()]
+
+
+def unique_pool() -> str:
+    """A pool nobody else holds: a process killed while holding a slot keeps it until its
+    lease expires (a minute), which later runs on the same pool would wait out."""
+    return f"pool.name=test-{uuid.uuid4().hex[:10]}"
+
+
+@dataclass
+class Reference:
+    run_dir: Path
+    flow_run_id: object
+    metrics: list[dict]
+    warnings: list[str] = field(default_factory=list)
+
+
+_reference: Reference | None = None
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def reference_run(tmp_path_factory, model_dir) -> Reference:
+    """One uninterrupted tiny run in this process (with transient faults injected), shared
+    by the tests of the session. Needs the prefect_server fixture."""
+    global _reference
+    if _reference is None:
+        from flows.train import train
+
+        run_dir = tmp_path_factory.mktemp("reference") / "run"
+        capture = _Capture()
+        logging.getLogger("lsreplay").addHandler(capture)
+        saved = {k: os.environ.get(k) for k in [*FAST_RETRIES, "LSREPLAY_FAULTS"]}
+        os.environ.update(FAST_RETRIES, LSREPLAY_FAULTS=REFERENCE_FAULTS)
+        try:
+            state = train(overrides=tiny(run_dir, model_dir), return_state=True)
+        finally:
+            logging.getLogger("lsreplay").removeHandler(capture)
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        _reference = Reference(run_dir, state.state_details.flow_run_id, state.result(), capture.messages)
+    return _reference
+
+
+def step0_copy(reference: Reference, dest: Path) -> Path:
+    """A copy of the reference run as it stood after step 0, saved as a one-step run."""
+    shutil.copytree(reference.run_dir, dest)
+    for path in ["step_0001", "checkpoints/policy/step_0001", "checkpoints/drafter/step_0001", "executions"]:
+        shutil.rmtree(dest / path)
+    (dest / "curves.png").unlink()
+    metrics = dest / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])
+    saved = json.loads((dest / "config.json").read_text())
+    saved["config"]["steps"] = 1  # not part of the result hash
+    (dest / "config.json").write_text(json.dumps(saved))
+    return dest
+
+
+def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: float = 400) -> list[dict]:
+    """Several `lsreplay ARGS` commands, each in its own process with LSREPLAY_FAULTS set as
+    given, one after another (tests/forkrun.py: the imports are paid once). Returns each
+    command's {"returncode" (-9 when SIGKILLed), "log" (its output)}."""
+    from prefect.settings import PREFECT_API_URL
+
+    spec = [{"args": args, "env": {"LSREPLAY_FAULTS": faults}, "log": str(log_dir / f"command-{i}.log")}
+            for i, (args, faults) in enumerate(jobs)]
+    (log_dir / "jobs.json").write_text(json.dumps(spec))
+    env = {**os.environ, **FAST_RETRIES, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "tests/forkrun.py"), str(log_dir / "jobs.json")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for r in results:
+        r["log"] = Path(r["log"]).read_text()
+    return results
+
+
+def digests(run_dir: Path, *folders: str) -> dict[str, str]:
+    """sha256 of every file under the folders, done markers (which hold timings) excepted."""
+    out = {}
+    for folder in folders:
+        for p in sorted((run_dir / folder).rglob("*")):
+            if p.is_file() and not p.name.endswith(".done.json"):
+                out[str(p.relative_to(run_dir))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out

@@ -1,0 +1,115 @@
+"""Bad input stops with a clear message naming the problem and what to do, before any work
+where it can be checked up front. (NaN loss: test_faults; damaged stage outputs and
+checkpoints, which are recomputed: test_resume.)"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from flowrun import reference_run, step0_copy, unique_pool
+
+from lsreplay import cli
+
+LSREPLAY = Path(__file__).resolve().parents[1] / "lsreplay"
+
+
+def error(capsys) -> str:
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("steps=abc", "config key 'steps'"),
+    ("model.pth=x", "unknown config key 'model.pth'; allowed keys under 'model'"),
+    ("rollout.branching=[]", "rollout.branching"),
+    ("storage.uri=ftp://x/y", "storage.uri"),
+])
+def test_config_errors(override, message, capsys):
+    assert cli.main(["train", override]) == 2
+    assert message in error(capsys)
+
+
+def test_missing_config_file(capsys):
+    assert cli.main(["train", "no/such/config.yaml"]) == 2
+    assert "config file no/such/config.yaml does not exist" in error(capsys)
+
+
+def test_missing_model_path(tmp_path, capsys):
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'nope'}"]) == 2
+    err = error(capsys)
+    assert "is not an HF model folder (no config.json there)" in err and "give a local folder" in err
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+def test_missing_dataset_file_and_field(tmp_path, tiny_model_dir, capsys):
+    base = [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}"]
+    assert cli.main(["train", *base, f"data.path={tmp_path / 'prompts.jsonl'}"]) == 2
+    assert "prompt file not found" in error(capsys)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{i}+1?", "task": "basic_arithmetic"}) + "\n" for i in range(4)))
+    assert cli.main(["train", *base, f"data.path={rows}"]) == 2
+    err = error(capsys)
+    assert "required field 'answer' is missing" in err and "Add 'answer' to every row" in err
+
+
+def test_unreachable_storage_endpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # the S3 client's own retries: not needed here
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-show-me")
+    assert cli.main(["train", "storage.uri=s3://bucket/run", "storage.endpoint_url=http://127.0.0.1:9"]) == 2
+    err = error(capsys)
+    assert "cannot reach the store s3://bucket/run at http://127.0.0.1:9" in err
+    assert "check storage.endpoint_url, that the server is up, and the credentials" in err
+    assert "do-not-show-me" not in err
+
+
+def test_resume_of_no_run(tmp_path, capsys):
+    assert cli.main(["resume", str(tmp_path)]) == 2
+    assert "holds no run (no config.json there); start one with `lsreplay train`" in error(capsys)
+
+
+def test_checkpoint_that_does_not_fit_the_model(prefect_server, tiny_model_dir, tmp_path_factory, tmp_path, capsys):
+    """A run continued (--force) with another model: its checkpoint cannot be loaded into
+    it. The run stops naming the stage, the step, the checkpoint and what to do."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ref = reference_run(tmp_path_factory, tiny_model_dir)
+    run_dir = step0_copy(ref, tmp_path / "run")
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    config = AutoConfig.from_pretrained(other)
+    config.num_hidden_layers = 1
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    assert cli.main(["resume", str(run_dir), f"model.path={other}", "--steps", "2", "--force", unique_pool()]) == 1
+    err = error(capsys)
+    assert re.search(r"stage trees of step 1 failed: CheckpointError: checkpoint \S+checkpoints/policy/step_0000/"
+                     r"model.safetensors does not fit", err), err
+    assert "unexpected keys" in err and "load it into the architecture and config it was saved from" in err
+    assert not (run_dir / "step_0001/trees.done.json").exists()
+
+
+UNPICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
+
+
+def test_nothing_read_back_is_unpickled():
+    """Stored state is safetensors and JSON: lsreplay/ imports no unpickler and calls
+    torch.load only with weights_only=True (code only: comments and docs may say 'pickle')."""
+    offenders = []
+    for path in sorted(LSREPLAY.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(LSREPLAY.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] in UNPICKLERS for a in node.names):
+                offenders.append(f"{where}: import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UNPICKLERS:
+                offenders.append(f"{where}: from {node.module} import ...")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                           for k in node.keywords)
+                if not safe:
+                    offenders.append(f"{where}: {ast.unparse(node)}")
+    assert offenders == [], "unpickling in lsreplay/ (use safetensors/JSON, or weights_only=True):\n" + \
+        "\n".join(offenders)

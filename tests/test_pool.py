@@ -1,0 +1,91 @@
+"""The accelerator pool: a Prefect global concurrency limit plus per-device locks. Concurrent
+holders never share a device; slots come back after failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lsreplay.config import PoolConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def active_slots(name: str) -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(name).active_slots
+
+
+def test_pool_gives_each_holder_its_own_device_and_releases_after_failures(prefect_server):
+    from prefect import flow, task
+
+    from tasks.pool import ensure_pool, pool_devices
+
+    pool = PoolConfig(name=f"test-pool-{uuid.uuid4().hex[:8]}", slots=2)
+    ensure_pool(PoolConfig(name=pool.name, slots=5))
+    ensure_pool(pool)  # an existing limit takes the configured size
+    spans: list[tuple[int, float, float]] = []
+    lock = threading.Lock()
+
+    @task
+    def hold(seconds: float, fail: bool = False) -> int:
+        with pool_devices(pool) as (device,):
+            start = time.monotonic()
+            time.sleep(seconds)
+            end = time.monotonic()
+            with lock:
+                spans.append((device, start, end))
+            if fail:
+                raise RuntimeError("a stage failing on its device")
+            return device
+
+    @flow
+    def busy() -> list[bool]:
+        futures = [hold.submit(0.4, fail=i % 3 == 1) for i in range(6)]
+        for f in futures:
+            f.wait()
+        return [f.state.is_failed() for f in futures]
+
+    assert sorted(busy()) == [False] * 4 + [True] * 2
+    assert len(spans) == 6 and {d for d, _, _ in spans} == {0, 1}
+    for i, (d1, s1, e1) in enumerate(spans):
+        for d2, s2, e2 in spans[i + 1:]:
+            assert d1 != d2 or e1 <= s2 or e2 <= s1, f"device {d1} held twice at once: {spans}"
+    # Never more than two at once, and at some point two at once.
+    events = sorted([(s, 1) for _, s, _ in spans] + [(e, -1) for _, _, e in spans])
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    assert peak == 2
+    assert active_slots(pool.name) == 0  # the failed holders gave their slots back
+
+    @flow
+    def after() -> list:
+        return [f.result() for f in [hold.submit(0.05) for _ in range(3)]]
+
+    assert sorted(after()) and active_slots(pool.name) == 0
+
+
+def test_prefect_yaml_deploys_the_training_flow():
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    deployment = spec["deployments"][0]
+    path, name = deployment["entrypoint"].split(":")
+    assert (REPO / path).is_file() and name == "train"
+    assert deployment["work_pool"]["name"]
+    assert "secret" not in yaml.safe_dump(deployment["parameters"]).lower()
+
+
+@pytest.mark.parametrize("argv", [["serve", "--cron", "0 3 * * *", "--interval", "60"], ["serve"]])
+def test_serve_needs_one_schedule(argv):
+    from lsreplay import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(argv)

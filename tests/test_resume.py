@@ -1,0 +1,89 @@
+"""Resume: a run SIGKILLed in the middle of any stage and resumed ends bit-identical to an
+uninterrupted run, without redoing finished stages; damaged outputs are recomputed; a
+config that changes results is refused on resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from flowrun import digests, lsreplay_chain, reference_run, step0_copy, tiny, unique_pool
+
+from lsreplay import cli
+from lsreplay.config import load_config
+from lsreplay.run import STAGES, Run
+
+STEP1 = ["step_0001", "checkpoints/policy/step_0001", "checkpoints/drafter/step_0001"]
+
+
+def done(run_dir, step, stage):
+    return (run_dir / f"step_{step:04d}" / f"{stage}.done.json").is_file()
+
+
+def executions(run_dir) -> dict:
+    return Run(load_config(None, [f"run_dir={run_dir}"])).executions()
+
+
+def test_killed_in_each_stage_then_resumed_is_bit_identical(prefect_server, tiny_model_dir, tmp_path_factory,
+                                                            tmp_path):
+    """One chain: step 1 is killed (SIGKILL) in the middle of prompts, then, resumed, in the
+    middle of trees, ..., then of drafter; the last resume finishes. Each stage of step 1
+    runs exactly twice, and the weights equal the uninterrupted reference run's."""
+    ref = reference_run(tmp_path_factory, tiny_model_dir)
+    run_dir = step0_copy(ref, tmp_path / "run")  # step 0 as the reference left it, a one-step run
+    jobs = [(["resume", str(run_dir), unique_pool(), *(["--steps", "2"] if i == 0 else [])], f"{stage}@1:kill")
+            for i, stage in enumerate(STAGES)]
+    for stage, result in zip(STAGES, lsreplay_chain(jobs, tmp_path)):
+        assert result["returncode"] == -9, f"not killed in {stage}:\n{result['log'][-3000:]}"
+        assert f"injected kill in the middle of stage {stage} of step 1" in result["log"]
+    assert [s for s in STAGES if done(run_dir, 1, s)] == list(STAGES[:-1])
+    assert (run_dir / "checkpoints/drafter/step_0001/model.safetensors").is_file()  # outputs, no marker
+    assert cli.main(["resume", str(run_dir), unique_pool()]) == 0
+
+    assert digests(run_dir, *STEP1) == digests(ref.run_dir, *STEP1)
+    assert digests(run_dir, "checkpoints") == digests(ref.run_dir, "checkpoints")
+    assert executions(run_dir) == {(1, s): 2 for s in STAGES}  # the killed try and the finishing one
+    assert [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == [0, 1]
+
+
+def test_damaged_outputs_are_recomputed(prefect_server, tiny_model_dir, tmp_path_factory, tmp_path):
+    """A flipped byte (same size: done() cannot see it) in step 1's trees and in step 0's
+    policy checkpoint is caught by the sha256 check where they are read; the stages that
+    wrote them run again and the run ends as the reference did."""
+    from flows.train import train
+
+    ref = reference_run(tmp_path_factory, tiny_model_dir)
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref.run_dir, run_dir)
+    shutil.rmtree(run_dir / "executions")
+    for stage in ("policy", "drafter"):  # step 1's update must run again: it reads both
+        (run_dir / f"step_0001/{stage}.done.json").unlink()
+    for path in ("step_0001/trees.json", "checkpoints/policy/step_0000/model.safetensors"):
+        data = bytearray((run_dir / path).read_bytes())
+        data[-10] ^= 0xFF
+        (run_dir / path).write_bytes(bytes(data))
+    # A truncated file is caught by done() itself, before anything reads it.
+    kv = min((run_dir / "step_0000/prefix_kv").rglob("*.safetensors"))
+    kv.write_bytes(kv.read_bytes()[:-1])
+    cfg = load_config(None, tiny(run_dir, tiny_model_dir))
+    assert Run(cfg).done(0, "prefixes") is None
+
+    train(resume=str(run_dir), overrides=[unique_pool()])
+    assert digests(run_dir, "step_0000", *STEP1) == digests(ref.run_dir, "step_0000", *STEP1)
+    assert digests(run_dir, "checkpoints") == digests(ref.run_dir, "checkpoints")
+    ran = executions(run_dir)
+    # Step 0's prefixes (truncated K/V) run again; step 1's update finds trees.json damaged,
+    # so trees run again, which find step 0's checkpoint damaged, so step 0's update runs
+    # again; then step 1's trees, update and drafter. A try that hit damage counts too.
+    assert ran == {(0, "prefixes"): 1, (1, "policy"): 2, (1, "trees"): 2, (0, "policy"): 1, (1, "drafter"): 1}, ran
+
+
+def test_result_changing_config_is_refused_on_resume(tiny_model_dir, tmp_path_factory, prefect_server, capsys):
+    ref = reference_run(tmp_path_factory, tiny_model_dir)
+    before = (ref.run_dir / "config.json").read_bytes()
+    assert cli.main(["resume", str(ref.run_dir), "optim.lr=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr: 0.001 -> 0.5" in err and "--force" in err, err
+    assert cli.main(["train", *tiny(ref.run_dir, tiny_model_dir), "seed=7"]) == 2
+    assert "seed: 0 -> 7" in capsys.readouterr().err
+    assert (ref.run_dir / "config.json").read_bytes() == before
