@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -219,7 +220,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS),
            cfg.algo.kl_estimator)
     _check(cfg.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0", cfg.algo.kl_coef)
-    _check(cfg.optim.lr > 0, "optim.lr", "must be > 0", cfg.optim.lr)
+    _check(0 < cfg.optim.lr < math.inf, "optim.lr", "a finite number > 0", cfg.optim.lr)
     _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
     _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)

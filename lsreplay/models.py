@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lsreplay.config import SMOLLM2, ModelConfig
 
@@ -79,15 +79,32 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
 
 
+def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised model of the shape `cfg.arch` gives (HF config kwargs with a
+    model_type): for planning and benchmarks at production sizes without the weights."""
+    arch = dict(cfg.arch)
+    try:
+        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    except (KeyError, ValueError) as e:
+        raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
+    config._attn_implementation = cfg.attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
+
+
 def load_model(cfg: ModelConfig, trainable: bool = True) -> PreTrainedModel:
     """The policy (trainable) or a frozen copy (reference), in the configured dtype."""
-    path = resolve_model_dir(cfg)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, cfg.dtype), local_files_only=True,
-            attn_implementation=cfg.attn_implementation)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"could not load the model at {path}: {e}") from e
+    if cfg.arch:
+        model = random_model(cfg)
+    else:
+        path = resolve_model_dir(cfg)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, cfg.dtype), local_files_only=True,
+                attn_implementation=cfg.attn_implementation)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"could not load the model at {path}: {e}") from e
     # Eval mode always: replay must differentiate exactly what the caching pass computed,
     # so no dropout, in training too.
     model.eval()
