@@ -13,11 +13,12 @@ last committed checkpoint stays as it was.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 
 from prefect import flow, get_run_logger
 
 from flows import artifacts
-from lsreplay.config import Config, load_config
+from lsreplay.config import Config, ConfigError, load_config
 from lsreplay.metrics import step_record
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
 from tasks.pool import ensure_pool
@@ -47,13 +48,19 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     ensure_pool(cfg.pool)
     logger.info("run %s: %d steps, storage %s", cfg.run_dir, cfg.steps, run.store.uri)
     tasks = configured()
+    with task_runner(cfg) as runner:
+        return _run_steps(run, tasks, runner, cfg)
+
+
+def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
+    logger = get_run_logger()
     progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
     progress(0.0)
     recomputes: Counter = Counter()
     step = 0
     while step < cfg.steps:
         try:
-            manifests = _step(tasks, cfg, step)
+            manifests = _step(tasks, cfg, step, runner)
         except InputCorrupt as e:
             recomputes[e.step, e.stage] += 1
             if recomputes[e.step, e.stage] > MAX_RECOMPUTES:
@@ -75,13 +82,53 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     return run.metrics()
 
 
-def _step(tasks: dict, cfg: Config, step: int) -> dict[str, dict]:
+# Stages that hold accelerator pool slots (tasks.stages._on_pool), and so Ray GPUs.
+ACCELERATOR_STAGES = ("trees", "prefixes", "policy", "drafter")
+
+
+def task_runner(cfg: Config):
+    """pool.task_runner: "thread" (default) runs each stage's task in the flow's own
+    process; "ray" submits each to prefect-ray's RayTaskRunner on the Ray cluster at
+    pool.ray_address (empty: a Ray instance already initialised in this process, else a
+    new local one). Yields the runner, or None for "thread"."""
+    kind = getattr(cfg.pool, "task_runner", "thread")
+    if kind == "thread":
+        return nullcontext(None)
+    if kind != "ray":
+        raise ConfigError(f"config key 'pool.task_runner' = {kind!r} is not allowed: thread or ray")
+    try:
+        from prefect_ray import RayTaskRunner
+    except ImportError as e:
+        raise ConfigError("pool.task_runner=ray needs prefect-ray and ray: pip install 'lsreplay[ray]'") from e
+    return RayTaskRunner(address=getattr(cfg.pool, "ray_address", "") or None)
+
+
+def _ray_options(cfg: Config, stage: str) -> dict:
+    """What a stage's Ray task asks the cluster for: pool.ray_gpus GPUs per pool slot it holds."""
+    gpus = float(getattr(cfg.pool, "ray_gpus", 0.0) or 0.0)
+    if stage not in ACCELERATOR_STAGES or gpus <= 0:
+        return {}
+    return {"num_gpus": gpus * (cfg.pool.devices_per_step if stage == "policy" else 1)}
+
+
+def _run_stage(task, runner, cfg: Config, stage: str, step: int) -> dict:
+    if runner is None:
+        return task(cfg, step)  # in this thread
+    from prefect_ray.context import remote_options
+
+    # Submitted and awaited one at a time: each stage lands on a Ray worker, in order.
+    with remote_options(**_ray_options(cfg, stage)):
+        future = runner.submit(task, parameters={"cfg": cfg, "step": step})
+    return future.result()
+
+
+def _step(tasks: dict, cfg: Config, step: int, runner=None) -> dict[str, dict]:
     manifests = {}
     for stage in STAGES:
         if stage == "drafter" and not cfg.drafter.enabled:
             continue
         try:
-            manifests[stage] = tasks[stage](cfg, step)
+            manifests[stage] = _run_stage(tasks[stage], runner, cfg, stage, step)
         except InputCorrupt:
             raise
         except Exception as e:

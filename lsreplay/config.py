@@ -129,6 +129,12 @@ class PoolConfig:
     device_memory_gb: float = 0.0
     # Data-parallel ranks of the policy update (whole trees per rank).
     devices_per_step: int = 1
+    # "thread": each stage's task runs in the flow's process; "ray": as a Ray task (pip install '.[ray]').
+    task_runner: str = "thread"
+    # Ray cluster address for task_runner=ray: "ray://HEAD:10001", "auto", or "" (a new local Ray).
+    ray_address: str = ""
+    # GPUs a stage asks Ray for per pool slot it holds (0 on CPU).
+    ray_gpus: float = 0.0
 
 
 @dataclass
@@ -225,6 +231,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
     _check(cfg.pool.slots >= 1, "pool.slots", "must be >= 1", cfg.pool.slots)
+    _check(cfg.pool.task_runner in ("thread", "ray"), "pool.task_runner", "thread or ray", cfg.pool.task_runner)
+    _check(cfg.pool.ray_gpus >= 0, "pool.ray_gpus", "must be >= 0", cfg.pool.ray_gpus)
     _check(cfg.pool.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)",
            cfg.pool.device_memory_gb)
     _check(1 <= cfg.pool.devices_per_step <= cfg.pool.slots, "pool.devices_per_step",

@@ -47,11 +47,16 @@ OPTIONS = dict(retries=RETRIES, retry_delay_seconds=retry_delays(), retry_jitter
                retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
-def _on_pool(stage, name: str, cfg: Config, step: int, **kwargs) -> dict:
+def _on_pool(stage, name: str, cfg: Config, step: int, count: int = 1, pass_devices: bool = False,
+             **kwargs) -> dict:
+    """Run the stage holding `count` pool slots (and their device indices, passed to the
+    stage as `devices=` if `pass_devices`)."""
     run = Run(cfg)
     if done := run.done(step, name):  # finished earlier: no need to wait for a device
         return done
-    with pool_devices(cfg.pool):
+    with pool_devices(cfg.pool, count) as devices:
+        if pass_devices:
+            kwargs["devices"] = devices
         return stage(run, step, **kwargs)
 
 
@@ -75,7 +80,8 @@ def cache_prefixes(cfg: Config, step: int) -> dict:
 
 @task(name="train-policy", **OPTIONS)
 def train_policy(cfg: Config, step: int) -> dict:
-    return _on_pool(stages.train_policy, "policy", cfg, step)
+    # One slot (device) per data-parallel rank of the backward.
+    return _on_pool(stages.train_policy, "policy", cfg, step, count=cfg.pool.devices_per_step, pass_devices=True)
 
 
 @task(name="distill-drafter", **OPTIONS)
