@@ -16,6 +16,11 @@ after a warm-up. It reports the positions each runs, the ActivationMeter peak of
     efficiency = speedup / ideal
     mem_ratio  = replay peak / naive peak
 
+Two cross-checks sit next to them in the table (not in the targets): cpu_sp, the speedup
+in CPU seconds of this process (less sensitive to other processes taking the cores),
+and flop_id, the FLOPs ratio, which unlike the positions ratio charges each leaf token
+for attending to the whole prefix (see forward_flops).
+
 Targets: efficiency >= 0.8 and mem_ratio <= 1. The machine is shared and noisy, which is
 why only ratios measured side by side are reported. The last line is key=value pairs:
 the headline is the worst efficiency (with its shape's speedup and ideal) and the
@@ -36,12 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
-from lsreplay.replay.capture import capture_tree  # noqa: E402
-from lsreplay.replay.memory import ActivationMeter  # noqa: E402
-from lsreplay.tree import RolloutTree  # noqa: E402
+from lsreplay.replay.backward import naive_backward, replay_backward
+from lsreplay.replay.capture import capture_tree
+from lsreplay.replay.memory import ActivationMeter
+from lsreplay.tree import RolloutTree
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,10 @@ class Shape:
         return f"G={g} P={self.prompt} S={segs}"
 
 
-MODEL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=8192)
-SMOKE_MODEL = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024)
+MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 8192}
+SMOKE_MODEL = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 1024}
 
 SHAPES = {s.name: s for s in [
     Shape("g8", 2048, ((8, 128),)),
@@ -120,6 +125,36 @@ def max_rel_diff(a: list, b: list) -> float:
     return worst
 
 
+def forward_flops(config, tree: RolloutTree, replay: bool) -> float:
+    """Forward FLOPs (backward is ~2x for both methods, so ratios hold): linear layers per
+    position, the LM head per predicted token, and attention per (query, key) pair. Unlike
+    the positions ratio it charges replay's leaf tokens for attending to the whole prefix,
+    which matters in a model as narrow as this one at thousands of positions."""
+    h, L, I, V = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    H, kvh = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or h // H
+    per_position = 2 * L * (2 * h * H * hd + 2 * h * kvh * hd + 3 * h * I)
+    per_pair = 4 * L * H * hd
+    per_target = 2 * h * V
+    if replay:  # every trie position once; position start+i attends to start+i+1 keys
+        spans = [(n.start, len(n.tokens)) for n in tree.nodes]
+        targets = tree.num_entries
+    else:
+        spans = [(0, tree.prompt_len + len(c)) for c in tree.completions]
+        targets = sum(len(c) for c in tree.completions)
+    positions = sum(n for _, n in spans)
+    pairs = sum(n * start + n * (n + 1) // 2 for start, n in spans)
+    return positions * per_position + pairs * per_pair + targets * per_target
+
+
+def timed(fn):
+    """(result, wall seconds, CPU seconds of this process): CPU time is a cross-check that
+    is less sensitive to other processes taking the cores."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
 def run_shape(model, shape: Shape, reps: int, seed: int) -> dict:
     rng = random.Random(seed)
     tree = make_tree(shape, model.config.vocab_size, rng)
@@ -132,31 +167,35 @@ def run_shape(model, shape: Shape, reps: int, seed: int) -> dict:
         start = time.perf_counter()
         acts = [capture_tree(model, tree, keep_hidden=False)]
         cache_s = min(cache_s, time.perf_counter() - start)
-    prefix_kv = lambda i, node: acts[i].prefix_kv.get(node.id)  # noqa: E731
+    prefix_kv = lambda i, node: acts[i].prefix_kv.get(node.id)
 
-    naive_s = replay_s = math.inf
+    naive_s = replay_s = naive_cpu = replay_cpu = math.inf
     rel = 0.0
     for _ in range(reps):  # interleaved, so both see the same machine load
         model.zero_grad(set_to_none=True)
-        naive = naive_backward(model, trees, weights, meter=ActivationMeter(model))
+        naive, _, cpu = timed(lambda: naive_backward(model, trees, weights, meter=ActivationMeter(model)))
+        naive_s, naive_cpu = min(naive_s, naive.seconds), min(naive_cpu, cpu)
         g_naive = grads(model)
         model.zero_grad(set_to_none=True)
-        replay = replay_backward(model, trees, weights, prefix_kv=prefix_kv, meter=ActivationMeter(model))
+        replay, _, cpu = timed(lambda: replay_backward(model, trees, weights, prefix_kv=prefix_kv,
+                                                       meter=ActivationMeter(model)))
+        replay_s, replay_cpu = min(replay_s, replay.seconds), min(replay_cpu, cpu)
         g_replay = grads(model)
         model.zero_grad(set_to_none=True)
-        naive_s, replay_s = min(naive_s, naive.seconds), min(replay_s, replay.seconds)
         rel = max(rel, max_rel_diff(g_naive, g_replay))
 
     ideal = tree.total_positions / tree.unique_positions
+    flop_ideal = forward_flops(model.config, tree, False) / forward_flops(model.config, tree, True)
     speedup = naive_s / replay_s
-    return dict(
-        shape=shape, ideal=ideal, speedup=speedup, efficiency=speedup / ideal,
-        naive_s=naive_s, replay_s=replay_s, cache_s=cache_s,
-        naive_pos=naive.positions, replay_pos=replay.positions,
-        naive_peak=naive.peak_activation_bytes, replay_peak=replay.peak_activation_bytes,
-        mem_ratio=replay.peak_activation_bytes / naive.peak_activation_bytes,
-        grad_rel=rel, objective_gap=abs(naive.objective - replay.objective) / max(abs(naive.objective), 1e-30),
-    )
+    return {
+        "shape": shape, "ideal": ideal, "speedup": speedup, "efficiency": speedup / ideal,
+        "flop_ideal": flop_ideal, "cpu_speedup": naive_cpu / replay_cpu,
+        "naive_s": naive_s, "replay_s": replay_s, "cache_s": cache_s,
+        "naive_pos": naive.positions, "replay_pos": replay.positions,
+        "naive_peak": naive.peak_activation_bytes, "replay_peak": replay.peak_activation_bytes,
+        "mem_ratio": replay.peak_activation_bytes / naive.peak_activation_bytes,
+        "grad_rel": rel, "objective_gap": abs(naive.objective - replay.objective) / max(abs(naive.objective), 1e-30),
+    }
 
 
 def mib(n: int) -> str:
@@ -195,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     run_shape(model, warm, 1, args.seed)
 
     header = (f"{'shape':<6} {'tree':<24} {'naive_s':>8} {'replay_s':>8} {'cache_s':>7} {'speedup':>7} "
-              f"{'ideal':>6} {'effic':>6} {'naive_pos':>9} {'replay_pos':>10} {'naive_MiB':>9} "
+              f"{'ideal':>6} {'effic':>6} {'cpu_sp':>6} {'flop_id':>7} {'naive_pos':>9} {'replay_pos':>10} {'naive_MiB':>9} "
               f"{'replay_MiB':>10} {'mem_ratio':>9} {'grad_rel':>9}")
     print(header)
     print("-" * len(header), flush=True)
@@ -205,19 +244,20 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"{name:<6} {r['shape'].describe():<24} {r['naive_s']:>8.2f} {r['replay_s']:>8.2f} "
               f"{r['cache_s']:>7.2f} {r['speedup']:>7.2f} {r['ideal']:>6.2f} {r['efficiency']:>6.2f} "
-              f"{r['naive_pos']:>9} {r['replay_pos']:>10} {mib(r['naive_peak']):>9} "
+              f"{r['cpu_speedup']:>6.2f} {r['flop_ideal']:>7.2f} {r['naive_pos']:>9} {r['replay_pos']:>10} {mib(r['naive_peak']):>9} "
               f"{mib(r['replay_peak']):>10} {r['mem_ratio']:>9.3f} {r['grad_rel']:>9.2e}", flush=True)
 
     worst = min(results, key=lambda r: r["efficiency"])
-    kv = dict(speedup=f"{worst['speedup']:.3f}", ideal=f"{worst['ideal']:.3f}",
-              efficiency=f"{worst['efficiency']:.3f}",
-              mem_ratio=f"{max(r['mem_ratio'] for r in results):.3f}",
-              grad_rel_diff=f"{max(r['grad_rel'] for r in results):.3e}",
-              worst_shape=worst["shape"].name)
+    kv = {"speedup": f"{worst['speedup']:.3f}", "ideal": f"{worst['ideal']:.3f}",
+          "efficiency": f"{worst['efficiency']:.3f}",
+          "mem_ratio": f"{max(r['mem_ratio'] for r in results):.3f}",
+          "grad_rel_diff": f"{max(r['grad_rel'] for r in results):.3e}",
+          "worst_shape": worst["shape"].name}
     for r in results:
         n = r["shape"].name
         kv |= {f"speedup_{n}": f"{r['speedup']:.3f}", f"ideal_{n}": f"{r['ideal']:.3f}",
                f"efficiency_{n}": f"{r['efficiency']:.3f}", f"mem_ratio_{n}": f"{r['mem_ratio']:.3f}",
+               f"cpu_speedup_{n}": f"{r['cpu_speedup']:.3f}", f"flop_ideal_{n}": f"{r['flop_ideal']:.3f}",
                f"cache_s_{n}": f"{r['cache_s']:.3f}", f"grad_rel_diff_{n}": f"{r['grad_rel']:.3e}"}
     kv["wall_s"] = f"{time.perf_counter() - wall:.1f}"
     print(" ".join(f"{k}={v}" for k, v in kv.items()), flush=True)

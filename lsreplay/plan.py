@@ -127,8 +127,8 @@ class RunPeak:
         return self.held_kv + self.saved
 
 
-def _run(dims, elt, what, held, rows, width, past, entries, kv_grads=False) -> RunPeak:
-    return RunPeak(what, held, saved_bytes(dims, elt, rows, width, past, entries, kv_grads),
+def _run(dims, elt, what, held, rows, width, past, entries) -> RunPeak:
+    return RunPeak(what, held, saved_bytes(dims, elt, rows, width, past, entries),
                    rows, width, past, entries)
 
 
@@ -156,7 +156,7 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
         # the node itself, with grad, injecting its children's dK/dV; it also scores its own
         # completion tokens and, at its last position, each child's first token
         own_entries = (length - 1 if depth > 0 else length - shape.prompt) + branching
-        runs.append(_run(dims, elt, f"{first} recompute", held, 1, length, start, own_entries, kv_grads=True))
+        runs.append(_run(dims, elt, f"{first} recompute", held, 1, length, start, own_entries))
         if depth == len(levels) - 1:  # children are leaves: micro-batches of siblings
             rows = leaf_rows(dims, elt, branching, seg, end, budget)
             runs.append(_run(dims, elt, f"{rows} leaves x {seg}", held, rows, seg, end, rows * (seg - 1)))

@@ -114,8 +114,8 @@ class _Replay:
         return batches
 
     def run(self, nodes: list[Node], ancestors: list[PrefixKV], kv_grads) -> None:
-        """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward:
-        their entries' weighted logprobs, plus <K, dK> + <V, dV> for a node's own K/V."""
+        """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward their
+        entries' weighted logprobs, with `kv_grads` (dK, dV) injected at a node's own K/V."""
         past = concat_kv(ancestors)
         hidden, cache = forward_segments(self.model, [n.tokens for n in nodes], nodes[0].start, past)
         self.positions += hidden.shape[0] * hidden.shape[1]
@@ -127,14 +127,17 @@ class _Replay:
                 term = (lp * w).sum()
                 self.objective += term.detach().double().cpu()
                 objective = objective + term
-        surrogate = objective
+        outputs, grads = [objective], [torch.ones_like(objective)]
         if kv_grads is not None:
             keys, values = new_kv(cache, nodes[0].start)
             for own, grad in zip(keys + values, kv_grads[0] + kv_grads[1]):
                 if grad is not None:
-                    surrogate = surrogate + (own * grad).sum()
-        if surrogate.requires_grad:
-            surrogate.backward()
+                    outputs.append(own)
+                    grads.append(grad)
+        # Injecting dK/dV as output gradients (not as a <K, dK> term) saves neither for backward.
+        live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        if live:
+            torch.autograd.backward([o for o, _ in live], [g for _, g in live])
 
 
 def _entry_weights(trees: list[RolloutTree], weights) -> list[torch.Tensor]:

@@ -58,7 +58,9 @@ class ActivationMeter:
         ptr = t.untyped_storage().data_ptr()
         if ptr == 0 or ptr in self._params:
             return t
-        return _Saved(self, t, ptr)
+        # Detached: a saved *output* would otherwise reference its own grad_fn through us,
+        # a cycle gc cannot see, and stay counted after its graph is dropped.
+        return _Saved(self, t.detach(), ptr)
 
     @staticmethod
     def _unpack(x):
@@ -151,21 +153,19 @@ def per_position_bytes(dims: ModelDims, elt: int, past: bool) -> int:
     return dims.layers * layer + 8 + 2 * dims.head_dim * e + 4 * h + 4 + h * e
 
 
-def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, entries: int,
-                kv_grads: bool = False) -> int:
+def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, entries: int) -> int:
     """Bytes autograd keeps for one `forward_segments` + scoring + backward of `rows`
     segments of `width` new positions after `past` positions of K/V.
 
     With a past, HF passes sdpa an explicit mask, which turns off its grouped-query path:
     keys and values are repeated to all query heads and saved per row for past + new
     positions (2 q_dim e per layer and position), and every layer saves a copy of the mask
-    (rows x width x (past + width) x e). A node run that injects dK/dV saves those gradients too."""
+    (rows x width x (past + width) x e). A node run's injected dK/dV are output gradients,
+    not saved tensors."""
     out = rows * width * per_position_bytes(dims, elt, past > 0) + entries * entry_bytes(dims, elt)
     if past > 0:
         out += rows * dims.layers * 2 * dims.q_dim * elt * (past + width)
         out += dims.layers * rows * width * (past + width) * elt  # each layer saves its own mask copy
-    if kv_grads:
-        out += width * kv_bytes_per_position(dims, elt)
     return out
 
 

@@ -1,0 +1,32 @@
+"""bench/replay.py --smoke runs end to end and ends with its key=value summary line."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ("speedup", "ideal", "efficiency", "mem_ratio")
+
+
+def test_replay_bench_smoke():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "replay.py"), "--smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines, proc.stderr[-4000:]
+    pairs = dict(item.split("=", 1) for item in lines[-1].split())
+    for key in REQUIRED:
+        assert key in pairs, f"{key}= missing from the last line: {lines[-1]!r}"
+        assert math.isfinite(float(pairs[key])) and float(pairs[key]) > 0, (key, pairs[key])
+    # Per-shape values come with the headline, and the gradients agree (float32).
+    shapes = [k.removeprefix("speedup_") for k in pairs if k.startswith("speedup_")]
+    assert shapes
+    for shape in shapes:
+        for key in REQUIRED:
+            assert math.isfinite(float(pairs[f"{key}_{shape}"]))
+    assert float(pairs["efficiency"]) == min(float(pairs[f"efficiency_{s}"]) for s in shapes)
+    assert float(pairs["mem_ratio"]) == max(float(pairs[f"mem_ratio_{s}"]) for s in shapes)
+    assert float(pairs["grad_rel_diff"]) <= 1e-4
