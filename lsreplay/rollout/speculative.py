@@ -1,0 +1,525 @@
+"""Lossless speculative decoding with an EAGLE-style drafter (EAGLE-1 chain drafting).
+
+One round, for every live sequence whose committed tokens are x_0..x_N (the target's KV
+cache holds positions 0..N-1, x_N is not yet encoded):
+
+1. The drafter catches up on the pairs (x_{t+1}, h_t) it has not seen, with the target's
+   real features h_t, which predicts h^_N; then it drafts k tokens autoregressively,
+   feeding its own predicted features back: (d_j, h^_{N+j-1}) -> h^_{N+j} -> d_{j+1}.
+2. The target encodes [x_N, d_1..d_k] in ONE forward and returns p at N..N+k.
+3. Acceptance (Leviathan et al. 2023; Chen et al. 2023): accept d_j with probability
+   min(1, p(d_j)/q(d_j)); at the first rejection sample from norm(max(0, p - q)); if all k
+   are accepted sample a bonus token from p. Greedy: accept while d_j == argmax p, then
+   take argmax p. So a round emits a+1 tokens (a = accepted drafts), at least one.
+4. The target cache keeps x_N..x_{N+a}; the drafter cache drops every drafted entry (it
+   was built on predicted features) and next round re-reads those positions with the
+   target's real features, as EAGLE does.
+
+Batches. Rows accept different numbers of drafts, so their caches stop lining up. Both
+caches stay one shared tensor per layer: the columns a row rejected become holes that an
+attention mask (kept per row, per cache column) hides, and position ids are tracked per
+row, so a row sees exactly its own tokens at its own positions. The cache is cropped to
+the longest row after each round; finished rows leave the batch (their cache rows are
+dropped); a lone remaining row has its holes compacted away so decoding goes on without
+any mask. Inputs are either a (B, T) left-padded tensor with its attention_mask, or a
+list of variable-length prompts (left-padded here).
+
+Draft vocabulary. `draft_vocab` (token ids) restricts the drafter's output layer to those
+rows of the LM head: on a 49k-vocabulary model that layer is most of a one-layer
+drafter's cost. q is then a proper distribution over that subset (zero elsewhere), so the
+acceptance rule stays exact; the target always scores the full vocabulary.
+
+Exactness. Greedy output equals plain greedy decoding of the target up to floating point:
+the verify forward scores k+1 positions in one matmul, which may round differently from
+one-at-a-time decoding, so a near-tie in the argmax could in principle flip.
+Models: Llama/Qwen2-style (`base_model` returns the final-norm features, the LM head maps
+them to logits, no logit soft-capping).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from lsreplay.rollout.sampling import SamplingParams, _truncate
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAFT_LEN = 4
+
+
+class DraftLengthPolicy(Protocol):
+    """What `speculative_generate` asks of a draft-length chooser (see rollout.bandit)."""
+
+    def choose(self, batch_size: int) -> int: ...
+
+    def update(self, batch_size: int, draft_len: int, tokens: int, seconds: float) -> None: ...
+
+
+@dataclass
+class SpecStats:
+    """Counters one or more `speculative_generate` calls add to.
+
+    A row-verification is one live sequence in one verify forward; it emits its accepted
+    drafts plus one token, so accept_len = tokens emitted per target forward per sequence.
+    """
+
+    target_forwards: int = 0  # target forward calls: prefill + one per round
+    verify_rows: int = 0  # row-verifications (sum over rounds of live sequences)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    drafter_forwards: int = 0
+    draft_seconds: float = 0.0  # drafter catch-up + drafting
+    verify_seconds: float = 0.0  # target verify forwards and acceptance
+    draft_lens: list[int] = field(default_factory=list)  # k used in each round
+
+    @property
+    def accept_len(self) -> float:
+        return (self.accepted + self.verify_rows) / self.verify_rows if self.verify_rows else float("nan")
+
+    @property
+    def acceptance(self) -> float:
+        """Share of drafted tokens accepted."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+# ---------------------------------------------------------------- acceptance rules
+
+
+def _accept_greedy(logits: torch.Tensor, drafts: torch.LongTensor) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Accepted count a (A,) and the next token (A,) from target logits (A, k+1, V) and drafts (A, k)."""
+    best = logits.argmax(-1)
+    accepted = (drafts == best[:, :-1]).long().cumprod(1).sum(1)
+    return accepted, best.gather(1, accepted[:, None])[:, 0]
+
+
+def _accept_sampled(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.LongTensor, generator: torch.Generator | None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """The speculative-sampling rule over target probs p (A, k+1, V) and draft probs q (A, k, V).
+
+    Draft j is kept with probability min(1, p/q); the first rejected position samples from
+    norm(max(0, p - q)), and a row that keeps all k samples its bonus token from p[k].
+    """
+    rows = torch.arange(p.shape[0], device=p.device)
+    index = drafts[..., None]
+    p_draft, q_draft = p[:, :-1].gather(2, index)[..., 0], q.gather(2, index)[..., 0]
+    u = torch.rand(p_draft.shape, generator=generator, device=p.device, dtype=p.dtype)
+    # u < p/q, written without the division; q(d) > 0 because d was drawn from q.
+    accepted = (u * q_draft < p_draft).long().cumprod(1).sum(1)
+    p_at = p[rows, accepted]
+    q_at = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, accepted]  # q = 0 at the bonus position
+    residual = (p_at - q_at).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    # total is 0 only when p == q, where rejection has probability 0; fall back to p for rounding.
+    residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p_at)
+    return accepted, torch.multinomial(residual, 1, generator=generator)[:, 0]
+
+
+# ---------------------------------------------------------------- inputs and outputs
+
+
+def _as_batch(input_ids, attention_mask) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """(B, T) ids and bool mask, left-padded; a list of prompts is padded here."""
+    if isinstance(input_ids, (list, tuple)):
+        rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in input_ids]
+        if not rows or min(len(r) for r in rows) == 0:
+            raise ValueError("every prompt needs at least one token")
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=rows[0].device)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool, device=rows[0].device)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = r
+            mask[i, width - len(r) :] = True
+        return ids, mask
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (B, T) or a list of prompts, got shape {tuple(input_ids.shape)}")
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    if not mask[:, -1].all() or (mask[:, 1:].long() < mask[:, :-1].long()).any():
+        raise ValueError("input_ids must be left-padded: each row's attention_mask a run of 0s then 1s, ending in 1")
+    return input_ids, mask
+
+
+def _eos_tensor(eos_token_id, device) -> torch.LongTensor:
+    if eos_token_id is None:
+        return torch.empty(0, dtype=torch.long, device=device)
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _pad_value(pad_token_id, eos_token_id) -> int:
+    if pad_token_id is not None:
+        return pad_token_id
+    if eos_token_id is None:
+        return 0
+    return eos_token_id if isinstance(eos_token_id, int) else next(iter(eos_token_id))
+
+
+def _stack(outputs: list[list[int]], pad: int, device) -> torch.LongTensor:
+    width = max(len(o) for o in outputs)
+    result = torch.full((len(outputs), width), pad, dtype=torch.long, device=device)
+    for i, o in enumerate(outputs):
+        result[i, : len(o)] = torch.tensor(o, dtype=torch.long, device=device)
+    return result
+
+
+def _positions(mask: torch.BoolTensor) -> torch.LongTensor:
+    """HF's convention for left padding: count of real tokens before, padding at 0."""
+    return (mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+# ---------------------------------------------------------------- caches with holes
+
+
+def _crop_to(cache: DynamicCache, length: int) -> None:
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _compact(cache: DynamicCache, keep: torch.LongTensor) -> None:
+    """Keep only cache columns `keep` (one row's holes removed); every layer is a plain DynamicLayer."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+
+def drafter_forward(
+    drafter,
+    input_ids: torch.LongTensor,
+    hidden_states: torch.Tensor,
+    position_ids: torch.LongTensor,
+    cache: DynamicCache,
+    attention_mask: torch.BoolTensor | None,
+) -> torch.Tensor:
+    """`drafter(...)` with a 2D attention mask over (cache + new) columns; None = all visible.
+
+    Drafter.forward masks causally in cache order only, which is exact for one sequence
+    but not for batch rows whose caches hold holes; this is the same computation with
+    the holes hidden (tests check the two agree when nothing is masked).
+    """
+    if attention_mask is None:
+        return drafter(input_ids, hidden_states, position_ids, cache=cache)
+    embeds = F.embedding(input_ids, drafter._shared.embed.weight.detach())
+    x = drafter.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
+    mask = create_causal_mask(
+        config=drafter.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+    )
+    return drafter.layer(
+        x,
+        attention_mask=mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+        position_embeddings=drafter.rotary_emb(x, position_ids),
+    )
+
+
+class _MaskedCache:
+    """A DynamicCache plus a per-row visibility mask over its columns (holes = False)."""
+
+    def __init__(self, config, mask: torch.BoolTensor):
+        self.cache = DynamicCache(config=config)
+        self.mask = mask  # (A, columns so far)
+        self.holes = not bool(mask.all())
+
+    def attend(self, new: torch.BoolTensor) -> torch.BoolTensor | None:
+        """The 2D mask for a forward adding columns `new` (A, n); None when nothing is hidden."""
+        full = torch.cat([self.mask, new], dim=1)
+        return full if self.holes or not bool(new.all()) else None
+
+    def extend(self, new: torch.BoolTensor) -> None:
+        self.mask = torch.cat([self.mask, new], dim=1)
+        self.holes = self.holes or not bool(new.all())
+
+    def crop(self, length: int) -> None:
+        _crop_to(self.cache, length)
+        self.mask = self.mask[:, :length]
+
+    def select(self, rows: torch.LongTensor) -> None:
+        self.cache.reorder_cache(rows)
+        self.mask = self.mask[rows]
+        if self.holes and self.mask.shape[0] == 1:
+            keep = self.mask[0].nonzero()[:, 0]
+            _compact(self.cache, keep)
+            self.mask = self.mask[:, keep]
+        self.holes = not bool(self.mask.all())
+
+
+# ---------------------------------------------------------------- the decoder
+
+
+class _Speculator:
+    """State of one speculative_generate call; rows are the sequences still decoding."""
+
+    def __init__(self, target, drafter, params: SamplingParams, generator, draft_vocab, stats: SpecStats):
+        self.target, self.drafter, self.params, self.generator, self.stats = target, drafter, params, generator, stats
+        head = target.get_output_embeddings()
+        self.vocab_size = head.weight.shape[0]
+        if draft_vocab is None:
+            self.vocab, self.draft_weight, self.draft_bias = None, None, None
+        else:
+            self.vocab = torch.as_tensor(draft_vocab, dtype=torch.long, device=head.weight.device).unique()
+            self.draft_weight = head.weight.detach()[self.vocab].contiguous()
+            self.draft_bias = None if head.bias is None else head.bias.detach()[self.vocab]
+
+    # -- distributions
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution (temperature, then top-p) over the last dim, in float32."""
+        shape = logits.shape
+        scaled = _truncate(logits.float().reshape(-1, shape[-1]) / self.params.temperature, self.params)
+        return scaled.softmax(-1).reshape(shape)
+
+    def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
+        if self.params.temperature == 0:
+            return logits.argmax(-1)
+        return torch.multinomial(self._probs(logits), 1, generator=self.generator)[:, 0]
+
+    def _draft_token(self, features: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """One draft token per row (full-vocabulary ids) and q over the full vocabulary (None if greedy)."""
+        if self.vocab is None:
+            logits = self.drafter.logits(features)
+        else:
+            logits = F.linear(features, self.draft_weight, self.draft_bias)
+        if self.params.temperature == 0:
+            token, q = logits.argmax(-1), None
+        else:
+            q = self._probs(logits)
+            token = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+        if self.vocab is not None:
+            token = self.vocab[token]
+            if q is not None:
+                full = q.new_zeros(q.shape[0], self.vocab_size)
+                q = full.index_copy_(1, self.vocab, q)
+        return token, q
+
+    # -- the target
+
+    def _target(self, ids, position_ids, attention_mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features (A, n, d) and logits (A, n, V) of n new positions."""
+        hidden = self.target.base_model(
+            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
+        ).last_hidden_state
+        self.stats.target_forwards += 1
+        return hidden, self.target.get_output_embeddings()(hidden)
+
+    def prefill(self, ids: torch.LongTensor, mask: torch.BoolTensor) -> torch.LongTensor:
+        """Encode the prompts, pick each row's first token, and queue the drafter's catch-up."""
+        device = ids.device
+        self.t = _MaskedCache(self.target.config, mask[:, :0])
+        self.d = _MaskedCache(self.drafter.config, mask[:, :0])
+        positions = _positions(mask)
+        hidden, logits = self._target(ids, positions, self.t.attend(mask), self.t.cache)
+        self.t.extend(mask)
+        first = self._pick(logits[:, -1])
+        self.pos = mask.sum(1)  # position of `last`, the newest token not yet in the target cache
+        self.last = first
+        # Pair t = (x_{t+1}, h_t): tokens shift left by one, the new token closes the row.
+        self.cu_tok = torch.cat([ids[:, 1:], first[:, None]], dim=1)
+        self.cu_h = torch.where(mask[..., None], hidden, torch.zeros((), dtype=hidden.dtype, device=device))
+        self.cu_pos, self.cu_valid = positions, mask
+        self.cu_last = torch.full_like(first, ids.shape[1] - 1)
+        return first
+
+    def round(self, k: int) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+        """One draft + verify round; returns drafts (A, k), accepted counts (A,), next tokens (A,)."""
+        stats, rows = self.stats, torch.arange(self.last.shape[0], device=self.last.device)
+        start = time.perf_counter()
+        # 1. Catch-up with the target's real features; trailing columns no row uses are skipped.
+        width = int(self.cu_last.max()) + 1
+        valid = self.cu_valid[:, :width]
+        out = drafter_forward(
+            self.drafter, self.cu_tok[:, :width], self.cu_h[:, :width], self.cu_pos[:, :width],
+            self.d.cache, self.d.attend(valid),
+        )
+        self.d.extend(valid)
+        base = self.d.mask.shape[1]
+        features = out[rows, self.cu_last]  # h^ at each row's position `pos`
+        # 2. Draft k tokens, feeding predicted features back.
+        drafts, qs = [], []
+        for j in range(k):
+            token, q = self._draft_token(features)
+            drafts.append(token)
+            qs.append(q)
+            if j + 1 < k:
+                one = torch.ones_like(valid[:, :1])
+                features = drafter_forward(
+                    self.drafter, token[:, None], features[:, None], (self.pos + j)[:, None],
+                    self.d.cache, self.d.attend(one),
+                )[:, 0]
+                self.d.extend(one)
+        self.d.crop(base)  # drafted entries rest on predicted features: drop them
+        stats.drafter_forwards += k
+        drafts = torch.stack(drafts, dim=1)
+        mid = time.perf_counter()
+        # 3. Verify [last, d_1..d_k] in one target forward.
+        block = torch.cat([self.last[:, None], drafts], dim=1)
+        offsets = torch.arange(k + 1, device=block.device)
+        block_pos = self.pos[:, None] + offsets
+        length = self.t.mask.shape[1]
+        hidden, logits = self._target(block, block_pos, self.t.attend(torch.ones_like(block, dtype=torch.bool)),
+                                      self.t.cache)
+        if self.params.temperature == 0:
+            accepted, nxt = _accept_greedy(logits, drafts)
+        else:
+            accepted, nxt = _accept_sampled(self._probs(logits), torch.stack(qs, dim=1), drafts, self.generator)
+        # 4. Keep each row's x_N..x_{N+a}; columns past the longest row go.
+        keep = offsets[None] <= accepted[:, None]
+        used = int(accepted.max()) + 1
+        self.t.extend(keep[:, :used])
+        self.t.crop(length + used)
+        # 5. Next round's catch-up: pairs (x_{t+1}, h_t) for the positions just verified.
+        self.cu_tok = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+        self.cu_tok[rows, accepted] = nxt
+        self.cu_h, self.cu_pos, self.cu_valid, self.cu_last = hidden, block_pos, keep, accepted
+        self.pos = self.pos + accepted + 1
+        self.last = nxt
+        stats.draft_seconds += mid - start
+        stats.verify_seconds += time.perf_counter() - mid
+        stats.verify_rows += len(rows)
+        stats.drafted += k * len(rows)
+        stats.accepted += int(accepted.sum())
+        stats.draft_lens.append(k)
+        return drafts, accepted, nxt
+
+    def select(self, keep: torch.LongTensor) -> None:
+        """Keep only rows `keep` (finished rows leave the batch)."""
+        self.t.select(keep)
+        self.d.select(keep)
+        for name in ("pos", "last", "cu_tok", "cu_h", "cu_pos", "cu_valid", "cu_last"):
+            setattr(self, name, getattr(self, name)[keep])
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    drafter,
+    input_ids: torch.LongTensor | list,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    draft_len: int | DraftLengthPolicy | None = None,
+    eos_token_id: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+    attention_mask: torch.Tensor | None = None,
+    stats: SpecStats | None = None,
+    draft_vocab: torch.LongTensor | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> torch.LongTensor:
+    """Generate up to `max_new_tokens` per prompt with drafter proposals verified by `target`.
+
+    `input_ids`: a (B, T) tensor, left-padded, with `attention_mask` (None = no padding),
+    or a list of B prompts (lists or 1-D tensors of ids) of any lengths. Returns (B, L) new
+    ids only, L = the longest completion; a completion ends after its first EOS (which it
+    keeps) and is padded with `pad_token_id` (default: the first EOS id, else 0).
+
+    temperature 0 is greedy: exactly the target's greedy tokens. Otherwise tokens follow
+    the target's distribution after temperature and top-p, whatever the drafter;
+    `generator` (on the model's device) makes the draw reproducible. `draft_len`: tokens
+    drafted per round (default DEFAULT_DRAFT_LEN), or a policy with choose/update (e.g.
+    rollout.bandit.DraftLengthBandit) asked every round and rewarded with emitted tokens
+    per second. `draft_vocab`: restrict draft proposals to these token ids. `stats`, if
+    given, accumulates counters (SpecStats.accept_len: tokens per target forward).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    policy = draft_len if hasattr(draft_len, "choose") else None
+    fixed = DEFAULT_DRAFT_LEN if draft_len is None or policy is not None else int(draft_len)
+    if fixed < 1:
+        raise ValueError(f"draft_len must be >= 1, got {fixed}")
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    stats = SpecStats() if stats is None else stats
+    ids, mask = _as_batch(input_ids, attention_mask)
+    eos = _eos_tensor(eos_token_id, ids.device)
+    pad = _pad_value(pad_token_id, eos_token_id)
+    was_training = (target.training, drafter.training)
+    target.eval()
+    drafter.eval()
+    try:
+        spec = _Speculator(target, drafter, params, generator, draft_vocab, stats)
+        outputs: list[list[int]] = [[] for _ in range(ids.shape[0])]
+        live = list(range(ids.shape[0]))  # original row of each batch row
+
+        def emit(tokens: list[list[int]]) -> list[int]:
+            """Append each live row's new tokens (cut at EOS / the cap); return the rows still going."""
+            going = []
+            eos_ids = set(eos.tolist())
+            for i, (row, new) in enumerate(zip(live, tokens)):
+                out = outputs[row]
+                for token in new:
+                    out.append(token)
+                    if token in eos_ids or len(out) >= max_new_tokens:
+                        break
+                if not (out[-1] in eos_ids or len(out) >= max_new_tokens):
+                    going.append(i)
+            return going
+
+        going = emit([[t] for t in spec.prefill(ids, mask).tolist()])
+        while going:
+            if len(going) < len(live):
+                live = [live[i] for i in going]
+                spec.select(torch.tensor(going, device=ids.device))
+            k = policy.choose(len(live)) if policy is not None else fixed
+            # Never draft past what the longest live row still needs.
+            k_used = max(1, min(k, max_new_tokens - min(len(outputs[r]) for r in live) - 1))
+            started = time.perf_counter()
+            drafts, accepted, nxt = spec.round(k_used)
+            if policy is not None:
+                policy.update(len(live), k, int(accepted.sum()) + len(live), time.perf_counter() - started)
+            rows = zip(drafts.tolist(), accepted.tolist(), nxt.tolist())
+            going = emit([d[:a] + [n] for d, a, n in rows])
+    finally:
+        target.train(was_training[0])
+        drafter.train(was_training[1])
+    log.debug("speculative decoding: %s (accept_len %.2f)", stats, stats.accept_len)
+    return _stack(outputs, pad, ids.device)
+
+
+@torch.inference_mode()
+def greedy_generate(
+    target,
+    input_ids: torch.LongTensor | list,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
+) -> torch.LongTensor:
+    """Plain greedy decoding with a KV cache, one token per forward: the reference and the baseline.
+
+    Same inputs and output layout as `speculative_generate`.
+    """
+    ids, mask = _as_batch(input_ids, attention_mask)
+    eos = _eos_tensor(eos_token_id, ids.device)
+    pad = _pad_value(pad_token_id, eos_token_id)
+    cache = DynamicCache(config=target.config)
+    positions = _positions(mask)
+    full_mask = None if bool(mask.all()) else mask
+    out = target(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True,
+                 logits_to_keep=1)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    generated = []
+    position = positions[:, -1]
+    for step in range(max_new_tokens):
+        token = out.logits[:, -1].argmax(-1)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        generated.append(token)
+        done = done | torch.isin(token, eos)
+        if bool(done.all()) or step + 1 == max_new_tokens:
+            break
+        position = position + 1
+        if full_mask is not None:
+            full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], dim=1)
+        out = target(input_ids=token[:, None], attention_mask=full_mask, position_ids=position[:, None], cache=cache,
+                     use_cache=True, logits_to_keep=1)
+    return torch.stack(generated, dim=1)
