@@ -13,6 +13,15 @@ SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              num_key_value_heads=2, attn_implementation="sdpa")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared CPU the thread pool's waits cost seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_model(arch: str = "llama", vocab: int = 64, dtype=torch.float64, seed: int = 0, **overrides):
     """A tiny random Llama or Qwen2 (grouped-query attention; Qwen2 has q/k/v biases)."""
     torch.manual_seed(seed)

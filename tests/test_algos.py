@@ -19,13 +19,6 @@ from lsreplay.algos.weights import loss_and_weights
 from lsreplay.tree import RolloutTree
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_llama(dtype=torch.float64) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)

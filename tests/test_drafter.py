@@ -15,14 +15,6 @@ TARGETS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared CPU the thread pool's waits cost seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _tiny_target(kind: str) -> transformers.PreTrainedModel:
     config_cls, model_cls = TARGETS[kind]

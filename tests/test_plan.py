@@ -38,13 +38,6 @@ def shaped_tree(shape: TreeShape, vocab: int, seed: int = 0) -> RolloutTree:
     return RolloutTree.from_sequences([rng.randrange(vocab) for _ in range(shape.prompt)], grow(0))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 CASES = {
     # name: (arch, dtype, dims, shape, replay budget bytes)

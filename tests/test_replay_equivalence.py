@@ -50,13 +50,6 @@ TREES = {
 LOSSES = ["grpo-token-mean", "grpo-seq-mean", "dr-grpo", "ppo", "kl-k1", "kl-k3", "dpo"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @functools.lru_cache(maxsize=None)
 def _model(kind: str, dtype: torch.dtype) -> transformers.PreTrainedModel:

@@ -19,13 +19,6 @@ from lsreplay.rollout.speculative import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _tiny_llama(vocab: int, hidden: int, seed: int, embed_std: float | None = None):
     torch.manual_seed(seed)
