@@ -100,6 +100,16 @@ def _report(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    from lsreplay.generate import generate
+
+    g = generate(args.prompt, args.model, args.policy, args.drafter, args.max_new_tokens, args.draft_len,
+                 args.temperature)
+    print(g.text)
+    print(f"tokens={g.new_tokens} tokens_per_s={g.tokens_per_s:.2f} accept_len={g.accept_len:.2f}")
+    return 0
+
+
 def _config_and_overrides(args) -> None:
     if args.config and "=" in args.config:
         args.overrides.insert(0, args.config)  # `lsreplay train steps=2`: no config file given
@@ -140,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dirs", nargs="+", help="run directories")
     report.add_argument("--out", default="report", help="output folder (report.md, curves.png, curves.json)")
     report.set_defaults(fn=_report)
+    gen = sub.add_parser("generate", help="speculative generation with a trained drafter (lossless)")
+    gen.add_argument("prompt")
+    gen.add_argument("--drafter", required=True, help="exported drafter folder: checkpoints/drafter/step_N/hf")
+    gen.add_argument("--policy", help="policy checkpoint folder: checkpoints/policy/step_N (default: base model)")
+    gen.add_argument("--model", default="smollm2-135m-instruct", help="base model (model.path)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--draft-len", type=int, default=4)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.set_defaults(fn=_generate)
     # Overrides may also follow options (`resume RUN --steps 5 pool.slots=2`).
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]

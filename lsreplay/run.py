@@ -169,7 +169,7 @@ class Run:
         done = self.manifest(step, kind)
         prefix = self.checkpoint(kind, step)
         return {"prefix": prefix, "files": {posixpath.basename(e["key"]): e for e in done["files"]
-                                            if e["key"].startswith(prefix + "/")}}
+                                            if posixpath.dirname(e["key"]) == prefix}}
 
     @staticmethod
     def sha256(manifest: dict, key: str) -> str | None:

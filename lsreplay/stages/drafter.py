@@ -11,6 +11,7 @@ import torch
 from lsreplay import faults
 from lsreplay.checkpoint import load_module, save_module
 from lsreplay.drafter.distill import distill
+from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
 from lsreplay.run import Run
 from lsreplay.stages.common import load_trees, policy_before
@@ -42,8 +43,9 @@ def distill_drafter(run: Run, step: int) -> dict:
     prefix = run.checkpoint("drafter", step)
     ckpt = save_module(run.store, prefix, drafter, {"step": step, "drafter": drafter.config_dict(),
                                                     "stats": dataclasses.asdict(stats)})
+    exported = save_hf(run.store, f"{prefix}/hf", drafter)  # usable on its own: `lsreplay generate`
     faults.hook("drafter", step, "mid")
     return run.finish(step, "drafter", {
-        "files": list(ckpt["files"].values()), "checkpoint": prefix, "sequences": len(sequences),
+        "files": [*ckpt["files"].values(), *exported.values()], "checkpoint": prefix, "sequences": len(sequences),
         **{f"drafter_{k}": v for k, v in dataclasses.asdict(stats).items()},
         "seconds": time.perf_counter() - start})
