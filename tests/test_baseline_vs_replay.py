@@ -1,0 +1,42 @@
+"""The per-rollout baseline (A) and branch replay trained on A's own rollouts (C) end two
+RL steps with the same weights: replay changes the work, not the training."""
+
+from __future__ import annotations
+
+import shutil
+
+from safetensors.torch import load_file
+
+from lsreplay import stages
+from lsreplay.config import load_config
+from lsreplay.run import Run
+
+
+def run_at(run_dir, model_dir, mode):
+    run = Run(load_config(None, [
+        f"run_dir={run_dir}", f"model.path={model_dir}", "model.dtype=float64", "steps=2", "data.size=8",
+        "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
+        "rollout.max_new_tokens=6", "optim.lr=1e-3", "drafter.enabled=false", f"replay.mode={mode}"]))
+    run.save_or_check_config()
+    return run
+
+
+def test_replay_on_the_baselines_rollouts_ends_with_the_baselines_weights(tiny_model_dir, tmp_path):
+    a = run_at(tmp_path / "a", tiny_model_dir, "naive")
+    c = run_at(tmp_path / "c", tiny_model_dir, "replay")
+    for step in range(2):
+        stages.sample_prompts(a, step)
+        stages.generate_trees(a, step)
+        for name in ("prompts.json", "prompts.done.json", "trees.json", "trees.done.json"):  # A's rollouts, tree for tree
+            (tmp_path / "c" / a.key(step)).mkdir(parents=True, exist_ok=True)
+            shutil.copy(tmp_path / "a" / a.key(step, name), tmp_path / "c" / a.key(step, name))
+        for run in (a, c):
+            stages.cache_prefixes(run, step)
+            stages.train_policy(run, step)
+    wa = load_file(str(tmp_path / "a" / a.checkpoint("policy", 1) / "model.safetensors"))
+    wc = load_file(str(tmp_path / "c" / c.checkpoint("policy", 1) / "model.safetensors"))
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert any(float((wa[k].double() - base[k].double()).abs().max()) > 0 for k in wa)  # training moved
+    for name in wa:
+        scale = float(wa[name].abs().max())
+        assert float((wa[name] - wc[name]).abs().max()) <= 1e-6 * scale, name
