@@ -13,7 +13,6 @@ from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.sampling import SamplingParams, _truncate
 from lsreplay.rollout.speculative import (
     SpecStats,
-    drafter_forward,
     greedy_generate,
     speculative_generate,
 )
@@ -169,7 +168,7 @@ def test_drafter_forward_with_holes_matches_compact_rows(greedy_setup):
         # Unmasked: identical to the drafter's own forward.
         cache = transformers.DynamicCache()
         full = drafter(ids, feats, pos, cache=transformers.DynamicCache())
-        torch.testing.assert_close(drafter_forward(drafter, ids, feats, pos, cache, None), full)
+        torch.testing.assert_close(drafter(ids, feats, pos, cache=cache), full)
         # Row 0 holds junk at columns 2 and 4 (hidden); its other columns carry positions 0..4.
         keep = torch.tensor([0, 1, 3, 5, 6])
         junk_ids, junk_feats = ids.clone(), feats.clone()
@@ -180,8 +179,8 @@ def test_drafter_forward_with_holes_matches_compact_rows(greedy_setup):
         mask = torch.ones(2, 7, dtype=torch.bool)
         mask[0, [2, 4]] = False
         cache = transformers.DynamicCache()
-        out = drafter_forward(drafter, junk_ids[:, :5], junk_feats[:, :5], junk_pos[:, :5], cache, mask[:, :5])
-        out2 = drafter_forward(drafter, junk_ids[:, 5:], junk_feats[:, 5:], junk_pos[:, 5:], cache, mask)
+        out = drafter(junk_ids[:, :5], junk_feats[:, :5], junk_pos[:, :5], cache=cache, attention_mask=mask[:, :5])
+        out2 = drafter(junk_ids[:, 5:], junk_feats[:, 5:], junk_pos[:, 5:], cache=cache, attention_mask=mask)
         alone = drafter(ids[:1, keep], feats[:1, keep], torch.arange(5)[None])
         torch.testing.assert_close(torch.cat([out, out2], 1)[0, keep], alone[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.cat([out, out2], 1)[1], full[1], atol=1e-5, rtol=1e-5)

@@ -127,6 +127,7 @@ class Drafter(torch.nn.Module):
         hidden_states: torch.Tensor,
         position_ids: torch.LongTensor,
         cache: transformers.DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predicted features (B, T, d) from tokens x_{t+1} (B, T) and features h_t (B, T, d).
 
@@ -134,10 +135,13 @@ class Drafter(torch.nn.Module):
         """
         embeds = F.embedding(input_ids, self._shared.embed.weight.detach())
         x = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
-        # position_ids stay out of the mask: it is causal in cache order, so drafting
-        # schemes may reuse or skip positions without HF reading them as packed sequences.
+        # Without a 2D `attention_mask` (cache + new columns), position_ids stay out of the
+        # mask: it is causal in cache order, so drafting schemes may reuse or skip positions
+        # without HF reading them as packed sequences. A batch whose cache rows hold holes
+        # (speculative decoding) passes the mask that hides them.
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=x, attention_mask=None, cache=cache, position_ids=None
+            config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+            position_ids=None if attention_mask is None else position_ids,
         )
         return self.layer(
             x,

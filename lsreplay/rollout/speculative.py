@@ -46,7 +46,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
 
 from lsreplay.rollout.sampling import SamplingParams, _truncate
 
@@ -194,37 +193,6 @@ def _compact(cache: DynamicCache, keep: torch.LongTensor) -> None:
             layer.values = layer.values.index_select(-2, keep)
 
 
-def drafter_forward(
-    drafter,
-    input_ids: torch.LongTensor,
-    hidden_states: torch.Tensor,
-    position_ids: torch.LongTensor,
-    cache: DynamicCache,
-    attention_mask: torch.BoolTensor | None,
-) -> torch.Tensor:
-    """`drafter(...)` with a 2D attention mask over (cache + new) columns; None = all visible.
-
-    Drafter.forward masks causally in cache order only, which is exact for one sequence
-    but not for batch rows whose caches hold holes; this is the same computation with
-    the holes hidden (tests check the two agree when nothing is masked).
-    """
-    if attention_mask is None:
-        return drafter(input_ids, hidden_states, position_ids, cache=cache)
-    embeds = F.embedding(input_ids, drafter._shared.embed.weight.detach())
-    x = drafter.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
-    mask = create_causal_mask(
-        config=drafter.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=position_ids
-    )
-    return drafter.layer(
-        x,
-        attention_mask=mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-        position_embeddings=drafter.rotary_emb(x, position_ids),
-    )
-
-
 class _MaskedCache:
     """A DynamicCache plus a per-row visibility mask over its columns (holes = False)."""
 
@@ -339,10 +307,8 @@ class _Speculator:
         # 1. Catch-up with the target's real features; trailing columns no row uses are skipped.
         width = int(self.cu_last.max()) + 1
         valid = self.cu_valid[:, :width]
-        out = drafter_forward(
-            self.drafter, self.cu_tok[:, :width], self.cu_h[:, :width], self.cu_pos[:, :width],
-            self.d.cache, self.d.attend(valid),
-        )
+        out = self.drafter(self.cu_tok[:, :width], self.cu_h[:, :width], self.cu_pos[:, :width],
+                           cache=self.d.cache, attention_mask=self.d.attend(valid))
         self.d.extend(valid)
         base = self.d.mask.shape[1]
         features = out[rows, self.cu_last]  # h^ at each row's position `pos`
@@ -354,10 +320,8 @@ class _Speculator:
             qs.append(q)
             if j + 1 < k:
                 one = torch.ones_like(valid[:, :1])
-                features = drafter_forward(
-                    self.drafter, token[:, None], features[:, None], (self.pos + j)[:, None],
-                    self.d.cache, self.d.attend(one),
-                )[:, 0]
+                features = self.drafter(token[:, None], features[:, None], (self.pos + j)[:, None],
+                                        cache=self.d.cache, attention_mask=self.d.attend(one))[:, 0]
                 self.d.extend(one)
         self.d.crop(base)  # drafted entries rest on predicted features: drop them
         stats.drafter_forwards += k
