@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from s3server import s3_endpoint, store  # noqa: F401  (fixtures for every test module: one S3 server)
+
 from lsreplay.config import ModelConfig
 from lsreplay.models import resolve_model_dir
 

@@ -3,9 +3,13 @@
 A plain module, not a conftest: test modules that need S3 import the fixture from here.
 """
 
+import uuid
+
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
+
+from lsreplay.storage import Store
 
 BUCKET = "lsreplay-test"
 KEY = "test-key-id"
@@ -30,3 +34,12 @@ def s3_endpoint():
         yield endpoint_url, {"key": KEY, "secret": SECRET, "client_kwargs": client_kwargs}
     finally:
         server.stop()
+
+
+# Each test that uses it runs twice: on a local folder and on the loopback S3 server.
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return Store(str(tmp_path / "run"))
+    _, options = request.getfixturevalue("s3_endpoint")
+    return Store(f"s3://{BUCKET}/{uuid.uuid4().hex}", options)

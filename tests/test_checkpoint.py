@@ -1,11 +1,8 @@
 """Tests for lsreplay.checkpoint: exact round trips of a tied-weight Llama, AdamW state and
 RNG states, on a local directory and on S3, and clear errors for damaged checkpoints."""
 
-import uuid
-
 import pytest
 import torch
-from s3server import BUCKET, s3_endpoint  # noqa: F401  (s3_endpoint is a fixture)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lsreplay.checkpoint import (
@@ -28,14 +25,6 @@ CONFIG = dict(
     num_key_value_heads=2,
     tie_word_embeddings=True,
 )
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return Store(str(tmp_path / "run"))
-    _, options = request.getfixturevalue("s3_endpoint")
-    return Store(f"s3://{BUCKET}/{uuid.uuid4().hex}", options)
 
 
 def tiny_llama(seed: int, **overrides) -> LlamaForCausalLM:

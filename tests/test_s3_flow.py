@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import boto3
 from flowrun import tiny
-from s3server import BUCKET, KEY, SECRET, s3_endpoint  # noqa: F401  (fixture)
+from s3server import BUCKET, KEY, SECRET
 
 from lsreplay import cli
 from lsreplay.run import STAGES

@@ -3,21 +3,12 @@ corruption and absence detection, and errors for an unreachable endpoint."""
 
 import os
 import time
-import uuid
 
 import pytest
 import torch
-from s3server import BUCKET, SECRET, s3_endpoint  # noqa: F401  (s3_endpoint is a fixture)
+from s3server import BUCKET, SECRET
 
 from lsreplay.storage import CorruptEntry, MissingEntry, Store, StorageError
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return Store(str(tmp_path / "run"))
-    _, options = request.getfixturevalue("s3_endpoint")
-    return Store(f"s3://{BUCKET}/{uuid.uuid4().hex}", options)
 
 
 def test_bytes_round_trip_and_entry(store):
