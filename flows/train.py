@@ -91,24 +91,20 @@ def task_runner(cfg: Config):
     process; "ray" submits each to prefect-ray's RayTaskRunner on the Ray cluster at
     pool.ray_address (empty: a Ray instance already initialised in this process, else a
     new local one). Yields the runner, or None for "thread"."""
-    kind = getattr(cfg.pool, "task_runner", "thread")
-    if kind == "thread":
+    if cfg.pool.task_runner == "thread":  # validated by lsreplay.config: "thread" or "ray"
         return nullcontext(None)
-    if kind != "ray":
-        raise ConfigError(f"config key 'pool.task_runner' = {kind!r} is not allowed: thread or ray")
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as e:
         raise ConfigError("pool.task_runner=ray needs prefect-ray and ray: pip install 'lsreplay[ray]'") from e
-    return RayTaskRunner(address=getattr(cfg.pool, "ray_address", "") or None)
+    return RayTaskRunner(address=cfg.pool.ray_address or None)
 
 
 def _ray_options(cfg: Config, stage: str) -> dict:
     """What a stage's Ray task asks the cluster for: pool.ray_gpus GPUs per pool slot it holds."""
-    gpus = float(getattr(cfg.pool, "ray_gpus", 0.0) or 0.0)
-    if stage not in ACCELERATOR_STAGES or gpus <= 0:
+    if stage not in ACCELERATOR_STAGES or cfg.pool.ray_gpus <= 0:
         return {}
-    return {"num_gpus": gpus * (cfg.pool.devices_per_step if stage == "policy" else 1)}
+    return {"num_gpus": cfg.pool.ray_gpus * (cfg.pool.devices_per_step if stage == "policy" else 1)}
 
 
 def _run_stage(task, runner, cfg: Config, stage: str, step: int) -> dict:

@@ -40,29 +40,28 @@ def _prepare_logging() -> None:
 
 
 def _train(args) -> int:
-    _prepare_logging()
     from lsreplay.config import load_config
-    from lsreplay.run import preflight
 
     overrides = secrets_to_env(args.overrides)
-    # Fail on bad input before Prefect starts.
-    preflight(load_config(args.config, overrides), force=args.force)
-    from flows.train import train
-
-    metrics = train(config_path=args.config, overrides=overrides, force=args.force)
-    print(f"finished {len(metrics)} steps; metrics in the run directory's metrics.jsonl")
-    return 0
+    return _run_flow(load_config(args.config, overrides), args.force, config_path=args.config, overrides=overrides)
 
 
 def _resume(args) -> int:
-    _prepare_logging()
-    from lsreplay.run import open_run_config, preflight
+    from lsreplay.run import open_run_config
 
     overrides = secrets_to_env(args.overrides) + ([f"steps={args.steps}"] if args.steps else [])
-    preflight(open_run_config(args.run_dir, overrides), force=args.force)
+    return _run_flow(open_run_config(args.run_dir, overrides), args.force, resume=args.run_dir, overrides=overrides)
+
+
+def _run_flow(cfg, force: bool, **flow_args) -> int:
+    """Check the inputs before Prefect starts, then run the training flow."""
+    _prepare_logging()
+    from lsreplay.run import preflight
+
+    preflight(cfg, force=force)
     from flows.train import train
 
-    metrics = train(resume=args.run_dir, overrides=overrides, force=args.force)
+    metrics = train(force=force, **flow_args)
     print(f"finished {len(metrics)} steps; metrics in the run directory's metrics.jsonl")
     return 0
 
