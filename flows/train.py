@@ -1,7 +1,11 @@
 r"""The training flow: the RL step loop, one task per stage.
 
-    prompts -> trees -> prefix cache -> policy update
-                                     \-> drafter distillation
+    prompts -> rollout shards -> trees -> prefix cache -> policy update
+                  \-> (slots freed) drafter distillation of the previous step
+
+The drafter of step t trains on step t's hidden states during step t+1's rollouts, on
+the pool slots that finished shards free, until those rollouts end (TLT's spot training);
+the last step's drafter trains after its policy update.
 
 A stage that finished earlier (its done marker and files are in the store) returns its
 manifest at once, so running the flow again on the same run resumes it. A stage whose
@@ -16,6 +20,7 @@ from collections import Counter
 from contextlib import nullcontext
 
 from prefect import flow, get_run_logger
+from prefect.futures import as_completed
 
 from flows import artifacts
 from lsreplay.config import Config, ConfigError, load_config
@@ -60,7 +65,7 @@ def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
     step = 0
     while step < cfg.steps:
         try:
-            manifests = _step(tasks, cfg, step, runner)
+            manifests = _step(run, tasks, cfg, step, runner)
         except InputCorrupt as e:
             recomputes[e.step, e.stage] += 1
             if recomputes[e.step, e.stage] > MAX_RECOMPUTES:
@@ -107,27 +112,57 @@ def _ray_options(cfg: Config, stage: str) -> dict:
     return {"num_gpus": cfg.pool.ray_gpus * (cfg.pool.devices_per_step if stage == "policy" else 1)}
 
 
-def _run_stage(task, runner, cfg: Config, stage: str, step: int) -> dict:
+def _submit(task, runner, cfg: Config, stage: str, **parameters):
+    """Start a stage's task: on the flow's thread pool, or as a Ray task; returns its future."""
+    parameters = {"cfg": cfg, **parameters}
     if runner is None:
-        return task(cfg, step)  # in this thread
+        return task.submit(**parameters)
     from prefect_ray.context import remote_options
 
-    # Submitted and awaited one at a time: each stage lands on a Ray worker, in order.
     with remote_options(**_ray_options(cfg, stage)):
-        future = runner.submit(task, parameters={"cfg": cfg, "step": step})
-    return future.result()
+        return runner.submit(task, parameters=parameters)
 
 
-def _step(tasks: dict, cfg: Config, step: int, runner=None) -> dict[str, dict]:
-    manifests = {}
-    for stage in STAGES:
-        if stage == "drafter" and not cfg.drafter.enabled:
-            continue
-        try:
-            manifests[stage] = _run_stage(tasks[stage], runner, cfg, stage, step)
-        except InputCorrupt:
-            raise
-        except Exception as e:
-            get_run_logger().error("stage %s of step %d failed: %s: %s", stage, step, type(e).__name__, e)
-            raise StageFailed(stage, step, e) from e
+def _result(future, stage: str, step: int) -> dict:
+    """A stage's manifest; a failure becomes StageFailed naming the stage and step."""
+    try:
+        return future.result()
+    except InputCorrupt:
+        raise
+    except Exception as e:
+        get_run_logger().error("stage %s of step %d failed: %s: %s", stage, step, type(e).__name__, e)
+        raise StageFailed(stage, step, e) from e
+
+
+def _step(run, tasks: dict, cfg: Config, step: int, runner=None) -> dict[str, dict]:
+    """prompts -> rollout shards (with the previous step's drafter on freed slots) -> trees
+    -> prefix cache -> policy; the last step then trains its own drafter to the end."""
+    def stage(name: str) -> dict:
+        return _result(_submit(tasks[name], runner, cfg, name, step=step), name, step)
+
+    manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step, runner)}
+    manifests["prefixes"] = stage("prefixes")
+    manifests["policy"] = stage("policy")
+    if cfg.drafter.enabled and step == cfg.steps - 1:
+        manifests["drafter"] = stage("drafter")
     return manifests
+
+
+def _rollouts(run, tasks: dict, cfg: Config, step: int, runner) -> dict:
+    """The step's rollout shards, then their collected trees. As soon as one shard finishes,
+    the previous step's drafter starts on the slot it frees and trains until the last shard
+    is collected (lsreplay.stages.drafter), then its metrics join the previous step's line.
+    If a shard fails, the drafter trains its full budget before the flow stops."""
+    shards = [_submit(tasks["trees"], runner, cfg, "trees", step=step, shard=k) for k in range(cfg.rollout.shards)]
+    drafter = None
+    for future in as_completed(shards):
+        _result(future, "trees", step)
+        if drafter is None and cfg.drafter.enabled and step > 0:
+            drafter = _submit(tasks["drafter"], runner, cfg, "drafter", step=step - 1)
+    trees = _result(_submit(tasks["collect-trees"], runner, cfg, "collect-trees", step=step), "trees", step)
+    if drafter is not None:
+        previous = {name: run.done(step - 1, name) for name in STAGES if name != "drafter"}
+        previous["drafter"] = _result(drafter, "drafter", step - 1)
+        if None not in previous.values():
+            run.append_metrics(step_record(step - 1, previous))
+    return trees

@@ -62,6 +62,15 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Rollout tasks per step, each holding one pool slot; a finished shard's slot goes to
+    # the spot-trained drafter (see drafter.checkpoint_every).
+    shards: int = 1
+    # The adaptive engine: once every branch point is passed and this many sequences or
+    # fewer are still decoding (the long tail), they continue with speculative decoding
+    # using the newest finished drafter; 0 = never.
+    spec_threshold: int = 4
+    # Draft lengths the bandit chooses among (per batch-size bucket, by measured tokens/s).
+    draft_lens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
 
 
 @dataclass
@@ -105,9 +114,15 @@ class ReplayConfig:
 @dataclass
 class DrafterConfig:
     enabled: bool = True
+    # Most distillation steps per RL step. The drafter of step t trains on t's hidden
+    # states while step t+1's rollouts run (on pool slots their finished shards free) and
+    # stops when those rollouts end; the last step's drafter trains all its steps.
     steps: int = 40
     lr: float = 1e-3
     batch_size: int = 8
+    # Steps between the spot trainer's checkpoints (a preempted drafter resumes from the
+    # last one) and its checks whether the rollouts ended.
+    checkpoint_every: int = 5
 
 
 @dataclass
@@ -221,6 +236,15 @@ def validate(cfg: Config) -> None:
            "rollout.segment_tokens", "values >= 1 summing to less than rollout.max_new_tokens", r.segment_tokens)
     _check(r.temperature >= 0, "rollout.temperature", "must be >= 0 (0 = greedy)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
+    _check(1 <= r.shards <= cfg.data.prompts_per_step, "rollout.shards",
+           f"between 1 and data.prompts_per_step = {cfg.data.prompts_per_step}", r.shards)
+    _check(r.spec_threshold >= 0, "rollout.spec_threshold", "must be >= 0 (0 = no speculative decoding)",
+           r.spec_threshold)
+    _check(len(r.draft_lens) >= 1 and min(r.draft_lens) >= 1 and len(set(r.draft_lens)) == len(r.draft_lens),
+           "rollout.draft_lens", "distinct draft lengths >= 1", r.draft_lens)
+    _check(cfg.drafter.steps >= 1, "drafter.steps", "must be >= 1", cfg.drafter.steps)
+    _check(cfg.drafter.checkpoint_every >= 1, "drafter.checkpoint_every", "must be >= 1",
+           cfg.drafter.checkpoint_every)
     _check(cfg.algo.name in ("grpo",), "algo.name", "grpo", cfg.algo.name)
     _check(cfg.algo.loss_agg in LOSS_AGGS, "algo.loss_agg", " or ".join(LOSS_AGGS), cfg.algo.loss_agg)
     _check(cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS),

@@ -7,6 +7,8 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     STAGE[@STEP]:fail[*N]    raise a transient InjectedFault when the stage starts, N times
                              (default 1); Prefect's task retries then run it again
     STAGE[@STEP]:error       raise a permanent InjectedError when the stage starts
+    STAGE[@STEP]:stall[*N]   hold the stage at its middle for LSREPLAY_STALL_SECONDS (default
+                             5), N times (default 1): a straggler, e.g. one slow rollout shard
     policy[@STEP]:nan        make the policy loss NaN (the step must not be committed)
     storage:fail[*N]         the next N store writes raise a transient ConnectionError
 
@@ -25,12 +27,15 @@ import math
 import os
 import re
 import signal
+import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 ENV = "LSREPLAY_FAULTS"
-ACTIONS = ("kill", "fail", "error", "nan")
+ACTIONS = ("kill", "fail", "error", "nan", "stall")
+STALL_ENV = "LSREPLAY_STALL_SECONDS"
 _SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z]+)(?:\*(?P<count>\d+))?$")
 
 
@@ -71,7 +76,7 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: {item!r}: storage faults are storage:fail[*N]")
         if action == "nan" and target != "policy":
             raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN")
-        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill") else 2**31)
+        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall") else 2**31)
         faults.append(Fault(target, int(m["step"]) if m["step"] else None, action, count))
     return faults
 
@@ -88,11 +93,15 @@ def active() -> list[Fault]:
     return _active[1]
 
 
+_lock = threading.Lock()  # stages of one process may run on several threads (rollout shards)
+
+
 def _take(target: str, step: int | None, actions: tuple[str, ...]) -> Fault | None:
-    for fault in active():
-        if fault.action in actions and fault.matches(target, step):
-            fault.remaining -= 1
-            return fault
+    with _lock:
+        for fault in active():
+            if fault.action in actions and fault.matches(target, step):
+                fault.remaining -= 1
+                return fault
     return None
 
 
@@ -106,6 +115,10 @@ def hook(stage: str, step: int, point: str) -> None:
             raise InjectedFault(f"injected transient fault in stage {stage} of step {step}")
         if _take(stage, step, ("error",)):
             raise InjectedError(f"injected permanent error in stage {stage} of step {step}")
+    elif point == "mid" and _take(stage, step, ("stall",)):
+        seconds = float(os.environ.get(STALL_ENV, "5"))
+        log.warning("injected stall of %.1f s in the middle of stage %s of step %d", seconds, stage, step)
+        time.sleep(seconds)
     elif point == "mid" and _take(stage, step, ("kill",)):
         log.warning("injected kill in the middle of stage %s of step %d", stage, step)
         for handler in logging.getLogger().handlers:

@@ -25,7 +25,12 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     for stage, manifest in manifests.items():
         if "seconds" in manifest:
             record[f"{stage}_seconds"] = manifest["seconds"]
+    # Wall time of the RL step proper, prompts to policy update: the drafter is left out, as
+    # it trains alongside the next step's rollouts.
+    spans = [manifests[s] for s in ("prompts", "trees", "prefixes", "policy") if manifests[s].get("started")]
+    record["step_seconds"] = max(m["ended"] for m in spans) - min(m["started"] for m in spans)
     if "drafter" in manifests:
         d = manifests["drafter"]
-        record.update(drafter_loss=d["drafter_loss"], drafter_top1_accept=d["drafter_top1_accept"])
+        record.update(drafter_loss=d["drafter_loss"], drafter_top1_accept=d["drafter_top1_accept"],
+                      drafter_steps=d["steps_done"])
     return record

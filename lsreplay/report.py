@@ -25,7 +25,6 @@ PANELS = [
     ("step_seconds", "wall time per step (s)"),
     ("drafter_top1_accept", "drafter top-1 agreement"),
 ]
-STAGE_KEYS = ("prompts_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "drafter_seconds")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -40,7 +39,6 @@ def with_derived(rows: list[dict]) -> list[dict]:
     rows = [dict(r) for r in rows]
     for r in rows:
         r["positions_saved"] = r.get("per_rollout_positions", 0) - r.get("positions", 0)
-        r["step_seconds"] = sum(r.get(k, 0.0) for k in STAGE_KEYS)
     return rows
 
 

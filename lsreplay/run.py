@@ -5,13 +5,14 @@ Layout of a run's store (the run directory by default):
     config.yaml                     resolved config, secrets redacted
     metrics.jsonl                   one JSON line per finished step
     step_0000/prompts.json          the sampled prompt batch
-    step_0000/trees.json            rollout trees: tokens, behaviour logprobs, rewards, texts
+    step_0000/trees/shard_00.json   one rollout shard's trees (rollout.shards of them)
+    step_0000/trees.json            rollout trees, all shards: tokens, behaviour logprobs, rewards, texts
     step_0000/prefix_kv/...         cached K/V of every branching node (safetensors)
     step_0000/activations/...       entry logprobs and last hidden states per tree
     step_0000/<stage>.done.json     a stage's manifest, written last: the stage is finished
     executions/step_0000/<stage>/   one small JSON per time a stage actually started work
     checkpoints/policy/step_0000/   weights, optimizer state, RNG state after the step
-    checkpoints/drafter/step_0000/  drafter weights after the step
+    checkpoints/drafter/step_0000/  drafter weights, optimizer, sampler state (spot.json: resumable), hf/ export
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import posixpath
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -177,8 +179,12 @@ class Run:
         return next((e["sha256"] for e in manifest.get("files", []) if e["key"] == key), None)
 
     def invalidate(self, step: int, stage: str) -> None:
-        """Forget that a stage finished: it runs again (its outputs are overwritten)."""
-        self.store.delete(self.key(step, f"{stage}.done.json"))
+        """Forget that a stage finished, and its parts (trees: its shards): it runs again
+        (its outputs are overwritten)."""
+        for key in self.store.list(self.key(step)):
+            name = posixpath.basename(key)
+            if name == f"{stage}.done.json" or (name.startswith(f"{stage}-") and name.endswith(".done.json")):
+                self.store.delete(key)
 
     def begin(self, step: int, stage: str) -> None:
         """A stage starts real work: record it (executions/) and give injected faults their chance."""
@@ -187,6 +193,7 @@ class Run:
         self.store.write_json(f"executions/step_{step:04d}/{stage}/{name}", {
             "step": step, "stage": stage, "started": now.isoformat(), "pid": os.getpid(),
             "host": socket.gethostname()})
+        self._started = now.timestamp()
         faults.hook(stage, step, "start")
 
     def executions(self) -> dict[tuple[int, str], int]:
@@ -199,7 +206,10 @@ class Run:
         return counts
 
     def finish(self, step: int, stage: str, manifest: dict) -> dict:
-        manifest = {"step": step, "stage": stage, "config_hash": self.config_hash, **manifest}
+        """Write the stage's done marker; the manifest gains wall-clock `started` (from
+        `begin`, unless given) and `ended` times, so overlapping stages can be told apart."""
+        times = {"started": getattr(self, "_started", None), "ended": time.time()}
+        manifest = {"step": step, "stage": stage, "config_hash": self.config_hash, **times, **manifest}
         self.store.write_json(self.key(step, f"{stage}.done.json"), manifest)
         return manifest
 

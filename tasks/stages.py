@@ -65,12 +65,17 @@ def sample_prompts(cfg: Config, step: int) -> dict:
     return stages.sample_prompts(Run(cfg), step)
 
 
-@task(name="generate-trees", **OPTIONS)
-def generate_trees(cfg: Config, step: int) -> dict:
+@task(name="generate-tree-shard", task_run_name="generate-tree-shard-{shard}", **OPTIONS)
+def generate_tree_shard(cfg: Config, step: int, shard: int) -> dict:
     from flows.artifacts import Progress  # the UI side; lsreplay itself never imports Prefect
 
-    return _on_pool(stages.generate_trees, "trees", cfg, step,
-                    progress=Progress(f"step {step}: rollout tokens sampled"))
+    return _on_pool(stages.generate_tree_shard, stages.shard_name(shard), cfg, step, shard=shard,
+                    pass_devices=True, progress=Progress(f"step {step}: rollout tokens sampled (shard {shard})"))
+
+
+@task(name="collect-trees", **OPTIONS)
+def collect_trees(cfg: Config, step: int) -> dict:
+    return stages.collect_trees(Run(cfg), step)
 
 
 @task(name="cache-prefixes", **OPTIONS)
@@ -86,12 +91,13 @@ def train_policy(cfg: Config, step: int) -> dict:
 
 @task(name="distill-drafter", **OPTIONS)
 def distill_drafter(cfg: Config, step: int) -> dict:
-    return _on_pool(stages.distill_drafter, "drafter", cfg, step)
+    # Submitted while the next step's rollout shards run: it waits for the slot one frees.
+    return _on_pool(stages.distill_drafter, "drafter", cfg, step, pass_devices=True)
 
 
-# The tasks in the order a step runs them, by stage name (lsreplay.run.STAGES).
-STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_trees, "prefixes": cache_prefixes,
-               "policy": train_policy, "drafter": distill_drafter}
+# The tasks by stage name (lsreplay.run.STAGES); "trees" is its shards, then their collection.
+STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_tree_shard, "collect-trees": collect_trees,
+               "prefixes": cache_prefixes, "policy": train_policy, "drafter": distill_drafter}
 
 
 def configured() -> dict:

@@ -8,7 +8,7 @@ from lsreplay.report import write_report
 def fake_run(path, rewards):
     path.mkdir(parents=True)
     rows = [{"step": i, "reward_mean": r, "loss": -r, "kl": 0.01 * i, "positions": 100, "per_rollout_positions": 300,
-             "trees_seconds": 2.0, "policy_seconds": 1.0, "drafter_top1_accept": 0.1 * i} for i, r in enumerate(rewards)]
+             "trees_seconds": 2.0, "policy_seconds": 1.0, "step_seconds": 3.0, "drafter_top1_accept": 0.1 * i} for i, r in enumerate(rewards)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 

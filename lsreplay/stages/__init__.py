@@ -10,6 +10,7 @@ from lsreplay.stages.drafter import distill_drafter
 from lsreplay.stages.policy import train_policy
 from lsreplay.stages.prefixes import cache_prefixes
 from lsreplay.stages.prompts import sample_prompts
-from lsreplay.stages.trees import generate_trees
+from lsreplay.stages.trees import collect_trees, generate_tree_shard, generate_trees, shard_name
 
-__all__ = ["cache_prefixes", "distill_drafter", "generate_trees", "sample_prompts", "train_policy"]
+__all__ = ["cache_prefixes", "collect_trees", "distill_drafter", "generate_tree_shard", "generate_trees",
+           "sample_prompts", "shard_name", "train_policy"]

@@ -1,33 +1,117 @@
 """Stage 5: distil the EAGLE-style drafter on the hidden states the caching pass stored
-(no extra target forward), starting from the previous step's drafter."""
+(no extra target forward), starting from the previous step's drafter.
+
+Spot training. The drafter of step t is scheduled while step t+1's rollouts run, on pool
+slots their finished shards free (flows/train.py), and trains until those rollouts end:
+after every `drafter.checkpoint_every` steps it checkpoints (weights, optimizer, sampler
+state) and looks whether step t+1's trees are finished. A preempted or killed trainer
+resumes from its last checkpoint. The last step's drafter, with no rollouts after it,
+trains all `drafter.steps`. Rollouts of step t+2 are the first to use it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 from lsreplay import faults
-from lsreplay.checkpoint import load_module, save_module
-from lsreplay.drafter.distill import distill
+from lsreplay.checkpoint import (CheckpointError, load_module, load_optimizer, load_rng, save_module,
+                                 save_optimizer, save_rng)
+from lsreplay.drafter.distill import distill, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
 from lsreplay.run import Run
 from lsreplay.stages.common import load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
+from lsreplay.storage import CorruptEntry, MissingEntry
+
+log = logging.getLogger(__name__)
+
+SPOT_STATE = "spot.json"  # written after each spot checkpoint: steps done + the files' manifests
 
 
-def distill_drafter(run: Run, step: int) -> dict:
+@dataclasses.dataclass
+class _Trainer:
+    drafter: Drafter
+    optimizer: torch.optim.Optimizer
+    batches: torch.Generator  # draws the training batches
+    steps_done: int = 0
+
+
+def distill_drafter(run: Run, step: int, devices: list[int] | None = None) -> dict:
+    """`devices`: the pool slot held (recorded in the manifest)."""
     if done := run.done(step, "drafter"):
         return done
     run.begin(step, "drafter")
     d = run.cfg.drafter
     prefixes = run.manifest(step, "prefixes")
     _, trees = load_trees(run, step)
-    target = policy_before(run, step)
-    # A fresh drafter's initial weights come from the global RNG: seed it per (run, step), so
-    # a resumed process starts from the same weights as an uninterrupted one.
+    sequences = [seq for i, tree in enumerate(trees)
+                 for seq in load_activations(run, step, i, prefixes).path_sequences(tree)]
+    trainer = _start_or_resume(run, step, policy_before(run, step))
+    resumed_at, start = trainer.steps_done, time.perf_counter()
+    rollouts_ended = _rollouts_ended(run, step)
+    stopped_by = "steps"
+    stats = None
+    bar = tqdm(total=d.steps, initial=resumed_at, desc=f"step {step} drafter", unit="step", leave=False)
+    while trainer.steps_done < d.steps:
+        chunk = min(d.checkpoint_every, d.steps - trainer.steps_done)
+        stats = distill(trainer.drafter, sequences, steps=chunk, lr=d.lr, batch_size=d.batch_size,
+                        generator=trainer.batches, optimizer=trainer.optimizer, progress=False)
+        trainer.steps_done += chunk
+        bar.update(chunk)
+        files = _save(run, step, trainer)
+        faults.hook("drafter", step, "mid")  # a kill here leaves a checkpoint to resume from
+        if rollouts_ended():
+            stopped_by = "rollouts ended"
+            break
+    bar.close()
+    if stats is None:  # resumed from a checkpoint taken after the last step
+        stats, files = evaluate(trainer.drafter, sequences), _save(run, step, trainer)
+    exported = save_hf(run.store, f"{run.checkpoint('drafter', step)}/hf", trainer.drafter)
+    log.info("drafter of step %d: %d steps (resumed at %d), stopped by %s", step, trainer.steps_done, resumed_at,
+             stopped_by)
+    return run.finish(step, "drafter", {
+        "files": [*files, *exported.values()], "checkpoint": run.checkpoint("drafter", step),
+        "sequences": len(sequences), "steps_done": trainer.steps_done, "resumed_at": resumed_at,
+        "stopped_by": stopped_by, "devices": devices,
+        **{f"drafter_{k}": v for k, v in dataclasses.asdict(stats).items() if k != "steps"},
+        "seconds": time.perf_counter() - start})
+
+
+def _rollouts_ended(run: Run, step: int):
+    """Whether the rollouts this drafter overlaps (step + 1's) are finished; never, for the last step."""
+    if step + 1 >= run.cfg.steps:
+        return lambda: False
+    return lambda: run.done(step + 1, "trees") is not None
+
+
+def _start_or_resume(run: Run, step: int, target) -> _Trainer:
+    """The trainer as this step's last spot checkpoint left it, else a fresh one."""
+    trainer = _fresh(run, step, target)
+    prefix = run.checkpoint("drafter", step)
+    try:
+        state = run.store.read_json(f"{prefix}/{SPOT_STATE}")
+        load_module(run.store, prefix, trainer.drafter, state["manifest"])
+        load_optimizer(run.store, prefix, trainer.optimizer, state["manifest"])
+        trainer.batches.set_state(load_rng(run.store, prefix, state["manifest"])["batches"])
+    except MissingEntry:
+        return trainer
+    except (CorruptEntry, CheckpointError, KeyError) as e:
+        log.warning("drafter of step %d: its spot checkpoint is unusable (%s); starting the step over", step, e)
+        return _fresh(run, step, target)
+    trainer.steps_done = state["steps_done"]
+    log.info("drafter of step %d resumes from its checkpoint after %d steps", step, trainer.steps_done)
+    return trainer
+
+
+def _fresh(run: Run, step: int, target) -> _Trainer:
+    """The previous step's drafter (step 0: a new one, seeded per step so that a resumed
+    process starts from the same weights), a new optimizer, a seeded batch sampler."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run.seed(step, "drafter-init"))
         drafter = Drafter.from_target(target)
@@ -35,17 +119,20 @@ def distill_drafter(run: Run, step: int) -> dict:
         with run.reading(step - 1, "drafter"):
             load_module(run.store, run.checkpoint("drafter", step - 1), drafter,
                         run.checkpoint_manifest("drafter", step - 1))
-    sequences = [seq for i, tree in enumerate(trees)
-                 for seq in load_activations(run, step, i, prefixes).path_sequences(tree)]
-    start = time.perf_counter()
-    stats = distill(drafter, sequences, steps=d.steps, lr=d.lr, batch_size=d.batch_size,
-                    generator=run.generator(step, "drafter"))
+    return _Trainer(drafter, torch.optim.AdamW(drafter.parameters(), lr=run.cfg.drafter.lr),
+                    run.generator(step, "drafter"))
+
+
+def _save(run: Run, step: int, trainer: _Trainer) -> list[dict]:
+    """Checkpoint the trainer; its state file, written last, makes the checkpoint resumable."""
     prefix = run.checkpoint("drafter", step)
-    ckpt = save_module(run.store, prefix, drafter, {"step": step, "drafter": drafter.config_dict(),
-                                                    "stats": dataclasses.asdict(stats)})
-    exported = save_hf(run.store, f"{prefix}/hf", drafter)  # usable on its own: `lsreplay generate`
-    faults.hook("drafter", step, "mid")
-    return run.finish(step, "drafter", {
-        "files": [*ckpt["files"].values(), *exported.values()], "checkpoint": prefix, "sequences": len(sequences),
-        **{f"drafter_{k}": v for k, v in dataclasses.asdict(stats).items()},
-        "seconds": time.perf_counter() - start})
+    parts = [save_module(run.store, prefix, trainer.drafter, {"step": step, "drafter": trainer.drafter.config_dict(),
+                                                               "steps_done": trainer.steps_done}),
+             save_optimizer(run.store, prefix, trainer.optimizer),
+             save_rng(run.store, prefix, {"batches": trainer.batches})]
+    entries = {name: e for p in parts for name, e in p["files"].items()}
+    # Keys and digests only (no absolute URIs): a copied or moved run still resumes.
+    manifest = {"prefix": prefix, "files": {name: {k: e[k] for k in ("key", "bytes", "sha256")}
+                                            for name, e in entries.items()}}
+    state = run.store.write_json(f"{prefix}/{SPOT_STATE}", {"steps_done": trainer.steps_done, "manifest": manifest})
+    return [*entries.values(), state]

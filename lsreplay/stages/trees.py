@@ -29,16 +29,32 @@ def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int
     return ids
 
 
-def generate_trees(run: Run, step: int, progress: Callable[[float], None] | None = None) -> dict:
-    """`progress`, if given, is called with the fraction of the step's token budget sampled so far."""
-    if done := run.done(step, "trees"):
+def shard_name(shard: int) -> str:
+    """The stage name of one rollout shard (its done marker: step_N/trees-shard0.done.json)."""
+    return f"trees-shard{shard}"
+
+
+def generate_trees(run: Run, step: int) -> dict:
+    """The whole stage in this process: every shard in turn, then collected (scripts, tests)."""
+    for shard in range(run.cfg.rollout.shards):
+        generate_tree_shard(run, step, shard)
+    return collect_trees(run, step)
+
+
+def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[float], None] | None = None,
+                        devices: list[int] | None = None) -> dict:
+    """Sample the trees of prompts shard, shard + shards, ... of the step (each with its own
+    generator, so the draws do not depend on the sharding). `progress`, if given, is called
+    with the fraction of the shard's token budget sampled so far; `devices`: the pool slot held."""
+    if done := run.done(step, shard_name(shard)):
         return done
     run.begin(step, "trees")
     cfg, r = run.cfg, run.cfg.rollout
     key = run.key(step, "prompts.json")
     with run.reading(step, "prompts"):
         stored = run.store.read_json(key, sha256=run.sha256(run.manifest(step, "prompts"), key))
-    prompts = [Prompt(**p) for p in stored["prompts"]]
+    indices = list(range(shard, len(stored["prompts"]), r.shards))
+    prompts = [Prompt(**stored["prompts"][i]) for i in indices]
     model, tokenizer = policy_before(run, step), load_tokenizer(cfg.model)
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
@@ -53,21 +69,46 @@ def generate_trees(run: Run, step: int, progress: Callable[[float], None] | None
 
         trees, trace = sample_trees(
             model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens, params,
-            eos_ids(tokenizer, model), [run.generator(step, "trees", i) for i in range(len(prompts))], advance)
+            eos_ids(tokenizer, model), [run.generator(step, "trees", i) for i in indices], advance)
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
     records = [tree_record(tokenizer, prompt, tree, dict(cfg.data.task_args).get(prompt.task))
                for prompt, tree in zip(prompts, trees)]
-    entry = run.store.write_json(run.key(step, "trees.json"), {"trees": records})
+    entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
+                                 {"prompt_indices": indices, "trees": records})
     faults.hook("trees", step, "mid")
+    lengths = [len(c) for rec in records for c in rec["completions"]]
+    return run.finish(step, shard_name(shard), {
+        "files": [entry], "shard": shard, "devices": devices,
+        "forward_positions": sum(t.forward_positions for t in trees), "completion_tokens": sum(lengths),
+        "seconds": seconds, **trace.summary(lengths)})
+
+
+def collect_trees(run: Run, step: int) -> dict:
+    """Join the finished shards into the step's trees.json, in prompt order (the stage's output)."""
+    if done := run.done(step, "trees"):
+        return done
+    shards = [run.manifest(step, shard_name(k)) for k in range(run.cfg.rollout.shards)]
+    by_prompt = {}
+    for manifest in shards:
+        key = manifest["files"][0]["key"]
+        with run.reading(step, shard_name(manifest["shard"])):
+            stored = run.store.read_json(key, sha256=run.sha256(manifest, key))
+        by_prompt.update(zip(stored["prompt_indices"], stored["trees"]))
+    records = [by_prompt[i] for i in sorted(by_prompt)]
+    entry = run.store.write_json(run.key(step, "trees.json"), {"trees": records})
     rewards = [x for rec in records for x in rec["rewards"]]
     lengths = [len(c) for rec in records for c in rec["completions"]]
+    # Shards run side by side: the stage took from the first start to the last end.
+    seconds = max(m["ended"] for m in shards) - min(m["started"] for m in shards)
     return run.finish(step, "trees", {
         "files": [entry], "trees": len(records), "rollouts": len(rewards),
         "reward_mean": sum(rewards) / len(rewards), "completion_tokens": sum(lengths),
-        "forward_positions": sum(t.forward_positions for t in trees), "seconds": seconds,
-        "tokens_per_s": sum(lengths) / seconds, **trace.summary(lengths)})
+        "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
+        "tokens_per_s": sum(lengths) / seconds, "started": min(m["started"] for m in shards),
+        "ended": max(m["ended"] for m in shards), **combine_traces(shards, lengths),
+        "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
 def tree_record(tokenizer, prompt: Prompt, tree, task_args: dict | None) -> dict:
@@ -76,3 +117,19 @@ def tree_record(tokenizer, prompt: Prompt, tree, task_args: dict | None) -> dict
     return {"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
             "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts,
             "rewards": [score(prompt, t, task_args) for t in texts]}
+
+
+def combine_traces(shards: list[dict], lengths: list[int]) -> dict:
+    """The shards' decode summaries as one: the length distribution over all rollouts, decode
+    time summed, the long-tail share weighted by each shard's decode time."""
+    decode = [m.get("decode_seconds", 0.0) for m in shards]
+    total = sum(decode) or 1e-9
+    return {**length_summary(lengths), "decode_seconds": sum(decode),
+            "decode_steps": sum(m.get("decode_steps", 0) for m in shards),
+            "tail_time_share": sum(m.get("tail_time_share", 0.0) * s for m, s in zip(shards, decode)) / total}
+
+
+def length_summary(lengths: list[int]) -> dict:
+    ordered = sorted(lengths)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"length_p50": pick(0.5), "length_p90": pick(0.9), "length_max": ordered[-1]}

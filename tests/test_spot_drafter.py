@@ -1,0 +1,65 @@
+"""Spot training of the drafter: it takes the pool slot a finished rollout shard frees while
+another shard still runs, trains until the rollout stage ends, then checkpoints and lets
+go; a trainer killed in the middle resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+from flowrun import lsreplay_chain, tiny, unique_pool
+
+from lsreplay.config import load_config
+from lsreplay.run import Run
+
+SPOT = ["rollout.shards=2", "pool.slots=2", "data.prompts_per_step=2", "drafter.steps=400",
+        "drafter.checkpoint_every=2"]
+
+
+def manifest(run_dir, step: int, stage: str) -> dict:
+    return json.loads((run_dir / f"step_{step:04d}" / f"{stage}.done.json").read_text())
+
+
+def test_drafter_trains_on_freed_slots_until_the_rollouts_end(prefect_server, tiny_model_dir, tmp_path,
+                                                              monkeypatch):
+    from flows.train import train
+
+    run_dir = tmp_path / "run"
+    # One shard of step 1 straggles for 4 s: the other frees its slot long before the stage ends.
+    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
+    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "4")
+    train(overrides=[*tiny(run_dir, tiny_model_dir), *SPOT, "steps=2"])
+
+    shards = manifest(run_dir, 1, "trees")["shards"]
+    first, last = sorted(shards, key=lambda s: s["ended"])
+    spot = manifest(run_dir, 0, "drafter")
+    # It started on the slot the first shard freed, while the other shard was still running...
+    assert first["ended"] <= spot["started"] < last["ended"]
+    assert spot["devices"] == first["devices"] != last["devices"]
+    # ... and stopped, checkpointed, once the rollouts ended (long before its step budget).
+    assert spot["stopped_by"] == "rollouts ended"
+    assert 2 <= spot["steps_done"] < 400 and spot["ended"] >= last["ended"]
+    state = json.loads((run_dir / "checkpoints/drafter/step_0000/spot.json").read_text())
+    assert state["steps_done"] == spot["steps_done"]
+    # The last step's drafter has no rollouts after it: it trains its whole budget.
+    assert manifest(run_dir, 1, "drafter")["steps_done"] == 400
+    # Step 0's metrics line was completed with its drafter's figures.
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1] and all("drafter_loss" in m for m in metrics)
+
+
+def test_killed_drafter_resumes_from_its_checkpoint(prefect_server, tiny_model_dir, tmp_path):
+    """Killed after its first checkpoint (2 of 6 steps), the last step's drafter resumes
+    there and ends with the weights of an uninterrupted trainer."""
+    overrides = ["drafter.steps=6", "drafter.checkpoint_every=2", "steps=1"]
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    jobs = [(["train", *tiny(killed, tiny_model_dir, steps=1), *overrides], "drafter@0:kill"),
+            (["resume", str(killed), unique_pool()], ""),
+            (["train", *tiny(clean, tiny_model_dir, steps=1), *overrides], "")]
+    results = lsreplay_chain(jobs, tmp_path)
+    assert results[0]["returncode"] == -9 and all(r["returncode"] == 0 for r in results[1:]), results[1]["log"][-3000:]
+    resumed = manifest(killed, 0, "drafter")
+    assert (resumed["resumed_at"], resumed["steps_done"]) == (2, 6)
+    weights = "checkpoints/drafter/step_0000/model.safetensors"
+    assert (killed / weights).read_bytes() == (clean / weights).read_bytes()
+    run = Run(load_config(None, [f"run_dir={killed}"]))
+    assert run.executions()[0, "drafter"] == 2
