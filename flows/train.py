@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import nullcontext
+from functools import partial
 
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
@@ -149,16 +150,21 @@ def _step(run, tasks: dict, cfg: Config, step: int, runner=None) -> dict[str, di
 
 
 def _rollouts(run, tasks: dict, cfg: Config, step: int, runner) -> dict:
-    """The step's rollout shards, then their collected trees. As soon as one shard finishes,
-    the previous step's drafter starts on the slot it frees and trains until the last shard
-    is collected (lsreplay.stages.drafter), then its metrics join the previous step's line.
-    If a shard fails, the drafter trains its full budget before the flow stops."""
+    """The step's rollout shards, then their collected trees. The previous step's drafter
+    starts on a free slot (an idle one, or the first a finished shard frees) and trains
+    until the last shard is collected (lsreplay.stages.drafter); then its metrics join the
+    previous step's line. If a shard fails, the drafter trains its full budget before the
+    flow stops."""
     shards = [_submit(tasks["trees"], runner, cfg, "trees", step=step, shard=k) for k in range(cfg.rollout.shards)]
-    drafter = None
+    spot = cfg.drafter.enabled and step > 0
+    start_drafter = partial(_submit, tasks["drafter"], runner, cfg, "drafter", step=step - 1)
+    # Slots no shard needs are idle from the start. Otherwise the drafter waits for a shard
+    # to finish, so that it never holds a slot a shard is still waiting for.
+    drafter = start_drafter() if spot and cfg.pool.slots > cfg.rollout.shards else None
     for future in as_completed(shards):
         _result(future, "trees", step)
-        if drafter is None and cfg.drafter.enabled and step > 0:
-            drafter = _submit(tasks["drafter"], runner, cfg, "drafter", step=step - 1)
+        if drafter is None and spot:
+            drafter = start_drafter()
     trees = _result(_submit(tasks["collect-trees"], runner, cfg, "collect-trees", step=step), "trees", step)
     if drafter is not None:
         previous = {name: run.done(step - 1, name) for name in STAGES if name != "drafter"}

@@ -91,13 +91,15 @@ def cache_prefixes(run: Run, step: int) -> dict:
     model = policy_before(run, step)
     # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
     reference = load_model(run.cfg.model, trainable=False) if run.cfg.algo.kl_coef > 0 else None
+    # Only replay reads the K/V back, only the drafter the hidden states.
+    store_kv, keep_hidden = run.cfg.replay.mode == "replay", run.cfg.drafter.enabled
     files, kv_entries, act_entries, start = [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
-        acts = capture_tree(model, tree)
+        acts = capture_tree(model, tree, keep_hidden=keep_hidden)
         if reference is not None:
             acts.ref_entry_logprobs = capture_tree(reference, tree, keep_hidden=False).entry_logprobs
         nodes = {}
-        for node_id, kv in acts.prefix_kv.items():
+        for node_id, kv in acts.prefix_kv.items() if store_kv else ():
             nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
             if run.cfg.replay.kv_offload == "host":
                 HOST_KV[nodes[str(node_id)]["sha256"]] = kv
