@@ -19,7 +19,8 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
   node, a micro-batch of sibling leaves on top of their prefix. This mirrors
   `replay_backward`'s schedule (including its leaf micro-batching) and counts what
   `ActivationMeter` counts, with per-tensor byte counts measured for Llama/Qwen2 under
-  transformers 5.x sdpa (`saved_bytes`; tests/test_plan.py checks it against the meter).
+  transformers 5.x, sdpa and cascade attention (`saved_bytes`; tests/test_plan.py checks it
+  against the meter).
 - workspace (estimate, not validated on a GPU): the transient logits of the run's
   completion tokens and twice one layer's activations for the backward; plus a fixed
   reserve (CUDA context, NCCL buffers) and 5% of the device for allocator fragmentation.
@@ -121,15 +122,16 @@ class RunPeak:
     width: int = 0
     past: int = 0
     entries: int = 0
+    cascade: bool = False  # attends to the past in place (see memory.saved_bytes)
 
     @property
     def total(self) -> int:
         return self.held_kv + self.saved
 
 
-def _run(dims, elt, what, held, rows, width, past, entries) -> RunPeak:
-    return RunPeak(what, held, saved_bytes(dims, elt, rows, width, past, entries),
-                   rows, width, past, entries)
+def _run(dims, elt, what, held, rows, width, past, entries, cascade=False) -> RunPeak:
+    return RunPeak(what, held, saved_bytes(dims, elt, rows, width, past, entries, cascade),
+                   rows, width, past, entries, cascade)
 
 
 def naive_peak(dims: ModelDims, elt: int, shape: TreeShape) -> RunPeak:
@@ -137,9 +139,15 @@ def naive_peak(dims: ModelDims, elt: int, shape: TreeShape) -> RunPeak:
     return _run(dims, elt, "one rollout", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
 
 
-def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None) -> RunPeak:
+def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
+                accelerator: bool = False) -> RunPeak:
     """The largest run of `replay_backward` on a tree of this shape (branching nodes'
-    K/V recomputed or loaded: neither is saved for backward)."""
+    K/V recomputed or loaded: neither is saved for backward). On CPU, micro-batches of
+    leaves use cascade attention where the dtype allows it (see cascade.cascade_applies);
+    on an `accelerator`, sdpa."""
+    from lsreplay.replay.cascade import DTYPES
+
+    cascade = not accelerator and dtype in DTYPES
     elt = torch.tensor([], dtype=dtype).element_size()
     kvpp = kv_bytes_per_position(dims, elt)
     root, levels = shape.radix()
@@ -156,10 +164,10 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
         # the node itself, with grad, injecting its children's dK/dV; it also scores its own
         # completion tokens and, at its last position, each child's first token
         own_entries = (length - 1 if depth > 0 else length - shape.prompt) + branching
-        runs.append(_run(dims, elt, f"{first} recompute", held, 1, length, start, own_entries))
+        runs.append(_run(dims, elt, f"{first} recompute", held, 1, length, start, own_entries, cascade))
         if depth == len(levels) - 1:  # children are leaves: micro-batches of siblings
-            rows = leaf_rows(dims, elt, branching, seg, end, budget)
-            runs.append(_run(dims, elt, f"{rows} leaves x {seg}", held, rows, seg, end, rows * (seg - 1)))
+            rows = leaf_rows(dims, elt, branching, seg, end, budget - held, cascade)
+            runs.append(_run(dims, elt, f"{rows} leaves x {seg}", held, rows, seg, end, rows * (seg - 1), cascade))
         start, length = end, seg
     return max(runs, key=lambda r: r.total)
 
@@ -203,7 +211,8 @@ def workspace_bytes(dims: ModelDims, elt: int, run: RunPeak) -> int:
     """Transients the meter does not see (estimate): the run's logits in the model dtype and
     in float32 plus their gradient, and twice one layer's saved activations."""
     logits = run.entries * dims.vocab * (elt + 4 + 4)
-    layer = run.rows * run.width * (per_position_bytes(dims, elt, run.past > 0) // max(dims.layers, 1))
+    repeated_kv = run.past > 0 and not run.cascade
+    layer = run.rows * run.width * (per_position_bytes(dims, elt, repeated_kv) // max(dims.layers, 1))
     return logits + 2 * layer
 
 
@@ -297,7 +306,9 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     shape = TreeShape.from_rollout(cfg.data.max_prompt_tokens, r.branching, r.segment_tokens, r.max_new_tokens)
     ranks, fsdp = values["pool.devices_per_step"], values["replay.fsdp"]
     budget = cfg.replay.budget_mb * 2**20 or None
-    replay, naive = replay_peak(dims, dtype, shape, budget), naive_peak(dims, elt, shape)
+    # A plan given the device memory is for accelerators (it reserves a CUDA context too).
+    replay = replay_peak(dims, dtype, shape, budget, accelerator=bool(values["pool.device_memory_gb"]))
+    naive = naive_peak(dims, elt, shape)
     return Plan(model=model_name, dims=dims, dtype=dtype_name, mode=cfg.replay.mode, ranks=ranks, fsdp=fsdp,
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step, state=state_bytes(dims, dtype_name, ranks, fsdp),

@@ -17,6 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.capture import capture_tree
+from lsreplay.replay.cascade import forward_cascade
+from lsreplay.replay.memory import ModelDims, saved_bytes
+from lsreplay.replay.segments import concat_kv, forward_segments, new_kv, target_logprobs
 from lsreplay.tree import RolloutTree
 
 VOCAB = 256
@@ -139,3 +142,50 @@ def test_meter_ignores_work_without_grad():
     with meter.measure(), torch.no_grad():
         x.sin()
     assert meter.current == meter.peak == 0
+
+
+def test_meter_counts_a_held_tensor_once_when_autograd_saves_it():
+    meter = ActivationMeter()
+    held = torch.randn(1000, dtype=torch.float64, requires_grad=True)
+    with meter.hold(100, tensors=[held]), meter.measure():
+        assert meter.current == 8100
+        y = held.sin()  # saves its input, the held tensor: stored once, counted once
+        assert meter.current == 8100
+        del y
+    assert meter.current == 0
+    assert meter.peak == 8100
+
+
+# -- the byte model of a cascade-attention run (see memory.saved_bytes) ----------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("lengths", [[20], [20, 13, 7]], ids=["node", "leaves"])
+def test_cascade_run_saves_what_the_byte_model_counts(dtype, lengths):
+    """What autograd keeps for a run on two ancestors' K/V held by replay (a branching node
+    recomputed, or a micro-batch of right-padded leaves), scored on every real position."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    rng = random.Random(0)
+    ancestors = [[rng.randrange(VOCAB) for _ in range(n)] for n in (40, 24)]
+    prefix, start = [], 0
+    with torch.no_grad():
+        for seg in ancestors:
+            _, cache = forward_segments(model, [seg], start, concat_kv(prefix))
+            prefix.append(tuple([t.clone().requires_grad_() for t in half] for half in new_kv(cache, start)))
+            start += len(seg)
+    held = [t for kv in prefix for half in kv for t in half]
+    segments = [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
+    entries = sum(n - 1 for n in lengths)
+    meter = ActivationMeter(model)
+    with meter.hold(0, tensors=held), meter.measure():
+        held_bytes = meter.current
+        hidden, _ = forward_cascade(model, segments, start, prefix)
+        objective = sum(target_logprobs(model, hidden[row], range(len(seg) - 1), seg[1:]).sum()
+                        for row, seg in enumerate(segments))
+        saved = meter.current - held_bytes
+    objective.backward()
+    elt = torch.tensor([], dtype=dtype).element_size()
+    expected = saved_bytes(ModelDims.from_hf(config), elt, len(lengths), max(lengths), start, entries, cascade=True)
+    assert saved == expected  # byte for byte

@@ -10,7 +10,8 @@ subtree on top of them (so their dK/dV accumulates in the leaves' .grad), then r
 node itself once with grad and injects the accumulated dK/dV through its recomputed K/V
 together with its own token losses, including the logits at its last position that
 predict each child's first token. Memory holds one root-to-leaf path of activations plus
-its ancestors' K/V, whatever the number of branches.
+its ancestors' K/V, whatever the number of branches. Where the model allows it (see
+cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.memory import ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows
 from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, kv_bytes, new_kv, target_logprobs
 from lsreplay.tree import Node, RolloutTree
@@ -55,14 +57,15 @@ class _Replay:
         self.dims = ModelDims.from_hf(model.config)
         self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
+        self.cascade = cascade_applies(model)
         self.objective = torch.zeros((), dtype=torch.float64)
         self.positions = 0
         self.recomputed = 0
 
     def tree(self, index: int, tree: RolloutTree, entry_weights: torch.Tensor) -> None:
         self.index, self.t, self.w = index, tree, entry_weights
-        # Unless configured, a leaf micro-batch may use what the per-rollout backward needs
-        # for this tree's longest rollout.
+        # Unless configured, a leaf micro-batch (with the K/V held for it) may use what the
+        # per-rollout backward needs for this tree's longest rollout.
         longest = max(n.end for n in tree.nodes)
         self.budget = self.budget_bytes or default_leaf_budget(self.dims, self.elt, longest, longest - tree.prompt_len)
         if tree.root.is_leaf:
@@ -72,7 +75,7 @@ class _Replay:
 
     def node(self, node: Node, ancestors: list[PrefixKV]) -> None:
         kv = self.leaf_kv(node, ancestors)
-        with self.meter.hold(2 * kv_bytes(kv)):  # the K/V and its gradient
+        with self.meter.hold(kv_bytes(kv), tensors=kv[0] + kv[1]):  # the K/V and its gradient
             below = ancestors + [kv]
             past_len = node.end
             leaves = [self.t.nodes[c] for c in node.children if self.t.nodes[c].is_leaf]
@@ -103,21 +106,31 @@ class _Replay:
 
     def leaf_batches(self, leaves: list[Node], past_len: int) -> list[list[Node]]:
         """Group sibling leaves, longest first, so that each group's saved activations
-        (see memory.saved_bytes: the past K/V repeated per row inside attention, plus the
-        suffix activations) fit the budget."""
+        (see memory.saved_bytes) fit the budget next to the K/V held for them."""
+        budget = self.budget - self.meter.current  # the held K/V already count toward the peak
         leaves = sorted(leaves, key=lambda n: -len(n.tokens))
         batches = []
         while leaves:
-            rows = leaf_rows(self.dims, self.elt, len(leaves), len(leaves[0].tokens), past_len, self.budget)
+            rows = leaf_rows(self.dims, self.elt, len(leaves), len(leaves[0].tokens), past_len, budget,
+                             cascade=self.cascade)
             batches.append(leaves[:rows])
             leaves = leaves[rows:]
         return batches
 
+    def forward(self, nodes: list[Node], ancestors: list[PrefixKV]) -> tuple[torch.Tensor, PrefixKV]:
+        """Hidden states of sibling `nodes` after their ancestors' K/V, and the first node's
+        own K/V."""
+        segments, start = [n.tokens for n in nodes], nodes[0].start
+        if ancestors and self.cascade:
+            hidden, cache = forward_cascade(self.model, segments, start, ancestors)
+            return hidden, new_kv(cache, 0)  # the cache holds only the nodes' own K/V
+        hidden, cache = forward_segments(self.model, segments, start, concat_kv(ancestors))
+        return hidden, new_kv(cache, start)
+
     def run(self, nodes: list[Node], ancestors: list[PrefixKV], kv_grads) -> None:
         """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward their
         entries' weighted logprobs, with `kv_grads` (dK, dV) injected at a node's own K/V."""
-        past = concat_kv(ancestors)
-        hidden, cache = forward_segments(self.model, [n.tokens for n in nodes], nodes[0].start, past)
+        hidden, own_kv = self.forward(nodes, ancestors)
         self.positions += hidden.shape[0] * hidden.shape[1]
         objective = hidden.new_zeros(())
         for row, n in enumerate(nodes):
@@ -129,8 +142,7 @@ class _Replay:
                 objective = objective + term
         outputs, grads = [objective], [torch.ones_like(objective)]
         if kv_grads is not None:
-            keys, values = new_kv(cache, nodes[0].start)
-            for own, grad in zip(keys + values, kv_grads[0] + kv_grads[1]):
+            for own, grad in zip(own_kv[0] + own_kv[1], kv_grads[0] + kv_grads[1]):
                 if grad is not None:
                     outputs.append(own)
                     grads.append(grad)
@@ -152,8 +164,8 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
     """Accumulate the weighted-logprob gradient of `trees` into `.grad`, branch replay style.
 
     prefix_kv: where cached K/V of branching nodes come from (None: computed here without
-    grad). budget_bytes: memory allowed to one micro-batch of sibling leaves (default:
-    what one root-to-leaf path needs)."""
+    grad). budget_bytes: memory allowed to one micro-batch of sibling leaves, the K/V held
+    for them included (default: what the per-rollout backward saves for the longest rollout)."""
     entry_w = _entry_weights(trees, weights)
     meter = meter or ActivationMeter(model)
     state = _Replay(model, meter, prefix_kv, budget_bytes)

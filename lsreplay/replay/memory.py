@@ -9,6 +9,7 @@ reported next to it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -73,13 +74,20 @@ class ActivationMeter:
             yield self
 
     @contextmanager
-    def hold(self, nbytes: int):
-        """Count `nbytes` of explicitly held buffers (cached K/V and its grad) in the block."""
+    def hold(self, nbytes: int, tensors: Sequence[torch.Tensor] = ()):
+        """Count explicitly held buffers in the block: `nbytes` (e.g. gradients to come) and
+        the storages of `tensors` (e.g. cached K/V). A held tensor that autograd also saves
+        counts once, as it is stored once (cascade attention saves the prefix K/V it reads)."""
+        ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+        for t, ptr in zip(tensors, ptrs):
+            self._acquire(ptr, t.untyped_storage().nbytes())
         self._add(nbytes)
         try:
             yield
         finally:
             self._add(-nbytes)
+            for ptr in ptrs:
+                self._release(ptr)
 
 
 def device_peak_bytes(device: torch.device) -> int | None:
@@ -139,31 +147,36 @@ def entry_bytes(dims: ModelDims, elt: int) -> int:
     return dims.hidden * elt + dims.vocab * max(4, elt) + 16
 
 
-def per_position_bytes(dims: ModelDims, elt: int, past: bool) -> int:
+def per_position_bytes(dims: ModelDims, elt: int, repeated_kv: bool) -> int:
     """Saved-for-backward bytes per new position of one forward, excluding scored entries
-    and K/V of the past. Measured tensor by tensor (transformers 5.x, Llama/Qwen2, sdpa):
-    per layer two RMSNorms (float32 input copy, rsqrt, normed and scaled outputs: 4h + 4 +
-    2he), attention (query, output: 2 q_dim e; log-sum-exp: 4 per head; without a past the
-    grouped-query path also saves the new keys and values: 2 kv_dim e), MLP (gate, SiLU, up,
-    product: 4 i e); per forward the token ids, rotary cos/sin and the final norm."""
+    and K/V of the past. Measured tensor by tensor (transformers 5.x, Llama/Qwen2, sdpa and
+    cascade attention): per layer two RMSNorms (float32 input copy, rsqrt, normed and scaled
+    outputs: 4h + 4 + 2he), attention (query, output: 2 q_dim e; log-sum-exp per head, in
+    float32 or float64; the new keys and values, 2 kv_dim e, unless `repeated_kv`: sdpa given
+    a mask saves them repeated to every query head instead, see saved_bytes), MLP (gate,
+    SiLU, up, product: 4 i e); per forward the token ids, rotary cos/sin and the final norm."""
     h, e = dims.hidden, elt
-    layer = 2 * (4 * h + 4 + 2 * h * e) + 2 * dims.q_dim * e + 4 * dims.heads + 4 * dims.intermediate * e
-    if not past:
+    layer = 2 * (4 * h + 4 + 2 * h * e) + 2 * dims.q_dim * e + max(4, e) * dims.heads + 4 * dims.intermediate * e
+    if not repeated_kv:
         layer += 2 * dims.kv_dim * e
     return dims.layers * layer + 8 + 2 * dims.head_dim * e + 4 * h + 4 + h * e
 
 
-def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, entries: int) -> int:
-    """Bytes autograd keeps for one `forward_segments` + scoring + backward of `rows`
-    segments of `width` new positions after `past` positions of K/V.
+def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, entries: int,
+                cascade: bool = False) -> int:
+    """Bytes autograd keeps for one forward + scoring + backward of `rows` segments of
+    `width` new positions after `past` positions of K/V.
 
-    With a past, HF passes sdpa an explicit mask, which turns off its grouped-query path:
-    keys and values are repeated to all query heads and saved per row for past + new
-    positions (2 q_dim e per layer and position), and every layer saves a copy of the mask
-    (rows x width x (past + width) x e). A node run's injected dK/dV are output gradients,
-    not saved tensors."""
-    out = rows * width * per_position_bytes(dims, elt, past > 0) + entries * entry_bytes(dims, elt)
-    if past > 0:
+    `forward_segments` with a past: HF passes sdpa an explicit mask, which turns off its
+    grouped-query path: keys and values are repeated to all query heads and saved per row
+    for past + new positions (2 q_dim e per layer and position), and every layer saves a
+    copy of the mask (rows x width x (past + width) x e). `cascade` (cascade.forward_cascade):
+    the rows attend to the past in place, saving the past K/V themselves, which replay holds
+    anyway (counted once, see ActivationMeter.hold), and the rows' new K/V as without a
+    past. A node run's injected dK/dV are output gradients, not saved tensors."""
+    repeated_kv = past > 0 and not cascade
+    out = rows * width * per_position_bytes(dims, elt, repeated_kv) + entries * entry_bytes(dims, elt)
+    if repeated_kv:
         out += rows * dims.layers * 2 * dims.q_dim * elt * (past + width)
         out += dims.layers * rows * width * (past + width) * elt  # each layer saves its own mask copy
     return out
@@ -175,10 +188,14 @@ def default_leaf_budget(dims: ModelDims, elt: int, longest: int, completion: int
     return saved_bytes(dims, elt, 1, longest, 0, completion)
 
 
-def leaf_rows(dims: ModelDims, elt: int, count: int, width: int, past: int, budget: int) -> int:
-    """How many of `count` sibling leaves of `width` new positions after `past` positions
-    fit one micro-batch within `budget` (at least one)."""
-    rows = 1
-    while rows < count and saved_bytes(dims, elt, rows + 1, width, past, (rows + 1) * (width - 1)) <= budget:
-        rows += 1
-    return rows
+def leaf_rows(dims: ModelDims, elt: int, count: int, width: int, past: int, budget: int,
+              cascade: bool = False) -> int:
+    """How many of `count` sibling leaves of at most `width` new positions after `past`
+    positions go into the first micro-batch: as few micro-batches as fit `budget` (a leaf
+    each at least), of even sizes, since every micro-batch reads the whole past again;
+    `cascade` as in saved_bytes."""
+    fit = 1
+    while fit < count and saved_bytes(dims, elt, fit + 1, width, past, (fit + 1) * (width - 1), cascade) <= budget:
+        fit += 1
+    batches = -(-count // fit)
+    return -(-count // batches)

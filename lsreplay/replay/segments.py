@@ -32,6 +32,17 @@ def kv_bytes(kv: PrefixKV) -> int:
     return sum(t.numel() * t.element_size() for half in kv for t in half)
 
 
+def padded_batch(model: PreTrainedModel, segments: list[list[int]], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, T) of `segments` right-padded with 0, and their positions start.. ."""
+    device = next(model.parameters()).device
+    width = max(len(s) for s in segments)
+    ids = torch.zeros(len(segments), width, dtype=torch.long, device=device)
+    for b, seg in enumerate(segments):
+        ids[b, : len(seg)] = torch.as_tensor(seg, dtype=torch.long)
+    positions = torch.arange(start, start + width, device=device).expand(len(segments), width)
+    return ids, positions
+
+
 def forward_segments(model: PreTrainedModel, segments: list[list[int]], start: int,
                      past: PrefixKV | None) -> tuple[torch.Tensor, DynamicCache]:
     """Hidden states (B, T, d) of `segments` placed at positions start.. after `past`.
@@ -39,12 +50,7 @@ def forward_segments(model: PreTrainedModel, segments: list[list[int]], start: i
     Segments are right-padded: causal attention means a real token never sees the
     padding after it, so no attention mask is needed and padded outputs are ignored.
     The past is broadcast over the batch; the returned cache holds past + new K/V."""
-    device = next(model.parameters()).device
-    width = max(len(s) for s in segments)
-    ids = torch.zeros(len(segments), width, dtype=torch.long, device=device)
-    for b, seg in enumerate(segments):
-        ids[b, : len(seg)] = torch.as_tensor(seg, dtype=torch.long)
-    positions = torch.arange(start, start + width, device=device).expand(len(segments), width)
+    ids, positions = padded_batch(model, segments, start)
     cache = DynamicCache(config=model.config)
     if past is not None:
         for layer, (k, v) in enumerate(zip(*past)):

@@ -1,0 +1,166 @@
+"""Cascade attention (lsreplay/replay/cascade.py): the attention itself against sdpa over the
+prefix repeated per row, a model forward on it against `forward_segments`, and the replay
+backward, which runs it on CPU, against the per-rollout reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.profiler import profile
+
+from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
+from lsreplay.replay.backward import _Replay
+from lsreplay.replay.cascade import _CascadeAttention, cascade_applies, forward_cascade
+from lsreplay.replay.segments import concat_kv, forward_segments, new_kv
+from lsreplay.tree import RolloutTree
+
+VOCAB = 64
+ARCHS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+
+
+def reference_attention(scale, query, key, value, *prefix):
+    """sdpa over [prefix repeated per row; the row's own], K/V repeated to every query head,
+    causal on the own part."""
+    rows, heads, width, _ = query.shape
+    keys = torch.cat([k.expand(rows, -1, -1, -1) for k in prefix[0::2]] + [key], dim=2)
+    values = torch.cat([v.expand(rows, -1, -1, -1) for v in prefix[1::2]] + [value], dim=2)
+    past = keys.shape[2] - width
+    mask = torch.ones(width, past + width, dtype=torch.bool).tril(past)
+    group = heads // key.shape[1]
+    return F.scaled_dot_product_attention(query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
+                                          attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("heads, kv_heads, prefix_lengths", [(8, 2, (11, 5)), (4, 4, (9,))], ids=["gqa", "mha"])
+def test_cascade_attention_equals_sdpa_over_the_repeated_prefix(heads, kv_heads, prefix_lengths):
+    g = torch.Generator().manual_seed(0)
+    rows, width, dim = 3, 6, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    # Queries and own keys/values laid out as HF attention produces them: (rows, width, heads, d) transposed.
+    query = rand(rows, width, heads, dim).transpose(1, 2).requires_grad_()
+    key = rand(rows, width, kv_heads, dim).transpose(1, 2).requires_grad_()
+    value = rand(rows, width, kv_heads, dim).transpose(1, 2).requires_grad_()
+    prefix = [rand(1, kv_heads, n, dim).requires_grad_() for n in prefix_lengths for _ in "kv"]
+    inputs = [query, key, value, *prefix]
+
+    out = _CascadeAttention.apply(dim**-0.5, *inputs)
+    expected = reference_attention(dim**-0.5, *inputs)
+    assert (out - expected).abs().max() < 1e-12
+    grad_out = rand(*out.shape)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    for got, want in zip(grads, expected_grads):
+        assert (got - want).abs().max() < 1e-12 * max(1.0, want.abs().max().item())
+
+
+def tiny(arch: str, dtype=torch.float64, **overrides) -> transformers.PreTrainedModel:
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(0)
+    dims = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, initializer_range=0.1, attn_implementation="sdpa") | overrides
+    return model_cls(config_cls(**dims)).to(dtype).eval()
+
+
+def prefix_kv(model, segments: list[list[int]]) -> list:
+    """Each segment's K/V after the ones before it, as replay holds them: leaf tensors."""
+    parts, start = [], 0
+    with torch.no_grad():
+        for seg in segments:
+            _, cache = forward_segments(model, [seg], start, concat_kv(parts))
+            parts.append(tuple([t.clone().requires_grad_() for t in half] for half in new_kv(cache, start)))
+            start += len(seg)
+    return parts
+
+
+def hidden_and_grads(model, forward, segments, prefix):
+    """Real (unpadded) positions' hidden states of right-padded `segments` after `prefix`,
+    and the gradient of a fixed random function of them w.r.t. the prefix K/V and the weights."""
+    hidden, _ = forward(model, segments, sum(part[0][0].shape[-2] for part in prefix), prefix)
+    real = torch.cat([hidden[row, : len(seg)] for row, seg in enumerate(segments)])
+    probe = torch.randn(real.shape, generator=torch.Generator().manual_seed(2), dtype=real.dtype)
+    (real * probe).sum().backward()
+    leaves = [t for part in prefix for half in part for t in half] + list(model.base_model.parameters())
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return real.detach(), grads
+
+
+def sdpa_forward(model, segments, start, prefix):
+    return forward_segments(model, segments, start, concat_kv(prefix))
+
+
+@pytest.mark.parametrize("arch, kv_heads", [("llama", 2), ("qwen2", 4)], ids=["llama-gqa", "qwen2-mha"])
+def test_forward_cascade_equals_forward_segments_on_right_padded_rows(arch, kv_heads):
+    model = tiny(arch, num_key_value_heads=kv_heads)
+    prefix = prefix_kv(model, [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]])
+    segments = [[11, 12, 13, 14, 15], [16, 17, 18], [19, 20, 21, 22, 23, 24, 25]]
+    hidden, grads = hidden_and_grads(model, forward_cascade, segments, prefix)
+    expected, expected_grads = hidden_and_grads(model, sdpa_forward, segments, prefix)
+    # Float64 throughout but HF's RMSNorm, which rounds to float32 (measured: equal hidden
+    # states, gradients within 1e-15).
+    assert (hidden - expected).abs().max() <= 1e-7 * expected.abs().max()
+    for got, want in zip(grads, expected_grads):
+        assert (got - want).abs().max() <= 1e-9 * want.abs().max()
+
+
+def test_bfloat16_cascade_forward_close_to_sdpa():
+    model = tiny("qwen2", torch.bfloat16)
+    prefix = prefix_kv(model, [list(range(1, 30))])
+    segments = [list(range(30, 41)), list(range(41, 47))]
+    hidden, _ = hidden_and_grads(model, forward_cascade, segments, prefix)
+    expected, _ = hidden_and_grads(model, sdpa_forward, segments, prefix)
+    assert torch.nn.functional.cosine_similarity(hidden.float().flatten(), expected.float().flatten(), dim=0) > 0.999
+
+
+def tree() -> RolloutTree:
+    """Branches at two depths; leaves of different lengths under each branching node."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    completions = [[10, 11, 12, 13], [10, 11, 14], [10, 11, 15, 16, 17, 18], [20, 21], [20, 22, 23, 24, 25], [30]]
+    return RolloutTree.from_sequences(prompt, completions)
+
+
+def replay_vs_naive(model) -> tuple[float, int]:
+    """Max relative gradient difference of replay vs naive, and how many times replay ran
+    cascade attention (seen by the profiler: no stand-in involved)."""
+    t = tree()
+    weights = [[torch.randn(len(c), generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+                for i, c in enumerate(t.completions)]]
+    model.zero_grad(set_to_none=True)
+    naive_backward(model, [t], weights)
+    naive = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with profile() as prof:  # a budget that holds all siblings: one micro-batch of leaves per node
+        replay_backward(model, [t], weights, budget_bytes=2**30)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "_CascadeAttention")
+    rel = max(((p.grad - g).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), naive))
+    return rel, calls
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_replay_runs_cascade_attention_and_equals_naive(arch):
+    model = tiny(arch)
+    assert _Replay(model, ActivationMeter(model), None, None).cascade
+    rel, calls = replay_vs_naive(model)
+    assert rel <= 1e-6
+    # Every run after a prefix, in every layer: the leaves under the prompt (one micro-batch),
+    # the two level-1 nodes, and the micro-batch of leaves under each.
+    runs = 1 + 2 + 2
+    assert calls == runs * model.config.num_hidden_layers
+
+
+def test_unsupported_model_falls_back_to_sdpa_and_equals_naive():
+    model = tiny("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    assert not cascade_applies(model)
+    rel, calls = replay_vs_naive(model)
+    assert rel <= 1e-6 and calls == 0
+
+
+@pytest.mark.parametrize("dtype, applies", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, True),
+                                            (torch.float16, False)])
+def test_cascade_applies_to_the_dtypes_of_the_cpu_flash_kernel(dtype, applies):
+    assert cascade_applies(tiny("llama", dtype)) is applies
