@@ -134,7 +134,7 @@ def forward_flops(config, tree: RolloutTree, replay: bool) -> float:
     """Forward FLOPs (backward is ~2x for both methods, so ratios hold): linear layers per
     position, the LM head per predicted token, and attention per (query, key) pair. Unlike
     the positions ratio it charges replay's leaf tokens for attending to the whole prefix,
-    which matters in a model as narrow as this one at thousands of positions."""
+    which matters in narrow models at thousands of positions."""
     h, L, I, V = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
     H, kvh = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or h // H
