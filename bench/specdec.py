@@ -106,7 +106,7 @@ def no_eos_config(model, max_new_tokens: int, sample: bool):
 @torch.inference_mode()
 def rollouts(target, prompts, new_tokens: int, mode: str, batch: int, seed: int):
     """Root-to-leaf paths (tokens, last hidden states) of the target's own continuations."""
-    sequences, torch_seed = [], torch.random.get_rng_state()
+    paths, torch_seed = [], torch.random.get_rng_state()
     torch.manual_seed(seed)
     for start in range(0, len(prompts), batch):
         group = prompts[start:start + batch]
@@ -116,14 +116,23 @@ def rollouts(target, prompts, new_tokens: int, mode: str, batch: int, seed: int)
         else:
             out = target.generate(ids, attention_mask=mask, generation_config=no_eos_config(target, new_tokens, True))
             completion = out[:, ids.shape[1]:]
-        full = torch.cat([ids, completion], dim=1)
-        full_mask = torch.cat([mask, torch.ones_like(completion)], dim=1)
-        positions = (full_mask.cumsum(1) - 1).clamp(min=0)
-        hidden = target.base_model(input_ids=full, attention_mask=full_mask, position_ids=positions).last_hidden_state
-        for row, prompt in enumerate(group):
-            cut = ids.shape[1] - len(prompt)
-            sequences.append((full[row, cut:].clone(), hidden[row, cut:].clone()))
+        paths += [prompt + row.tolist() for prompt, row in zip(group, completion)]
     torch.random.set_rng_state(torch_seed)
+    return with_features(target, paths, batch)
+
+
+@torch.inference_mode()
+def with_features(target, paths: list[list[int]], batch: int) -> list[tuple[torch.LongTensor, torch.Tensor]]:
+    """(tokens, the target's last hidden states) of each token path, encoded in left-padded batches."""
+    sequences = []
+    for start in range(0, len(paths), batch):
+        group = paths[start:start + batch]
+        ids, mask = left_pad(group)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        hidden = target.base_model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        for row, path in enumerate(group):
+            cut = ids.shape[1] - len(path)
+            sequences.append((ids[row, cut:].clone(), hidden[row, cut:].clone()))
     return sequences
 
 

@@ -232,14 +232,14 @@ def _chi_square_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def _sampled_pvalues(setup, temperature, top_p, draft_len, draft_vocab=None, seed=0):
+def _sampled_pvalues(setup, temperature, top_p, draft_len, draft_vocab=None, seed=0, top_k=0):
     target, drafter, prompts = setup
-    params = SamplingParams(temperature=temperature, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     rows = [p for p in prompts for _ in range(SAMPLES_PER_PROMPT)]
     stats = SpecStats()
     out = speculative_generate(target, drafter, rows, DEPTH, temperature=temperature, top_p=top_p,
                                draft_len=draft_len, generator=torch.Generator().manual_seed(seed),
-                               draft_vocab=draft_vocab, stats=stats)
+                               draft_vocab=draft_vocab, stats=stats, top_k=top_k)
     assert out.shape == (len(rows), DEPTH)
     pvalues = []
     for i, prompt in enumerate(prompts):
@@ -253,6 +253,7 @@ def _sampled_pvalues(setup, temperature, top_p, draft_len, draft_vocab=None, see
 CASES = {
     "t1": {"temperature": 1.0, "top_p": 1.0, "draft_len": 2},
     "t0.7-top_p0.8": {"temperature": 0.7, "top_p": 0.8, "draft_len": 3},
+    "t0.8-top_k4-top_p0.9": {"temperature": 0.8, "top_p": 0.9, "top_k": 4, "draft_len": 2},
     "draft-vocab": {"temperature": 1.0, "top_p": 1.0, "draft_len": 2, "draft_vocab": torch.tensor([0, 2, 3, 5, 6])},
 }
 
@@ -320,5 +321,6 @@ def test_bandit_is_deterministic_given_seed_and_rewards():
 
     assert run(4) == run(4)
     assert run(4)[:4] != run(5)[:4] or run(4)[:4] != run(6)[:4]  # the first pulls follow the seed
-    with pytest.raises(ValueError):
-        DraftLengthBandit(arms=(0, 2))
+    for arms in ((-1, 2), (2, 2), ()):
+        with pytest.raises(ValueError):
+            DraftLengthBandit(arms=arms)

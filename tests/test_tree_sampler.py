@@ -45,7 +45,8 @@ def test_shape_and_shared_segments(model):
 
 def test_forks_the_cache_instead_of_recomputing(model):
     counted = []
-    hook = model.register_forward_hook(
+    # The sampler runs the base model (then the LM head on the last position only).
+    hook = model.base_model.register_forward_hook(
         lambda module, args, kwargs, out: counted.append(kwargs["input_ids"].numel()), with_kwargs=True
     )
     try:

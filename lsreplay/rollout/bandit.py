@@ -5,7 +5,9 @@ on what a verify forward of k+1 positions costs at the current batch size (CPU m
 handle some block sizes badly; accelerators stop being memory-bound as the batch grows).
 So the bandit keeps one UCB1 learner per batch-size bucket (powers of two: 1, 2, 3-4,
 5-8, ...), and its reward is what matters end to end: tokens emitted per second of a
-round, measured.
+round, measured. An arm 0 (draft nothing: the round verifies one token per sequence, a
+plain decoding step) lets a bucket turn speculation off where it does not pay, as on a
+CPU whose verify forward grows with every row while the drafter's acceptance is low.
 
 The rule is UCB1-Tuned (Auer, Cesa-Bianchi & Fischer 2002): the arm maximising
 mean + c * sqrt(ln n / n_a * min(1/4, V_a)), V_a = the arm's reward variance plus
@@ -53,8 +55,8 @@ class DraftLengthBandit:
 
     def __init__(self, arms=DEFAULT_ARMS, exploration: float = 1.0, seed: int = 0):
         arms = tuple(int(a) for a in arms)
-        if not arms or min(arms) < 1 or len(set(arms)) != len(arms):
-            raise ValueError(f"arms must be distinct positive draft lengths, got {arms}")
+        if not arms or min(arms) < 0 or len(set(arms)) != len(arms):
+            raise ValueError(f"arms must be distinct draft lengths >= 0, got {arms}")
         if exploration < 0:
             raise ValueError(f"exploration must be >= 0, got {exploration}")
         self.arms, self.exploration, self.seed = arms, exploration, seed

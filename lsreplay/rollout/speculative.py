@@ -24,6 +24,11 @@ dropped); a lone remaining row has its holes compacted away so decoding goes on 
 any mask. Inputs are either a (B, T) left-padded tensor with its attention_mask, or a
 list of variable-length prompts (left-padded here).
 
+Taking over. `Speculator.resume` starts from a target cache another decoder filled (the
+tree sampler's, when few sequences are left: rollout.tree_sampler.Speculation), with the
+features h_t that decoder recorded, so nothing is re-encoded; `decode_rounds` runs the
+rounds for both entry points and can record each emitted token's raw-policy logprob.
+
 Draft vocabulary. `draft_vocab` (token ids) restricts the drafter's output layer to those
 rows of the LM head: on a 49k-vocabulary model that layer is most of a one-layer
 drafter's cost. q is then a proper distribution over that subset (zero elsewhere), so the
@@ -38,8 +43,10 @@ them to logits, no logit soft-capping).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,7 +62,7 @@ DEFAULT_DRAFT_LEN = 4
 
 
 class DraftLengthPolicy(Protocol):
-    """What `speculative_generate` asks of a draft-length chooser (see rollout.bandit)."""
+    """What `decode_rounds` asks of a draft-length chooser (see rollout.bandit)."""
 
     def choose(self, batch_size: int) -> int: ...
 
@@ -92,6 +99,19 @@ class SpecStats:
 # ---------------------------------------------------------------- acceptance rules
 
 
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
+    """One draw per row of probs (R, V), by inverse CDF in float64.
+
+    Exact like torch.multinomial, which on a CPU costs about 1.3 ms per row over a 49k
+    vocabulary (some 25x this): a speculative round samples k+1 times per row.
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    # The first token whose cdf exceeds u * total has probability > 0; the clamp only
+    # guards the rounding of u * total up to the total itself.
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
 def _accept_greedy(logits: torch.Tensor, drafts: torch.LongTensor) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Accepted count a (A,) and the next token (A,) from target logits (A, k+1, V) and drafts (A, k)."""
     best = logits.argmax(-1)
@@ -114,12 +134,12 @@ def _accept_sampled(
     # u < p/q, written without the division; q(d) > 0 because d was drawn from q.
     accepted = (u * q_draft < p_draft).long().cumprod(1).sum(1)
     p_at = p[rows, accepted]
-    q_at = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, accepted]  # q = 0 at the bonus position
+    q_at = torch.cat([q, q.new_zeros(q.shape[0], 1, q.shape[2])], dim=1)[rows, accepted]  # q = 0 at the bonus position
     residual = (p_at - q_at).clamp(min=0)
     total = residual.sum(-1, keepdim=True)
     # total is 0 only when p == q, where rejection has probability 0; fall back to p for rounding.
     residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p_at)
-    return accepted, torch.multinomial(residual, 1, generator=generator)[:, 0]
+    return accepted, _sample(residual, generator)
 
 
 # ---------------------------------------------------------------- inputs and outputs
@@ -196,9 +216,9 @@ def _compact(cache: DynamicCache, keep: torch.LongTensor) -> None:
 class _MaskedCache:
     """A DynamicCache plus a per-row visibility mask over its columns (holes = False)."""
 
-    def __init__(self, config, mask: torch.BoolTensor):
-        self.cache = DynamicCache(config=config)
-        self.mask = mask  # (A, columns so far)
+    def __init__(self, cache: DynamicCache, mask: torch.BoolTensor):
+        self.cache = cache
+        self.mask = mask  # (A, columns the cache holds)
         self.holes = not bool(mask.all())
 
     def attend(self, new: torch.BoolTensor) -> torch.BoolTensor | None:
@@ -227,8 +247,12 @@ class _MaskedCache:
 # ---------------------------------------------------------------- the decoder
 
 
-class _Speculator:
-    """State of one speculative_generate call; rows are the sequences still decoding."""
+class Speculator:
+    """Draft-and-verify state over a batch of sequences; row i is the i-th sequence still decoding.
+
+    Start it with `prefill` (encode prompts) or `resume` (take over a target cache that
+    another decoder filled), then call `round` until done (`decode_rounds` does that).
+    """
 
     def __init__(self, target, drafter, params: SamplingParams, generator, draft_vocab, stats: SpecStats):
         self.target, self.drafter, self.params, self.generator, self.stats = target, drafter, params, generator, stats
@@ -244,7 +268,8 @@ class _Speculator:
     # -- distributions
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampling distribution (temperature, then top-p) over the last dim, in float32."""
+        """The sampling distribution over the last dim, in float32: temperature, then top-k and
+        top-p, exactly as sampling.sample_next draws (so the tokens follow what plain sampling would)."""
         shape = logits.shape
         scaled = _truncate(logits.float().reshape(-1, shape[-1]) / self.params.temperature, self.params)
         return scaled.softmax(-1).reshape(shape)
@@ -252,7 +277,7 @@ class _Speculator:
     def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
         if self.params.temperature == 0:
             return logits.argmax(-1)
-        return torch.multinomial(self._probs(logits), 1, generator=self.generator)[:, 0]
+        return _sample(self._probs(logits), self.generator)
 
     def _draft_token(self, features: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """One draft token per row (full-vocabulary ids) and q over the full vocabulary (None if greedy)."""
@@ -264,7 +289,7 @@ class _Speculator:
             token, q = logits.argmax(-1), None
         else:
             q = self._probs(logits)
-            token = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+            token = _sample(q, self.generator)
         if self.vocab is not None:
             token = self.vocab[token]
             if q is not None:
@@ -283,25 +308,40 @@ class _Speculator:
         return hidden, self.target.get_output_embeddings()(hidden)
 
     def prefill(self, ids: torch.LongTensor, mask: torch.BoolTensor) -> torch.LongTensor:
-        """Encode the prompts, pick each row's first token, and queue the drafter's catch-up."""
-        device = ids.device
-        self.t = _MaskedCache(self.target.config, mask[:, :0])
-        self.d = _MaskedCache(self.drafter.config, mask[:, :0])
-        positions = _positions(mask)
-        hidden, logits = self._target(ids, positions, self.t.attend(mask), self.t.cache)
-        self.t.extend(mask)
+        """Encode left-padded prompts (A, T) and pick each row's first token."""
+        cache = DynamicCache(config=self.target.config)
+        hidden, logits = self._target(ids, _positions(mask), None if bool(mask.all()) else mask, cache)
         first = self._pick(logits[:, -1])
-        self.pos = mask.sum(1)  # position of `last`, the newest token not yet in the target cache
-        self.last = first
-        # Pair t = (x_{t+1}, h_t): tokens shift left by one, the new token closes the row.
-        self.cu_tok = torch.cat([ids[:, 1:], first[:, None]], dim=1)
-        self.cu_h = torch.where(mask[..., None], hidden, torch.zeros((), dtype=hidden.dtype, device=device))
-        self.cu_pos, self.cu_valid = positions, mask
-        self.cu_last = torch.full_like(first, ids.shape[1] - 1)
+        self.resume(cache, ids, mask, hidden, first)
         return first
 
-    def round(self, k: int) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
-        """One draft + verify round; returns drafts (A, k), accepted counts (A,), next tokens (A,)."""
+    def resume(self, cache: DynamicCache, ids: torch.LongTensor, mask: torch.BoolTensor, features: torch.Tensor,
+               last: torch.LongTensor) -> None:
+        """Take over a target cache as it is, with nothing re-encoded.
+
+        Row i's cache columns hold tokens ids[i] (A, C) where mask[i] is true, one run of
+        padding then real positions 0.., ending at the last column (left padding; a
+        decoder appending a column per token keeps this); `features` (A, C, d) are the
+        target's final-norm features at those columns, and `last` (A,) is each row's
+        newest token, committed but not yet encoded. The drafter's first round catches up
+        on every pair (x_{t+1}, h_t) of these rows.
+        """
+        self.t = _MaskedCache(cache, mask)
+        self.d = _MaskedCache(DynamicCache(config=self.drafter.config), mask[:, :0])
+        self.pos = mask.sum(1)  # position of `last`
+        self.last = last
+        # Pair t = (x_{t+1}, h_t): tokens shift left by one, `last` closes the row.
+        self.cu_tok = torch.cat([ids[:, 1:], last[:, None]], dim=1)
+        self.cu_h = torch.where(mask[..., None], features, torch.zeros((), dtype=features.dtype, device=ids.device))
+        self.cu_pos, self.cu_valid = _positions(mask), mask
+        self.cu_last = torch.full_like(last, ids.shape[1] - 1)
+
+    def round(self, k: int) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor]:
+        """One draft + verify round (k = 0: no drafts, one token per row, as plain decoding).
+
+        Returns the tokens (A, k+1), of which row i emits the first accepted[i] + 1, the
+        accepted counts (A,), and the verify logits (A, k+1, V): position j scores token j.
+        """
         stats, rows = self.stats, torch.arange(self.last.shape[0], device=self.last.device)
         start = time.perf_counter()
         # 1. Catch-up with the target's real features; trailing columns no row uses are skipped.
@@ -325,7 +365,8 @@ class _Speculator:
                 self.d.extend(one)
         self.d.crop(base)  # drafted entries rest on predicted features: drop them
         stats.drafter_forwards += k
-        drafts = torch.stack(drafts, dim=1)
+        # k = 0 drafts nothing: the round verifies `last` alone, a plain decoding step.
+        drafts = torch.stack(drafts, dim=1) if k else self.last.new_zeros(len(rows), 0)
         mid = time.perf_counter()
         # 3. Verify [last, d_1..d_k] in one target forward.
         block = torch.cat([self.last[:, None], drafts], dim=1)
@@ -337,16 +378,18 @@ class _Speculator:
         if self.params.temperature == 0:
             accepted, nxt = _accept_greedy(logits, drafts)
         else:
-            accepted, nxt = _accept_sampled(self._probs(logits), torch.stack(qs, dim=1), drafts, self.generator)
+            q = torch.stack(qs, dim=1) if k else logits.new_zeros(len(rows), 0, self.vocab_size, dtype=torch.float)
+            accepted, nxt = _accept_sampled(self._probs(logits), q, drafts, self.generator)
         # 4. Keep each row's x_N..x_{N+a}; columns past the longest row go.
         keep = offsets[None] <= accepted[:, None]
         used = int(accepted.max()) + 1
         self.t.extend(keep[:, :used])
         self.t.crop(length + used)
-        # 5. Next round's catch-up: pairs (x_{t+1}, h_t) for the positions just verified.
-        self.cu_tok = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
-        self.cu_tok[rows, accepted] = nxt
-        self.cu_h, self.cu_pos, self.cu_valid, self.cu_last = hidden, block_pos, keep, accepted
+        # 5. The emitted tokens d_1..d_a, next; they are also next round's catch-up pairs
+        # (x_{t+1}, h_t) for the positions just verified.
+        tokens = torch.cat([drafts, drafts.new_zeros(len(rows), 1)], dim=1)
+        tokens[rows, accepted] = nxt
+        self.cu_tok, self.cu_h, self.cu_pos, self.cu_valid, self.cu_last = tokens, hidden, block_pos, keep, accepted
         self.pos = self.pos + accepted + 1
         self.last = nxt
         stats.draft_seconds += mid - start
@@ -355,7 +398,7 @@ class _Speculator:
         stats.drafted += k * len(rows)
         stats.accepted += int(accepted.sum())
         stats.draft_lens.append(k)
-        return drafts, accepted, nxt
+        return tokens, accepted, logits
 
     def select(self, keep: torch.LongTensor) -> None:
         """Keep only rows `keep` (finished rows leave the batch)."""
@@ -363,6 +406,88 @@ class _Speculator:
         self.d.select(keep)
         for name in ("pos", "last", "cu_tok", "cu_h", "cu_pos", "cu_valid", "cu_last"):
             setattr(self, name, getattr(self, name)[keep])
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+    """The raw-policy logprob of each token under logits (..., V): sampling.sample_next's convention
+    (log_softmax of the unmodified logits in float32), what rollouts record as behaviour logprobs."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
+def check_draft_len(draft_len: int | DraftLengthPolicy) -> None:
+    if not hasattr(draft_len, "choose") and int(draft_len) < 1:
+        raise ValueError(f"draft_len must be >= 1 or a policy with choose/update, got {draft_len}")
+
+
+def _kept(new: list[int], eos_ids: set[int], room: int) -> int:
+    """How many of a round's new tokens a row keeps: up to its first EOS, at most `room`."""
+    ends = next((i + 1 for i, token in enumerate(new) if token in eos_ids), len(new))
+    return min(ends, room)
+
+
+def _ended(output: list[int], eos_ids: set[int], max_new_tokens: int) -> bool:
+    return output[-1] in eos_ids or len(output) >= max_new_tokens
+
+
+# on_round(rows, draft_len, tokens, seconds, ended): see decode_rounds.
+RoundHook = Callable[[list[int], int, int, float, list[int]], None]
+
+
+def decode_rounds(spec: Speculator, outputs: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                  draft_len: int | DraftLengthPolicy, logprobs: list[list[float]] | None = None,
+                  on_round: RoundHook | None = None) -> None:
+    """Run speculative rounds until every row has ended (EOS, or max_new_tokens tokens).
+
+    Row i of `spec` owns outputs[i], its tokens so far (the newest is spec.last, not yet
+    encoded); each round appends the tokens the row emits, cut after its first EOS or at
+    the cap, and, if `logprobs` is given, their raw-policy logprobs from the verify
+    logits (`raw_logprobs`). `draft_len`: tokens drafted per round, or a policy asked every
+    round and rewarded with the tokens kept per second. `on_round`, after each round, gets
+    the indices of the rows that took part, the draft length used, the tokens kept, the
+    round's seconds (finished rows leaving the batch included) and the rows that ended.
+    """
+    policy = draft_len if hasattr(draft_len, "choose") else None
+    live = list(range(len(outputs)))  # the output index of each batch row
+    going = [i for i, out in enumerate(outputs) if not _ended(out, eos_ids, max_new_tokens)]
+    while going:
+        start = time.perf_counter()
+        if len(going) < len(live):
+            live = [live[i] for i in going]
+            spec.select(torch.tensor(going, device=spec.last.device))
+        k = policy.choose(len(live)) if policy is not None else draft_len
+        # Never draft past what the longest live row still needs.
+        k_used = min(k, max(1, max_new_tokens - min(len(outputs[r]) for r in live) - 1))
+        tokens, accepted, logits = spec.round(k_used)
+        new_logprobs = raw_logprobs(logits, tokens).tolist() if logprobs is not None else None
+        kept_total, going, ended = 0, [], []
+        for i, (row, new, a) in enumerate(zip(live, tokens.tolist(), accepted.tolist())):
+            kept = _kept(new[:a + 1], eos_ids, max_new_tokens - len(outputs[row]))
+            outputs[row] += new[:kept]
+            if logprobs is not None:
+                logprobs[row] += new_logprobs[i][:kept]
+            kept_total += kept
+            if _ended(outputs[row], eos_ids, max_new_tokens):
+                ended.append(row)
+            else:
+                going.append(i)
+        seconds = time.perf_counter() - start
+        if policy is not None:
+            policy.update(len(live), k, kept_total, seconds)
+        if on_round is not None:
+            on_round(live, k_used, kept_total, seconds, ended)
+
+
+@contextlib.contextmanager
+def evaluating(*modules: torch.nn.Module):
+    """Put modules in eval mode for the block, then restore each one's own mode."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
 
 
 @torch.inference_mode()
@@ -380,6 +505,7 @@ def speculative_generate(
     stats: SpecStats | None = None,
     draft_vocab: torch.LongTensor | list[int] | None = None,
     pad_token_id: int | None = None,
+    top_k: int = 0,
 ) -> torch.LongTensor:
     """Generate up to `max_new_tokens` per prompt with drafter proposals verified by `target`.
 
@@ -389,65 +515,28 @@ def speculative_generate(
     keeps) and is padded with `pad_token_id` (default: the first EOS id, else 0).
 
     temperature 0 is greedy: exactly the target's greedy tokens. Otherwise tokens follow
-    the target's distribution after temperature and top-p, whatever the drafter;
-    `generator` (on the model's device) makes the draw reproducible. `draft_len`: tokens
-    drafted per round (default DEFAULT_DRAFT_LEN), or a policy with choose/update (e.g.
-    rollout.bandit.DraftLengthBandit) asked every round and rewarded with emitted tokens
-    per second. `draft_vocab`: restrict draft proposals to these token ids. `stats`, if
-    given, accumulates counters (SpecStats.accept_len: tokens per target forward).
+    the target's distribution after temperature, top-k and top-p (as sampling.sample_next),
+    whatever the drafter; `generator` (on the model's device) makes the draw reproducible.
+    `draft_len`: tokens drafted per round (default DEFAULT_DRAFT_LEN), or a policy with
+    choose/update (e.g. rollout.bandit.DraftLengthBandit) asked every round and rewarded
+    with emitted tokens per second. `draft_vocab`: restrict draft proposals to these token
+    ids. `stats`, if given, accumulates counters (SpecStats.accept_len: tokens per target
+    forward).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    policy = draft_len if hasattr(draft_len, "choose") else None
-    fixed = DEFAULT_DRAFT_LEN if draft_len is None or policy is not None else int(draft_len)
-    if fixed < 1:
-        raise ValueError(f"draft_len must be >= 1, got {fixed}")
-    params = SamplingParams(temperature=temperature, top_p=top_p)
+    draft_len = DEFAULT_DRAFT_LEN if draft_len is None else draft_len
+    check_draft_len(draft_len)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     stats = SpecStats() if stats is None else stats
     ids, mask = _as_batch(input_ids, attention_mask)
-    eos = _eos_tensor(eos_token_id, ids.device)
-    pad = _pad_value(pad_token_id, eos_token_id)
-    was_training = (target.training, drafter.training)
-    target.eval()
-    drafter.eval()
-    try:
-        spec = _Speculator(target, drafter, params, generator, draft_vocab, stats)
-        outputs: list[list[int]] = [[] for _ in range(ids.shape[0])]
-        live = list(range(ids.shape[0]))  # original row of each batch row
-
-        def emit(tokens: list[list[int]]) -> list[int]:
-            """Append each live row's new tokens (cut at EOS / the cap); return the rows still going."""
-            going = []
-            eos_ids = set(eos.tolist())
-            for i, (row, new) in enumerate(zip(live, tokens)):
-                out = outputs[row]
-                for token in new:
-                    out.append(token)
-                    if token in eos_ids or len(out) >= max_new_tokens:
-                        break
-                if not (out[-1] in eos_ids or len(out) >= max_new_tokens):
-                    going.append(i)
-            return going
-
-        going = emit([[t] for t in spec.prefill(ids, mask).tolist()])
-        while going:
-            if len(going) < len(live):
-                live = [live[i] for i in going]
-                spec.select(torch.tensor(going, device=ids.device))
-            k = policy.choose(len(live)) if policy is not None else fixed
-            # Never draft past what the longest live row still needs.
-            k_used = max(1, min(k, max_new_tokens - min(len(outputs[r]) for r in live) - 1))
-            started = time.perf_counter()
-            drafts, accepted, nxt = spec.round(k_used)
-            if policy is not None:
-                policy.update(len(live), k, int(accepted.sum()) + len(live), time.perf_counter() - started)
-            rows = zip(drafts.tolist(), accepted.tolist(), nxt.tolist())
-            going = emit([d[:a] + [n] for d, a, n in rows])
-    finally:
-        target.train(was_training[0])
-        drafter.train(was_training[1])
+    eos_ids = set(_eos_tensor(eos_token_id, ids.device).tolist())
+    with evaluating(target, drafter):
+        spec = Speculator(target, drafter, params, generator, draft_vocab, stats)
+        outputs = [[token] for token in spec.prefill(ids, mask).tolist()]
+        decode_rounds(spec, outputs, max_new_tokens, eos_ids, draft_len)
     log.debug("speculative decoding: %s (accept_len %.2f)", stats, stats.accept_len)
-    return _stack(outputs, pad, ids.device)
+    return _stack(outputs, _pad_value(pad_token_id, eos_token_id), ids.device)
 
 
 @torch.inference_mode()

@@ -6,8 +6,18 @@ dimension, so no shared prefix is ever re-encoded. Many trees decode together: p
 are left-padded, and all live sequences have generated the same number of tokens at
 every step, so one forward per token serves them all. A sequence that emits EOS leaves
 the batch (its cache rows are dropped) and becomes a leaf; it is never forked again.
+
+The adaptive engine (`Speculation`). Most sequences finish early; a few long ones keep
+the batch decoding one token per forward. Once no fork is pending and at most
+`threshold` sequences are live, they finish by speculative decoding (rollout.speculative):
+the sampler hands its KV cache, attention mask and the target features it recorded to
+a `Speculator` as they are, and a draft-length policy (rollout.bandit) picks each
+round's draft length. The logits come from `model.base_model` plus the LM head on the
+last position (Llama/Qwen2-style models: no logit soft-capping), which yields those
+features at no extra cost.
 """
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +26,18 @@ import torch
 from transformers import DynamicCache
 
 from lsreplay.rollout.sampling import SamplingParams, sample_next
+from lsreplay.rollout.speculative import (
+    DEFAULT_DRAFT_LEN,
+    DraftLengthPolicy,
+    SpecStats,
+    Speculator,
+    check_draft_len,
+    decode_rounds,
+    evaluating,
+)
+
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class TreeRollout:
@@ -25,27 +47,82 @@ class TreeRollout:
     completions: list[list[int]]  # one per leaf, prompt excluded, EOS included if emitted
     logprobs: list[list[float]]  # raw-policy logprob of each completion token (see sampling.py)
     finished: list[bool]  # True if the completion ended with EOS
-    forward_positions: int  # token positions the model was run on (prefill + decode)
+    forward_positions: int  # token positions the model was run on (prefill, decode, verify blocks)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Finish the tail by speculative decoding: once no fork is pending and at most
+    `threshold` sequences are live, they continue with `drafter` (an EAGLE-style
+    drafter.model.Drafter of this model) until they end.
+
+    `draft_len`: tokens drafted per round (>= 1), or a policy (rollout.bandit.DraftLengthBandit)
+    asked each round with the live count and rewarded with tokens emitted per second; a
+    policy may answer 0, a round without drafts (one token per sequence), where drafting
+    does not pay. `draft_vocab`: token ids the drafter may propose (see rollout.speculative)."""
+
+    drafter: torch.nn.Module
+    threshold: int
+    draft_len: DraftLengthPolicy | int = DEFAULT_DRAFT_LEN
+    draft_vocab: torch.LongTensor | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.threshold < 1:
+            raise ValueError(f"speculation threshold must be >= 1 live sequence, got {self.threshold}")
+        check_draft_len(self.draft_len)
+
+
+DECISION_KEYS = ("mode", "draft_len", "live", "tokens", "seconds", "finished")
 
 
 @dataclass
 class DecodeTrace:
-    """What the long tail costs: per decode step, live sequences and seconds."""
+    """What the long tail costs and what the adaptive engine decided, per decode step.
 
+    A step is one plain forward (mode "plain": one token per live sequence, draft_len 0)
+    or one speculative round (mode "spec": draft_len tokens drafted per live sequence,
+    one verify forward; draft_len 0 when the policy chose not to draft). `tokens`: tokens
+    the step emitted; `finished`: leaves finished after it. `spec` holds the speculative
+    rounds' counters (drafted, accepted, seconds)."""
+
+    mode: list[str] = field(default_factory=list)
+    draft_len: list[int] = field(default_factory=list)
     live: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-    finished: list[int] = field(default_factory=list)  # leaves finished after each step
+    finished: list[int] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    def record(self, mode: str, draft_len: int, live: int, tokens: int, seconds: float, finished: int) -> None:
+        for key, value in zip(DECISION_KEYS, (mode, draft_len, live, tokens, seconds, finished)):
+            getattr(self, key).append(value)
+
+    def decisions(self) -> list[dict]:
+        """One JSON-able dict per decode step: step, mode, draft_len, live, tokens, seconds, finished."""
+        columns = zip(*(getattr(self, key) for key in DECISION_KEYS))
+        return [{"step": step, **dict(zip(DECISION_KEYS, values))} for step, values in enumerate(columns)]
 
     def summary(self, lengths: list[int]) -> dict:
-        """Length distribution and the share of decode time spent after 90% had finished."""
+        """Length distribution, the share of decode time spent after 90% had finished, and the
+        speculative tail: rounds, tokens, accept_len (tokens emitted per sequence per verify
+        forward; 0 when no round ran) and its share of decode time."""
         if not lengths:
             return {}
-        ordered = sorted(lengths)
-        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
         total = sum(self.seconds) or 1e-9
         tail = sum(s for s, f in zip(self.seconds, self.finished) if f >= 0.9 * len(lengths))
-        return {"length_p50": pick(0.5), "length_p90": pick(0.9), "length_max": ordered[-1],
-                "decode_seconds": total, "tail_time_share": tail / total, "decode_steps": len(self.seconds)}
+        spec = [i for i, mode in enumerate(self.mode) if mode == "spec"]
+        spec_tokens, verify_rows = sum(self.tokens[i] for i in spec), sum(self.live[i] for i in spec)
+        return {**length_summary(lengths), "decode_seconds": total, "tail_time_share": tail / total, "decode_steps": len(self.seconds),
+                "spec_rounds": len(spec), "spec_tokens": spec_tokens,
+                "accept_len": spec_tokens / verify_rows if verify_rows else 0.0,
+                "spec_time_share": sum(self.seconds[i] for i in spec) / total}
+
+
+def length_summary(lengths: list[int]) -> dict:
+    """p50, p90 and max of rollout lengths (nearest rank)."""
+    ordered = sorted(lengths)
+    p50, p90 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9))
+    return {"length_p50": p50, "length_p90": p90, "length_max": ordered[-1]}
 
 
 @dataclass
@@ -65,37 +142,45 @@ class _Batch:
     """Live branches of many trees and the cache rows they own: row i is branches[i].
 
     Prompts are left-padded; `mask` marks each row's real positions, so a row's next
-    position is its count of real tokens."""
+    position is its count of real tokens. With speculation on, `features` keeps the
+    model's final-norm features of every cache column (the drafter's catch-up input)."""
 
-    def __init__(self, model, params: list[SamplingParams], eos, generators, progress, max_new_tokens: int):
-        self.model, self.params, self.eos, self.generators = model, params, eos, generators
-        self.progress, self.max_new_tokens = progress, max_new_tokens
+    def __init__(self, model, prompts: list[list[int]], params: list[SamplingParams], eos, generators, progress,
+                 max_new_tokens: int, speculation: Speculation | None):
+        self.model, self.prompts, self.params, self.eos, self.generators = model, prompts, params, eos, generators
+        self.progress, self.max_new_tokens, self.speculation = progress, max_new_tokens, speculation
         self.cache = DynamicCache(config=model.config)
-        self.branches = [_Branch(tree=i, path=()) for i in range(len(params))]
+        self.branches = [_Branch(tree=i, path=()) for i in range(len(prompts))]
         self.leaves: list[tuple[_Branch, bool]] = []
-        self.positions = [0] * len(params)
+        self.positions = [0] * len(prompts)
         self.trace = DecodeTrace()
+        self.features: torch.Tensor | None = None
+        self.forks_done = False  # set at the last level: only then may speculation start
 
-    def prefill(self, prompts: list[list[int]]) -> None:
+    def prefill(self) -> None:
         device = self.model.device
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        self.mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
+        width = max(map(len, self.prompts))
+        ids = torch.zeros(len(self.prompts), width, dtype=torch.long, device=device)
+        self.mask = torch.zeros(len(self.prompts), width, dtype=torch.long, device=device)
+        for i, p in enumerate(self.prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             self.mask[i, width - len(p):] = 1
             self.positions[i] += len(p)
         self._forward(ids, (self.mask.cumsum(-1) - 1).clamp(min=0))
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
-                         cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.logits = out.logits[:, -1]
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
+                                       cache=self.cache, use_cache=True).last_hidden_state
+        self.logits = self.model.get_output_embeddings()(hidden[:, -1])
+        if self.speculation is not None:
+            self.features = hidden if self.features is None else torch.cat([self.features, hidden], dim=1)
 
     def _select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.logits.device)
         self.cache.reorder_cache(index)
         self.logits, self.mask = self.logits[index], self.mask[index]
+        if self.features is not None:
+            self.features = self.features[index]
         self.branches = [self.branches[i] for i in rows]
 
     def fork(self, fan_out: int) -> None:
@@ -118,7 +203,8 @@ class _Batch:
         return tokens, logprobs
 
     def step(self) -> None:
-        """Sample one token for every live branch, retire the finished ones, encode the rest."""
+        """Sample one token for every live branch, retire the finished ones, encode the rest,
+        or, once speculation may start and few are left, hand them over to it."""
         start = time.perf_counter()
         live = len(self.branches)
         tokens, logprobs = self.sample()
@@ -131,25 +217,82 @@ class _Batch:
         at_cap = len(self.branches[0].tokens) == self.max_new_tokens
         keep = [i for i, done in enumerate(ended) if not done and not at_cap]
         self.leaves += [(b, done) for b, done in zip(self.branches, ended) if done or at_cap]
+        handoff = bool(keep) and self._speculation_due(len(keep))
         if keep:
             tokens = tokens[keep]
             if len(keep) < live:
                 self._select(keep)
-            positions = self.mask.sum(-1, keepdim=True)
-            self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=-1)
-            for b in self.branches:
-                self.positions[b.tree] += 1
-            self._forward(tokens[:, None], positions)
+            if not handoff:
+                self._encode(tokens)
         else:
             self.branches = []
-        self.trace.live.append(live)
-        self.trace.seconds.append(time.perf_counter() - start)
-        self.trace.finished.append(len(self.leaves))
+        self.trace.record("plain", 0, live, live, time.perf_counter() - start, len(self.leaves))
+        if handoff:
+            self._speculate(tokens)
 
-    def rollouts(self, prompts: list[list[int]]) -> list[TreeRollout]:
+    def _speculation_due(self, live: int) -> bool:
+        """Whether `live` sequences go over to speculation: no fork pending, and few enough left."""
+        return self.forks_done and self.speculation is not None and live <= self.speculation.threshold
+
+    def _encode(self, tokens: torch.Tensor) -> None:
+        positions = self.mask.sum(-1, keepdim=True)
+        self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=-1)
+        for b in self.branches:
+            self.positions[b.tree] += 1
+        self._forward(tokens[:, None], positions)
+
+    def _speculate(self, last: torch.Tensor) -> None:
+        """Finish the live branches by speculative rounds; `last` holds their newest tokens,
+        sampled but not encoded. The cache, mask and features go over as they are."""
+        spec, branches = self.speculation, self.branches
+        log.info("adaptive rollout engine: speculative decoding on at %d live sequences (threshold %d), "
+                 "%d tokens into the completions", len(branches), spec.threshold, len(branches[0].tokens))
+        eos_ids = set(self.eos.tolist())
+        speculator = Speculator(self.model, spec.drafter, self.params[branches[0].tree], self._spec_generator(),
+                                spec.draft_vocab, self.trace.spec)
+        speculator.resume(self.cache, self._encoded_ids(), self.mask.bool(), self.features, last)
+        self.cache = self.features = None  # the speculator owns them now
+
+        def on_round(rows: list[int], draft_len: int, tokens: int, seconds: float, ended: list[int]) -> None:
+            for row in rows:
+                self.positions[branches[row].tree] += draft_len + 1  # the verify block
+            self.leaves += [(branches[row], branches[row].tokens[-1] in eos_ids) for row in ended]
+            if self.progress is not None:
+                self.progress(tokens)
+            self.trace.record("spec", draft_len, len(rows), tokens, seconds, len(self.leaves))
+
+        decode_rounds(speculator, [b.tokens for b in branches], self.max_new_tokens, eos_ids, spec.draft_len,
+                      [b.logprobs for b in branches], on_round)
+        self.branches = []
+
+    def _spec_generator(self) -> torch.Generator:
+        """The generator of the speculative phase: seeded by one draw from each live tree's
+        generator (XOR of the draws), deterministic given the trees' generators.
+
+        All live rows, of several trees, share this one generator, so a tree's draws in the
+        spec phase depend on which trees share the batch and on the draft lengths chosen
+        (each round's draws depend on k). With a bandit rewarded by measured time the
+        rollouts are exact in distribution but not bitwise reproducible; with a fixed int
+        draft_len and the same batch they are."""
+        seed = 0
+        for tree in sorted({b.tree for b in self.branches}):
+            g = self.generators[tree]
+            seed ^= int(torch.randint(2**62, (1,), generator=g, device=g.device))
+        return torch.Generator(device=self.model.device).manual_seed(seed)
+
+    def _encoded_ids(self) -> torch.LongTensor:
+        """The token of every cache column: each row's prompt and encoded tokens, right-aligned."""
+        width = self.mask.shape[1]
+        ids = torch.zeros(len(self.branches), width, dtype=torch.long, device=self.mask.device)
+        for row, b in enumerate(self.branches):
+            encoded = self.prompts[b.tree] + b.tokens[:-1]
+            ids[row, width - len(encoded):] = torch.tensor(encoded)
+        return ids
+
+    def rollouts(self) -> list[TreeRollout]:
         """Per tree, leaves sorted by path: a tuple sorts before its extensions (depth-first)."""
         out = []
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(self.prompts):
             leaves = sorted((x for x in self.leaves if x[0].tree == i), key=lambda leaf: leaf[0].path)
             out.append(TreeRollout(
                 prompt_ids=list(prompt), completions=[b.tokens for b, _ in leaves],
@@ -169,6 +312,7 @@ def sample_trees(
     eos_token_id: int | list[int],
     generators: list[torch.Generator],
     progress: Callable[[int], None] | None = None,
+    speculation: Speculation | None = None,
 ) -> tuple[list[TreeRollout], DecodeTrace]:
     """Sample the rollout trees of several prompts together, in one batch.
 
@@ -176,33 +320,38 @@ def sample_trees(
     `segment_tokens[i]` tokens before the next branch point (the last level runs to EOS or
     `max_new_tokens` completion tokens in all). Sequences leave the batch as they finish.
     `params` and `generators` are per prompt (one `params` serves all); `progress`, if
-    given, is called with the number of tokens sampled at each decode step."""
+    given, is called with the number of tokens sampled at each decode step (plain or
+    speculative). `speculation`: finish the tail speculatively (see `Speculation`); it
+    needs one SamplingParams for all prompts. Sampling stays exact in distribution and
+    greedy decoding gives the plain tokens; every token's logprob is the raw policy's."""
     for p in prompts:
         _validate(p, branching, segment_tokens, max_new_tokens)
     params = params if isinstance(params, list) else [params] * len(prompts)
+    if speculation is not None and any(p != params[0] for p in params):
+        raise ValueError("speculation needs the same SamplingParams for every prompt: the speculative "
+                         "phase verifies rows of several trees in one batch under one sampling rule")
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=model.device)
-    batch = _Batch(model, params, eos, generators, progress, max_new_tokens)
-    was_training = model.training
-    model.eval()
-    try:
-        batch.prefill(prompts)
-        for fan_out, end in zip(branching, _level_ends(segment_tokens, max_new_tokens)):
+    batch = _Batch(model, prompts, params, eos, generators, progress, max_new_tokens, speculation)
+    with evaluating(model, *([speculation.drafter] if speculation is not None else [])):
+        batch.prefill()
+        ends = _level_ends(segment_tokens, max_new_tokens)
+        for level, (fan_out, end) in enumerate(zip(branching, ends)):
             batch.fork(fan_out)
+            batch.forks_done = level == len(branching) - 1
             while batch.branches and len(batch.branches[0].tokens) < end:
                 batch.step()
             if not batch.branches:
                 break
-    finally:
-        model.train(was_training)
-    return batch.rollouts(prompts), batch.trace
+    return batch.rollouts(), batch.trace
 
 
 def sample_tree(model, prompt_ids: list[int], branching: list[int], segment_tokens: list[int],
                 max_new_tokens: int, params: SamplingParams, eos_token_id: int | list[int],
-                generator: torch.Generator, progress: Callable[[int], None] | None = None) -> TreeRollout:
+                generator: torch.Generator, progress: Callable[[int], None] | None = None,
+                speculation: Speculation | None = None) -> TreeRollout:
     """One prompt's tree (see `sample_trees`)."""
     trees, _ = sample_trees(model, [prompt_ids], branching, segment_tokens, max_new_tokens, params,
-                            eos_token_id, [generator], progress)
+                            eos_token_id, [generator], progress, speculation)
     return trees[0]
 
 
