@@ -69,8 +69,9 @@ class RolloutConfig:
     # fewer are still decoding (the long tail), they continue with speculative decoding
     # using the newest finished drafter; 0 = never.
     spec_threshold: int = 4
-    # Draft lengths the bandit chooses among (per batch-size bucket, by measured tokens/s).
-    draft_lens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6])
+    # Draft lengths the bandit chooses among (per batch-size bucket, by measured tokens/s);
+    # 0 verifies one token without drafting, so the bandit can turn drafting off where it loses.
+    draft_lens: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
 
 
 @dataclass
@@ -240,8 +241,8 @@ def validate(cfg: Config) -> None:
            f"between 1 and data.prompts_per_step = {cfg.data.prompts_per_step}", r.shards)
     _check(r.spec_threshold >= 0, "rollout.spec_threshold", "must be >= 0 (0 = no speculative decoding)",
            r.spec_threshold)
-    _check(len(r.draft_lens) >= 1 and min(r.draft_lens) >= 1 and len(set(r.draft_lens)) == len(r.draft_lens),
-           "rollout.draft_lens", "distinct draft lengths >= 1", r.draft_lens)
+    _check(len(r.draft_lens) >= 1 and min(r.draft_lens) >= 0 and len(set(r.draft_lens)) == len(r.draft_lens),
+           "rollout.draft_lens", "distinct draft lengths >= 0", r.draft_lens)
     _check(cfg.drafter.steps >= 1, "drafter.steps", "must be >= 1", cfg.drafter.steps)
     _check(cfg.drafter.checkpoint_every >= 1, "drafter.checkpoint_every", "must be >= 1",
            cfg.drafter.checkpoint_every)

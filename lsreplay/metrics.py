@@ -13,6 +13,11 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
         "rollouts": trees["rollouts"],
         "completion_tokens": trees["completion_tokens"],
         "rollout_tokens_per_s": trees["tokens_per_s"],
+        "rollout_positions": trees["forward_positions"],
+        "tail_time_share": trees["tail_time_share"],
+        # The adaptive engine: speculative rounds in the tail, tokens per sequence per verify.
+        "spec_rounds": trees["spec_rounds"],
+        "rollout_accept_len": trees["accept_len"],
         "positions": policy["positions"],
         "per_rollout_positions": policy["per_rollout_positions"],
         "positions_ratio": policy["positions_ratio"],

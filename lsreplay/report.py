@@ -24,6 +24,7 @@ PANELS = [
     ("positions_saved", "token positions saved by replay"),
     ("step_seconds", "wall time per step (s)"),
     ("drafter_top1_accept", "drafter top-1 agreement"),
+    ("rollout_accept_len", "speculative tail: tokens per verify"),
 ]
 
 

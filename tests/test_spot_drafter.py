@@ -63,3 +63,22 @@ def test_killed_drafter_resumes_from_its_checkpoint(prefect_server, tiny_model_d
     assert (killed / weights).read_bytes() == (clean / weights).read_bytes()
     run = Run(load_config(None, [f"run_dir={killed}"]))
     assert run.executions()[0, "drafter"] == 2
+
+
+def test_rollouts_decode_the_tail_with_the_newest_finished_drafter(prefect_server, tiny_model_dir, tmp_path):
+    """Step t's rollouts use step t-2's drafter (t-1's trains alongside them); every decode
+    step's decision is stored, and the speculative rounds show in the metrics."""
+    from flows.train import train
+
+    run_dir = tmp_path / "run"
+    train(overrides=[*tiny(run_dir, tiny_model_dir, steps=3), "rollout.spec_threshold=4",
+                     "rollout.max_new_tokens=12"])
+    used = [manifest(run_dir, step, "trees-shard0")["drafter_step"] for step in range(3)]
+    assert used == [None, None, 0]
+    decisions = json.loads((run_dir / "step_0002/trees/decisions_00.json").read_text())["decisions"]
+    modes = [d["mode"] for d in decisions]
+    assert "spec" in modes and modes == sorted(modes, key=lambda m: m == "spec")  # plain, then speculative
+    assert all(d["draft_len"] <= 4 and d["live"] <= 4 for d in decisions if d["mode"] == "spec")
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["spec_rounds"] > 0 for m in metrics] == [False, False, True]
+    assert metrics[2]["rollout_accept_len"] >= 1

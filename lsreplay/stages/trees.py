@@ -9,10 +9,13 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay import faults
+from lsreplay.checkpoint import load_module
 from lsreplay.data import ANSWER_INSTRUCTION, Prompt, score
+from lsreplay.drafter.model import Drafter
 from lsreplay.models import eos_ids, load_tokenizer
 from lsreplay.rollout.sampling import SamplingParams
-from lsreplay.rollout.tree_sampler import sample_trees
+from lsreplay.rollout.bandit import DraftLengthBandit
+from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.run import Run
 from lsreplay.stages.common import policy_before
 
@@ -67,9 +70,11 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             if progress is not None:
                 progress(min(bar.n / bar.total, 1.0) if bar.total else 1.0)
 
+        speculation, drafter_step = adaptive_engine(run, step, shard, model)
         trees, trace = sample_trees(
             model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens, params,
-            eos_ids(tokenizer, model), [run.generator(step, "trees", i) for i in indices], advance)
+            eos_ids(tokenizer, model), [run.generator(step, "trees", i) for i in indices], advance,
+            speculation=speculation)
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
@@ -77,12 +82,29 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
                for prompt, tree in zip(prompts, trees)]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
+    # Every decode step's decision (plain or speculative, draft length, live sequences, time).
+    decisions = run.store.write_json(run.key(step, "trees", f"decisions_{shard:02d}.json"),
+                                     {"drafter_step": drafter_step, "decisions": trace.decisions()})
     faults.hook("trees", step, "mid")
     lengths = [len(c) for rec in records for c in rec["completions"]]
     return run.finish(step, shard_name(shard), {
-        "files": [entry], "shard": shard, "devices": devices,
+        "files": [entry, decisions], "shard": shard, "devices": devices, "drafter_step": drafter_step,
         "forward_positions": sum(t.forward_positions for t in trees), "completion_tokens": sum(lengths),
         "seconds": seconds, **trace.summary(lengths)})
+
+
+def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation | None, int | None]:
+    """The long-tail engine and the step of the drafter it uses: the newest finished one,
+    step - 2's (step - 1's is training alongside these rollouts). None before there is one,
+    or when rollout.spec_threshold = 0 or the drafter is disabled."""
+    r, source = run.cfg.rollout, step - 2
+    if r.spec_threshold == 0 or not run.cfg.drafter.enabled or source < 0:
+        return None, None
+    drafter = Drafter.from_target(model)
+    with run.reading(source, "drafter"):
+        load_module(run.store, run.checkpoint("drafter", source), drafter, run.checkpoint_manifest("drafter", source))
+    bandit = DraftLengthBandit(arms=r.draft_lens, seed=run.seed(step, "bandit", shard))
+    return Speculation(drafter, r.spec_threshold, bandit), source
 
 
 def collect_trees(run: Run, step: int) -> dict:
@@ -120,16 +142,20 @@ def tree_record(tokenizer, prompt: Prompt, tree, task_args: dict | None) -> dict
 
 
 def combine_traces(shards: list[dict], lengths: list[int]) -> dict:
-    """The shards' decode summaries as one: the length distribution over all rollouts, decode
-    time summed, the long-tail share weighted by each shard's decode time."""
-    decode = [m.get("decode_seconds", 0.0) for m in shards]
+    """The shards' decode summaries as one: the length distribution over all rollouts, times
+    and counts summed, shares of decode time weighted by each shard's decode time, and
+    accept_len as tokens per sequence-verification over all speculative rounds."""
+    decode = [m["decode_seconds"] for m in shards]
     total = sum(decode) or 1e-9
+
+    def share(key: str) -> float:
+        return sum(m[key] * s for m, s in zip(shards, decode)) / total
+
+    spec_tokens = sum(m["spec_tokens"] for m in shards)
+    verify_rows = sum(m["spec_tokens"] / m["accept_len"] for m in shards if m["accept_len"])
     return {**length_summary(lengths), "decode_seconds": sum(decode),
-            "decode_steps": sum(m.get("decode_steps", 0) for m in shards),
-            "tail_time_share": sum(m.get("tail_time_share", 0.0) * s for m, s in zip(shards, decode)) / total}
+            "decode_steps": sum(m["decode_steps"] for m in shards), "tail_time_share": share("tail_time_share"),
+            "spec_rounds": sum(m["spec_rounds"] for m in shards), "spec_tokens": spec_tokens,
+            "accept_len": spec_tokens / verify_rows if verify_rows else 0.0,
+            "spec_time_share": share("spec_time_share")}
 
-
-def length_summary(lengths: list[int]) -> dict:
-    ordered = sorted(lengths)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"length_p50": pick(0.5), "length_p90": pick(0.9), "length_max": ordered[-1]}
