@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from specdec import ROOT, draft_head, log, prompt_ids, with_features  # noqa: E402
+from specdec import ROOT, draft_head, log, parse_run_args, prompt_ids, with_features  # noqa: E402
 
 from lsreplay.config import ModelConfig, load_config  # noqa: E402
 from lsreplay.drafter.distill import distill  # noqa: E402
@@ -152,14 +152,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--draft-vocab", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="1 by default: on a shared 2-core machine a 2-thread pool stalls on busy cores")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring only")
-    args = parser.parse_args()
+    args = parse_run_args(parser)
     if args.smoke:
         args.prompts, args.max_new_tokens, args.repeats, args.train_prompts, args.steps = 1, 24, 1, 1, 3
-    torch.set_num_threads(args.threads)
     bench_start = time.perf_counter()
 
     cfg = load_config(ROOT / "configs/default.yaml")

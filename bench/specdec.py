@@ -178,6 +178,18 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
+def parse_run_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add the options every decoding benchmark has (threads, seed, smoke), parse, and
+    set the thread count."""
+    parser.add_argument("--threads", type=int, default=1,
+                        help="1 by default: on a shared 2-core machine a 2-thread pool stalls on busy cores")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring only")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-prompts", type=int, default=16)
@@ -193,14 +205,9 @@ def main() -> None:
                              "(UCB1-Tuned over 3,4,5,6,8); the first is the headline")
     parser.add_argument("--assistant-layers", type=int, default=4)
     parser.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation (slowest)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="1 by default: on a shared 2-core machine a 2-thread pool stalls on busy cores")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the wiring only")
-    args = parser.parse_args()
+    args = parse_run_args(parser)
     if args.smoke:
         args.train_prompts, args.rollout_tokens, args.steps, args.eval_prompts, args.new_tokens = 2, 24, 3, 1, 16
-    torch.set_num_threads(args.threads)
     bench_start = time.perf_counter()
 
     cfg = load_config(ROOT / "configs/default.yaml")
