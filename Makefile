@@ -36,8 +36,12 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# Every benchmark, one after another (about 25 minutes on 2 cores); each prints its ratios.
 bench: setup
 	$(PY) bench/replay.py
+	$(PY) bench/specdec.py
+	$(PY) bench/rollout.py
+	$(PY) bench/e2e.py
 
 clean:
 	rm -rf runs .cache/prompts .cache/pool

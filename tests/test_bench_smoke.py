@@ -1,4 +1,4 @@
-"""bench/replay.py --smoke runs end to end and ends with its key=value summary line."""
+"""The benchmarks run end to end (--smoke) and end with their key=value summary line."""
 
 import math
 import subprocess
@@ -30,3 +30,12 @@ def test_replay_bench_smoke():
     assert float(pairs["efficiency"]) == min(float(pairs[f"efficiency_{s}"]) for s in shapes)
     assert float(pairs["mem_ratio"]) == max(float(pairs[f"mem_ratio_{s}"]) for s in shapes)
     assert float(pairs["grad_rel_diff"]) <= 1e-4
+
+
+def test_rollout_bench_smoke():
+    """bench/rollout.py --smoke: plain and adaptive stages run and the summary line has the ratio."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert float(pairs["stage_speedup"]) > 0 and float(pairs["accept_len"]) >= 1 and int(pairs["spec_rounds"]) > 0
