@@ -1,0 +1,129 @@
+"""End to end: the per-rollout baseline, lsreplay in full, and replay on the baseline's own
+rollouts, N RL steps each of one config, run one after another in one invocation.
+
+    .venv/bin/python bench/e2e.py [--config configs/default.yaml] [--steps 3] [--out runs/e2e] [key=value ...]
+
+    A  baseline   replay.mode=naive (every rollout's full sequence forward and backward),
+                  plain decoding, no drafter
+    B  lsreplay   the config as it is: branch replay, the adaptive speculative rollout
+                  engine, the spot-trained drafter
+    C  replay     replay.mode=replay on A's stored prompts and rollouts, tree for tree
+
+Each is a real `lsreplay train` flow run (Prefect, the store, checkpoints) in a fresh run
+directory under --out. Wall times come from the stage manifests: step_seconds is the RL
+step proper, prompts to policy update (B's drafter trains alongside the next step's
+rollouts; the last step's drafter trains after the run's last update and is reported on
+its own line, not in the step times). C must retrace A's loss curve (replay is exact):
+
+    max_loss_gap = max over steps |loss_A - loss_C| / max over steps |loss_A|
+
+The last line is key=value pairs: step_speedup (A over B, mean step_seconds),
+train_speedup (prefix cache + policy update), rollout_speedup (the trees stage) and
+max_loss_gap; `lsreplay report` of the three runs (overlaid curves) goes to --out/report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from statistics import mean
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lsreplay import cli  # noqa: E402
+from lsreplay.report import write_report  # noqa: E402
+
+RUNS = {
+    "A-baseline": ["replay.mode=naive", "rollout.spec_threshold=0", "drafter.enabled=false"],
+    "B-lsreplay": [],
+    "C-replay-on-A": ["replay.mode=replay", "rollout.spec_threshold=0", "drafter.enabled=false"],
+}
+# What C takes over from A, step by step: the sampled prompts and the rollout trees.
+ROLLOUT_FILES = ("prompts.json", "prompts.done.json", "trees.json", "trees.done.json", "trees")
+
+
+def train(config: str, run_dir: Path, overrides: list[str]) -> list[dict]:
+    if cli.main(["train", config, f"run_dir={run_dir}", *overrides]) != 0:
+        raise SystemExit(f"the run in {run_dir} failed")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def give_rollouts(source: Path, target: Path, steps: int) -> None:
+    """Copy A's prompts and trees (and their done markers) into C's run, so C's flow finds
+    those stages finished and trains on exactly A's rollouts."""
+    for step in range(steps):
+        folder = f"step_{step:04d}"
+        (target / folder).mkdir(parents=True, exist_ok=True)
+        for name in ROLLOUT_FILES:
+            src, dst = source / folder / name, target / folder / name
+            if src.is_dir():
+                shutil.copytree(src, dst)
+            else:
+                shutil.copy(src, dst)
+        for marker in (source / folder).glob("trees-shard*.done.json"):
+            shutil.copy(marker, target / folder / marker.name)
+
+
+def per_step(rows: list[dict], key: str) -> list[float]:
+    return [r.get(key, 0.0) for r in rows]
+
+
+def train_seconds(rows: list[dict]) -> float:
+    """Mean per step of what training costs beyond the rollouts: the caching pass and the update."""
+    return mean(r["prefixes_seconds"] + r["policy_seconds"] for r in rows)
+
+
+def table(runs: dict[str, list[dict]]) -> list[str]:
+    cols = [("step_seconds", "step s", ".1f"), ("trees_seconds", "rollouts s", ".1f"),
+            ("prefixes_seconds", "prefix cache s", ".1f"), ("policy_seconds", "policy s", ".1f"),
+            ("positions", "train positions", "d"), ("reward_mean", "reward", ".3f"), ("loss", "loss", ".6g")]
+    lines = ["| run | step | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for name, rows in runs.items():
+        for r in rows:
+            # C's prompts and rollouts are A's (copied): its step and rollout times are not its own.
+            cells = ["-" if name.startswith("C") and k in ("step_seconds", "trees_seconds") else format(r.get(k, 0), f)
+                     for k, _, f in cols]
+            lines.append(f"| {name} | {r['step']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO / "configs/default.yaml"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "runs/e2e"))
+    parser.add_argument("overrides", nargs="*", help="key=value applied to all three runs")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    common = [f"steps={args.steps}", *args.overrides]
+    metrics = {}
+    for name, overrides in RUNS.items():
+        if name.startswith("C"):
+            give_rollouts(out / "A-baseline", out / name, args.steps)
+        metrics[name] = train(args.config, out / name, [*common, *overrides])
+    a, b, c = metrics.values()
+    print("\n".join(table(metrics)))
+    drafter = json.loads((out / "B-lsreplay" / f"step_{args.steps - 1:04d}" / "drafter.done.json").read_text())
+    print(f"B's last drafter (after the last update, not in step times): {drafter['seconds']:.1f} s, "
+          f"{drafter['steps_done']} steps")
+    write_report([out / name for name in metrics], out / "report")
+    scale = max(abs(x) for x in per_step(a, "loss")) or 1.0
+    results = {
+        "step_speedup": mean(per_step(a, "step_seconds")) / mean(per_step(b, "step_seconds")),
+        "train_speedup": train_seconds(a) / train_seconds(b),
+        "rollout_speedup": mean(per_step(a, "trees_seconds")) / mean(per_step(b, "trees_seconds")),
+        "max_loss_gap": max(abs(x - y) for x, y in zip(per_step(a, "loss"), per_step(c, "loss"))) / scale,
+        "positions_ratio": sum(per_step(a, "positions")) / sum(per_step(b, "positions")),
+        "steps": args.steps,
+    }
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
