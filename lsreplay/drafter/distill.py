@@ -7,6 +7,7 @@ t feeds (x_{t+1}, h_t) at position t and asks for h_{t+1}.
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -139,11 +140,13 @@ def distill(
     progress: bool = True,
     max_len: int = 2048,
     max_grad_norm: float = 0.5,
+    stop: Callable[[], bool] | None = None,
 ) -> DistillStats:
     """Train the drafter for `steps` AdamW steps on batches drawn with `generator`.
 
     `lr` builds the optimizer when none is given; pass one back in to keep its moments
-    across spot-training sessions. Averages cover the last STATS_WINDOW steps.
+    across spot-training sessions. `stop`, asked before each step, ends training early
+    (the stats' `steps` says how many ran). Averages cover the last STATS_WINDOW steps.
     """
     usable = _usable(sequences)
     if optimizer is None:
@@ -152,7 +155,10 @@ def distill(
     drafter.train()
     window = deque(maxlen=STATS_WINDOW)
     bar = tqdm(range(steps), desc="drafter distill", disable=not progress)
-    for _ in bar:
+    done = 0
+    for done in bar:
+        if stop is not None and stop():
+            break
         picks = torch.randint(len(usable), (batch_size,), generator=generator, device=generator.device)
         batch = sequences_to_batch([usable[i] for i in picks.tolist()], max_len)
         loss, parts = distillation_loss(drafter, **_to_drafter(batch, drafter))
@@ -163,8 +169,11 @@ def distill(
         optimizer.step()
         window.append(_row(loss, parts))
         bar.set_postfix(loss=f"{window[-1][1]:.4f}", top1=f"{window[-1][4]:.3f}", refresh=False)
+    else:
+        done = steps
+    bar.close()
     drafter.train(was_training)
-    stats = _summarise(list(window), steps) if window else DistillStats(0, *(4 * [float("nan")]))
+    stats = _summarise(list(window), done) if window else DistillStats(0, *(4 * [float("nan")]))
     log.info("drafter distill: %s", stats)
     return stats
 

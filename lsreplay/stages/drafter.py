@@ -60,13 +60,17 @@ def distill_drafter(run: Run, step: int, devices: list[int] | None = None) -> di
     bar = tqdm(total=d.steps, initial=resumed_at, desc=f"step {step} drafter", unit="step", leave=False)
     while trainer.steps_done < d.steps:
         chunk = min(d.checkpoint_every, d.steps - trainer.steps_done)
-        stats = distill(trainer.drafter, sequences, steps=chunk, lr=d.lr, batch_size=d.batch_size,
-                        generator=trainer.batches, optimizer=trainer.optimizer, progress=False)
-        trainer.steps_done += chunk
-        bar.update(chunk)
+        # A trainer that got a slot runs at least one chunk; after that it asks before every
+        # step whether to stop (one step on long sequences can take a while on a CPU).
+        stop = rollouts_ended if trainer.steps_done > resumed_at else None
+        ran = distill(trainer.drafter, sequences, steps=chunk, lr=d.lr, batch_size=d.batch_size,
+                      generator=trainer.batches, optimizer=trainer.optimizer, progress=False, stop=stop)
+        stats = ran if ran.steps else stats
+        trainer.steps_done += ran.steps
+        bar.update(ran.steps)
         files = _save(run, step, trainer)
         faults.hook("drafter", step, "mid")  # a kill here leaves a checkpoint to resume from
-        if rollouts_ended():
+        if ran.steps < chunk or rollouts_ended():
             stopped_by = "rollouts ended"
             break
     bar.close()
