@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -93,18 +94,25 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
         return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
 
 
+# transformers builds models under process-wide switches (weight init, tied weights), so two
+# threads loading at once (a rollout shard and the spot drafter, on the flow's thread pool)
+# can break each other's models: one load at a time.
+_LOADING = threading.Lock()
+
+
 def load_model(cfg: ModelConfig, trainable: bool = True) -> PreTrainedModel:
     """The policy (trainable) or a frozen copy (reference), in the configured dtype."""
-    if cfg.arch:
-        model = random_model(cfg)
-    else:
-        path = resolve_model_dir(cfg)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=getattr(torch, cfg.dtype), local_files_only=True,
-                attn_implementation=cfg.attn_implementation)
-        except (OSError, ValueError) as e:
-            raise ModelError(f"could not load the model at {path}: {e}") from e
+    with _LOADING:
+        if cfg.arch:
+            model = random_model(cfg)
+        else:
+            path = resolve_model_dir(cfg)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=getattr(torch, cfg.dtype), local_files_only=True,
+                    attn_implementation=cfg.attn_implementation)
+            except (OSError, ValueError) as e:
+                raise ModelError(f"could not load the model at {path}: {e}") from e
     # Eval mode always: replay must differentiate exactly what the caching pass computed,
     # so no dropout, in training too.
     model.eval()
