@@ -120,11 +120,16 @@ def _fresh(run: Run, step: int, target) -> _Trainer:
         torch.manual_seed(run.seed(step, "drafter-init"))
         drafter = Drafter.from_target(target)
     if step > 0:
-        with run.reading(step - 1, "drafter"):
-            load_module(run.store, run.checkpoint("drafter", step - 1), drafter,
-                        run.checkpoint_manifest("drafter", step - 1))
+        load_drafter(run, step - 1, drafter)
     return _Trainer(drafter, torch.optim.AdamW(drafter.parameters(), lr=run.cfg.drafter.lr),
                     run.generator(step, "drafter"))
+
+
+def load_drafter(run: Run, step: int, drafter: Drafter) -> Drafter:
+    """Load the finished drafter of `step` into `drafter`, verified against its manifest."""
+    with run.reading(step, "drafter"):
+        load_module(run.store, run.checkpoint("drafter", step), drafter, run.checkpoint_manifest("drafter", step))
+    return drafter
 
 
 def _save(run: Run, step: int, trainer: _Trainer) -> list[dict]:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay import faults
-from lsreplay.checkpoint import load_module
 from lsreplay.data import ANSWER_INSTRUCTION, Prompt, score
 from lsreplay.drafter.model import Drafter
 from lsreplay.models import eos_ids, load_tokenizer
@@ -18,6 +17,7 @@ from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.run import Run
 from lsreplay.stages.common import policy_before
+from lsreplay.stages.drafter import load_drafter
 
 
 def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int) -> list[int]:
@@ -100,9 +100,7 @@ def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation
     r, source = run.cfg.rollout, step - 2
     if r.spec_threshold == 0 or not run.cfg.drafter.enabled or source < 0:
         return None, None
-    drafter = Drafter.from_target(model)
-    with run.reading(source, "drafter"):
-        load_module(run.store, run.checkpoint("drafter", source), drafter, run.checkpoint_manifest("drafter", source))
+    drafter = load_drafter(run, source, Drafter.from_target(model))
     bandit = DraftLengthBandit(arms=r.draft_lens, seed=run.seed(step, "bandit", shard))
     return Speculation(drafter, r.spec_threshold, bandit), source
 
