@@ -110,6 +110,10 @@ class ReplayConfig:
     # processes and after a crash); "host": also keep them in CPU memory between the
     # caching and backward stages of one process, read from storage only if missing.
     kv_offload: str = "store"
+    # Join a branching node into its children when (children - 1) x its tokens is below
+    # this: every replay run costs about this many positions' worth on top of its length
+    # (a pass over all weight gradients; ~100 for SmolLM2-135M on 2 CPU cores). 0: never.
+    join_below: int = 64
 
 
 @dataclass
@@ -254,6 +258,7 @@ def validate(cfg: Config) -> None:
     _check(0 < cfg.optim.lr < math.inf, "optim.lr", "a finite number > 0", cfg.optim.lr)
     _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
     _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
+    _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
     _check(cfg.pool.slots >= 1, "pool.slots", "must be >= 1", cfg.pool.slots)
     _check(cfg.pool.task_runner in ("thread", "ray"), "pool.task_runner", "thread or ray", cfg.pool.task_runner)

@@ -9,26 +9,28 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+LOCK_DIR = ".cache/pool"
 
 
 @contextmanager
-def hold_devices(pool: str, slots: int, count: int, lock_dir: str | Path = ".cache/pool"):
+def hold_devices(pool: str, slots: int, count: int, lock_dir: str | Path = LOCK_DIR):
     """Yield `count` device indices in [0, slots), exclusively held until the block exits."""
-    folder = Path(lock_dir) / pool
-    folder.mkdir(parents=True, exist_ok=True)
     held: list[tuple[int, int]] = []
     try:
         for index in range(slots):
             if len(held) == count:
                 break
-            fd = os.open(folder / f"{index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if (fd := _try_lock(Path(lock_dir) / pool, index)) is not None:
                 held.append((index, fd))
-            except BlockingIOError:
-                os.close(fd)
         if len(held) < count:
             raise RuntimeError(f"pool {pool!r}: wanted {count} free devices of {slots}, found {len(held)}; "
                                "another process holds device locks outside the pool's concurrency limit")
@@ -38,3 +40,49 @@ def hold_devices(pool: str, slots: int, count: int, lock_dir: str | Path = ".cac
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+
+
+def any_held(pool: str, slots: int, lock_dir: str | Path = LOCK_DIR) -> bool:
+    """Whether a live process on this machine holds one of the pool's devices."""
+    for index in range(slots):
+        if (fd := _try_lock(Path(lock_dir) / pool, index)) is None:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    return False
+
+
+def _try_lock(folder: Path, index: int) -> int | None:
+    """The open, exclusively locked lock file of device `index`, or None if another holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / f"{index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def on_idle_cpu(fn: Callable[[], T]) -> T:
+    """fn() run on a new thread at the lowest CPU priority (nice 19); its result or error.
+
+    On a CPU pool, work that is meant to fill idle time (the spot drafter) shares the cores
+    with the rollouts; at nice 19 it gets only the cycles they leave. Linux keeps nice per
+    thread, and the OpenMP threads torch starts for this thread inherit it. A new thread,
+    because a process may raise its threads' nice but not lower it back."""
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=target, name="idle-cpu")
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

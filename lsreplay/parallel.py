@@ -190,7 +190,7 @@ def all_reduce_grads(model, group=None, bucket_bytes: int = 256 * 2**20) -> None
 def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: int, world_size: int,
                            mode: str = "replay", fsdp: bool | None = None,
                            prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                           group=None) -> BackwardStats:
+                           join_below: int = 0, group=None) -> BackwardStats:
     """This rank's share of the batch gradient, summed over ranks into `.grad`.
 
     `trees` and `weights` are the WHOLE batch (same on every rank; weights computed
@@ -216,7 +216,8 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
         _fsdp_gather(model)
     if mode == "replay":
         source = None if prefix_kv is None else (lambda j, node: prefix_kv(mine[j], node))
-        stats = replay_backward(model, local_trees, local_w, prefix_kv=source, budget_bytes=budget_bytes)
+        stats = replay_backward(model, local_trees, local_w, prefix_kv=source, budget_bytes=budget_bytes,
+                                join_below=join_below)
     else:
         stats = naive_backward(model, local_trees, local_w)
     if fsdp:

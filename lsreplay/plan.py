@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lsreplay.replay.view import joins
 from lsreplay.replay.memory import (
     ModelDims,
     default_leaf_budget,
@@ -139,8 +140,21 @@ def naive_peak(dims: ModelDims, elt: int, shape: TreeShape) -> RunPeak:
     return _run(dims, elt, "one rollout", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
 
 
+def joined_levels(levels: tuple[tuple[int, int], ...], join_below: int) -> tuple[tuple[int, int], ...]:
+    """Radix levels as the replay view has them (replay/view.py): a level whose nodes are
+    joined into their children merges with the level below."""
+    out = list(levels[:1])
+    for branching, seg in levels[1:]:
+        above_branching, above_seg = out[-1]
+        if joins(branching, above_seg, join_below):
+            out[-1] = (above_branching * branching, above_seg + seg)
+        else:
+            out.append((branching, seg))
+    return tuple(out)
+
+
 def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-                accelerator: bool = False) -> RunPeak:
+                accelerator: bool = False, join_below: int = 0) -> RunPeak:
     """The largest run of `replay_backward` on a tree of this shape (branching nodes'
     K/V recomputed or loaded: neither is saved for backward). On CPU, micro-batches of
     leaves use cascade attention where the dtype allows it (see cascade.cascade_applies);
@@ -151,6 +165,7 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
     elt = torch.tensor([], dtype=dtype).element_size()
     kvpp = kv_bytes_per_position(dims, elt)
     root, levels = shape.radix()
+    levels = joined_levels(levels, join_below)
     if not levels:  # a single chain: the root is the one leaf
         return _run(dims, elt, "single chain", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
     longest = shape.prompt + shape.completion
@@ -234,6 +249,7 @@ class Plan:
     replay_workspace: int
     naive_workspace: int
     budget_bytes: int | None = None
+    join_below: int = 0
 
     @property
     def trees_per_device(self) -> int:
@@ -245,7 +261,8 @@ class Plan:
 
     @property
     def replay_positions_per_step(self) -> int:
-        return self.trees * self.shape.unique_positions
+        root, levels = self.shape.radix()
+        return self.trees * TreeShape(root, joined_levels(levels, self.join_below)).unique_positions
 
     def overhead(self) -> int:
         """Context/NCCL reserve and fragmentation slack of an accelerator (none if unknown)."""
@@ -307,13 +324,15 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     ranks, fsdp = values["pool.devices_per_step"], values["replay.fsdp"]
     budget = cfg.replay.budget_mb * 2**20 or None
     # A plan given the device memory is for accelerators (it reserves a CUDA context too).
-    replay = replay_peak(dims, dtype, shape, budget, accelerator=bool(values["pool.device_memory_gb"]))
+    replay = replay_peak(dims, dtype, shape, budget, accelerator=bool(values["pool.device_memory_gb"]),
+                         join_below=cfg.replay.join_below)
     naive = naive_peak(dims, elt, shape)
     return Plan(model=model_name, dims=dims, dtype=dtype_name, mode=cfg.replay.mode, ranks=ranks, fsdp=fsdp,
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step, state=state_bytes(dims, dtype_name, ranks, fsdp),
                 replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
-                naive_workspace=workspace_bytes(dims, elt, naive), budget_bytes=budget)
+                naive_workspace=workspace_bytes(dims, elt, naive), budget_bytes=budget,
+                join_below=cfg.replay.join_below)
 
 
 def format_plan(p: Plan) -> str:

@@ -9,9 +9,10 @@ from contextlib import contextmanager
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.exceptions import ObjectNotFound
+from prefect.settings import PREFECT_API_URL
 
 from lsreplay.config import PoolConfig
-from lsreplay.devices import hold_devices
+from lsreplay.devices import any_held, hold_devices
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,8 @@ LEASE_SECONDS = 60
 
 
 def ensure_pool(pool: PoolConfig) -> None:
-    """Create the pool's concurrency limit if it does not exist yet, or set its size to pool.slots."""
+    """Create the pool's concurrency limit if it does not exist yet, or set its size to
+    pool.slots. On Prefect's temporary server, also take back slots stranded by a killed run."""
     with get_client(sync_client=True) as client:
         try:
             limit = client.read_global_concurrency_limit_by_name(pool.name)
@@ -30,6 +32,26 @@ def ensure_pool(pool: PoolConfig) -> None:
             return
         if limit.limit != pool.slots:
             client.update_global_concurrency_limit(pool.name, GlobalConcurrencyLimitUpdate(limit=pool.slots))
+    if not PREFECT_API_URL.value():
+        free_stranded_slots(pool)
+
+
+def free_stranded_slots(pool: PoolConfig) -> int:
+    """Zero the pool's held slots if no process on this machine holds one of its devices;
+    returns how many were freed.
+
+    A temporary Prefect server keeps slot leases in its own memory and runs no repossessor,
+    so the slots of a run killed with it stay taken in the database for good, and the next
+    run would wait forever. A holder always holds a device lock (pool_devices), and those
+    die with their process: no lock held means no live holder on this machine."""
+    with get_client(sync_client=True) as client:
+        held = client.read_global_concurrency_limit_by_name(pool.name).active_slots
+        if held == 0 or any_held(pool.name, max(pool.slots, held)):
+            return 0
+        client.update_global_concurrency_limit(pool.name, GlobalConcurrencyLimitUpdate(active_slots=0))
+    log.warning("pool %r: %d slots were held with no live holder (a run killed with its temporary "
+                "Prefect server); freed them", pool.name, held)
+    return held
 
 
 @contextmanager

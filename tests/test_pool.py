@@ -89,3 +89,35 @@ def test_serve_needs_one_schedule(argv):
 
     with pytest.raises(SystemExit):
         cli.main(argv)
+
+
+def test_slots_stranded_by_a_killed_run_are_freed_only_with_no_live_holder(prefect_server):
+    from prefect.client.orchestration import get_client
+
+    from lsreplay.devices import hold_devices
+    from tasks.pool import ensure_pool, free_stranded_slots
+
+    pool = PoolConfig(name=f"test-pool-{uuid.uuid4().hex[:8]}", slots=2)
+    ensure_pool(pool)
+    with get_client(sync_client=True) as client:  # what a run killed mid-stage leaves behind
+        client.increment_concurrency_slots([pool.name], slots=2, mode="concurrency")
+    assert active_slots(pool.name) == 2
+    with hold_devices(pool.name, pool.slots, 1):  # a live holder: nothing is taken from it
+        assert free_stranded_slots(pool) == 0 and active_slots(pool.name) == 2
+    assert free_stranded_slots(pool) == 2 and active_slots(pool.name) == 0
+    assert free_stranded_slots(pool) == 0
+
+
+def test_idle_cpu_work_runs_at_the_lowest_priority_and_hands_back_its_result_or_error():
+    import os
+
+    from lsreplay.devices import on_idle_cpu
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = nice()
+    assert on_idle_cpu(nice) == 19
+    with pytest.raises(KeyError, match="missing"):
+        on_idle_cpu(lambda: {}["missing"])
+    assert nice() == before  # the caller's thread keeps its priority

@@ -12,6 +12,8 @@ together with its own token losses, including the logits at its last position th
 predict each child's first token. Memory holds one root-to-leaf path of activations plus
 its ancestors' K/V, whatever the number of branches. Where the model allows it (see
 cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row.
+The walk is over the tree's replay view (view.py), where branching nodes too short to be
+worth a run of their own are joined into their children.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from transformers import PreTrainedModel
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.memory import ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows
 from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, kv_bytes, new_kv, target_logprobs
+from lsreplay.replay.view import Span, replay_view
 from lsreplay.tree import Node, RolloutTree
 
 log = logging.getLogger(__name__)
@@ -52,8 +55,9 @@ class BackwardStats:
 class _Replay:
     """State of one replay_backward call."""
 
-    def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None):
-        self.model, self.meter, self.prefix_kv = model, meter, prefix_kv
+    def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None,
+                 join_below: int):
+        self.model, self.meter, self.prefix_kv, self.join_below = model, meter, prefix_kv, join_below
         self.dims = ModelDims.from_hf(model.config)
         self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
@@ -64,47 +68,60 @@ class _Replay:
 
     def tree(self, index: int, tree: RolloutTree, entry_weights: torch.Tensor) -> None:
         self.index, self.t, self.w = index, tree, entry_weights
+        self.spans = replay_view(tree, self.join_below)
         # Unless configured, a leaf micro-batch (with the K/V held for it) may use what the
         # per-rollout backward needs for this tree's longest rollout.
         longest = max(n.end for n in tree.nodes)
         self.budget = self.budget_bytes or default_leaf_budget(self.dims, self.elt, longest, longest - tree.prompt_len)
-        if tree.root.is_leaf:
-            self.run([tree.root], [], None)
+        root = self.spans[0]
+        if root.is_leaf:
+            self.run([root], [], None)
         else:
-            self.node(tree.root, [])
+            self.node(root, [])
 
-    def node(self, node: Node, ancestors: list[PrefixKV]) -> None:
-        kv = self.leaf_kv(node, ancestors)
+    def node(self, span: Span, ancestors: list[PrefixKV]) -> None:
+        kv = self.leaf_kv(span, ancestors)
         with self.meter.hold(kv_bytes(kv), tensors=kv[0] + kv[1]):  # the K/V and its gradient
             below = ancestors + [kv]
-            past_len = node.end
-            leaves = [self.t.nodes[c] for c in node.children if self.t.nodes[c].is_leaf]
-            for batch in self.leaf_batches(leaves, past_len):
+            children = [self.spans[c] for c in span.children]
+            for batch in self.leaf_batches([c for c in children if c.is_leaf], span.end):
                 self.run(batch, below, None)
-            for c in node.children:
-                if not self.t.nodes[c].is_leaf:
-                    self.node(self.t.nodes[c], below)
+            for child in children:
+                if not child.is_leaf:
+                    self.node(child, below)
             grads = ([k.grad for k in kv[0]], [v.grad for v in kv[1]])
-            self.run([node], ancestors, grads)
+            self.run([span], ancestors, grads)
 
-    def leaf_kv(self, node: Node, ancestors: list[PrefixKV]) -> PrefixKV:
-        kv = self.prefix_kv(self.index, node) if self.prefix_kv else None
-        if kv is not None and kv[0][0].shape[-2] != len(node.tokens):
-            log.warning("tree %d node %d: cached K/V covers %d positions, the node has %d; recomputing it",
-                        self.index, node.id, kv[0][0].shape[-2], len(node.tokens))
-            kv = None
+    def leaf_kv(self, span: Span, ancestors: list[PrefixKV]) -> PrefixKV:
+        kv = self.cached_kv(span)
         if kv is None:
-            if self.prefix_kv:
-                self.recomputed += 1
             with torch.no_grad():
                 past = concat_kv([(list(map(torch.Tensor.detach, k)), list(map(torch.Tensor.detach, v)))
                                   for k, v in ancestors])
-                _, cache = forward_segments(self.model, [node.tokens], node.start, past)
-                kv = new_kv(cache, node.start)
+                _, cache = forward_segments(self.model, [span.tokens], span.start, past)
+                kv = new_kv(cache, span.start)
         return ([k.detach().clone().requires_grad_() for k in kv[0]],
                 [v.detach().clone().requires_grad_() for v in kv[1]])
 
-    def leaf_batches(self, leaves: list[Node], past_len: int) -> list[list[Node]]:
+    def cached_kv(self, span: Span) -> PrefixKV | None:
+        """The span's K/V from the caching pass: its tree nodes', joined; None if one is
+        missing or unusable."""
+        if not self.prefix_kv:
+            return None
+        parts = []
+        for node in (self.t.nodes[s] for s in span.sources):
+            kv = self.prefix_kv(self.index, node)
+            if kv is not None and kv[0][0].shape[-2] != len(node.tokens):
+                log.warning("tree %d node %d: cached K/V covers %d positions, the node has %d; recomputing it",
+                            self.index, node.id, kv[0][0].shape[-2], len(node.tokens))
+                kv = None
+            if kv is None:
+                self.recomputed += 1
+                return None
+            parts.append(kv)
+        return concat_kv(parts)
+
+    def leaf_batches(self, leaves: list[Span], past_len: int) -> list[list[Span]]:
         """Group sibling leaves, longest first, so that each group's saved activations
         (see memory.saved_bytes) fit the budget next to the K/V held for them."""
         budget = self.budget - self.meter.current  # the held K/V already count toward the peak
@@ -117,7 +134,7 @@ class _Replay:
             leaves = leaves[rows:]
         return batches
 
-    def forward(self, nodes: list[Node], ancestors: list[PrefixKV]) -> tuple[torch.Tensor, PrefixKV]:
+    def forward(self, nodes: list[Span], ancestors: list[PrefixKV]) -> tuple[torch.Tensor, PrefixKV]:
         """Hidden states of sibling `nodes` after their ancestors' K/V, and the first node's
         own K/V."""
         segments, start = [n.tokens for n in nodes], nodes[0].start
@@ -127,7 +144,7 @@ class _Replay:
         hidden, cache = forward_segments(self.model, segments, start, concat_kv(ancestors))
         return hidden, new_kv(cache, start)
 
-    def run(self, nodes: list[Node], ancestors: list[PrefixKV], kv_grads) -> None:
+    def run(self, nodes: list[Span], ancestors: list[PrefixKV], kv_grads) -> None:
         """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward their
         entries' weighted logprobs, with `kv_grads` (dK, dV) injected at a node's own K/V."""
         hidden, own_kv = self.forward(nodes, ancestors)
@@ -160,15 +177,16 @@ def _entry_weights(trees: list[RolloutTree], weights) -> list[torch.Tensor]:
 
 def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                     prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                    meter: ActivationMeter | None = None) -> BackwardStats:
+                    meter: ActivationMeter | None = None, join_below: int = 0) -> BackwardStats:
     """Accumulate the weighted-logprob gradient of `trees` into `.grad`, branch replay style.
 
     prefix_kv: where cached K/V of branching nodes come from (None: computed here without
     grad). budget_bytes: memory allowed to one micro-batch of sibling leaves, the K/V held
-    for them included (default: what the per-rollout backward saves for the longest rollout)."""
+    for them included (default: what the per-rollout backward saves for the longest rollout).
+    join_below: join short branching nodes into their children, see view.py (0: never)."""
     entry_w = _entry_weights(trees, weights)
     meter = meter or ActivationMeter(model)
-    state = _Replay(model, meter, prefix_kv, budget_bytes)
+    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below)
     start = time.perf_counter()
     with meter.measure():
         for i, (tree, w) in enumerate(zip(trees, entry_w)):

@@ -6,7 +6,9 @@ slots their finished shards free (flows/train.py), and trains until those rollou
 after every `drafter.checkpoint_every` steps it checkpoints (weights, optimizer, sampler
 state) and looks whether step t+1's trees are finished. A preempted or killed trainer
 resumes from its last checkpoint. The last step's drafter, with no rollouts after it,
-trains all `drafter.steps`. Rollouts of step t+2 are the first to use it.
+trains all `drafter.steps`. Rollouts of step t+2 are the first to use it. Without an
+accelerator the freed slot is CPU time the rollouts share, so the trainer runs at idle
+priority (devices.on_idle_cpu) and never slows them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tqdm.auto import tqdm
 from lsreplay import faults
 from lsreplay.checkpoint import (CheckpointError, load_module, load_optimizer, load_rng, save_module,
                                  save_optimizer, save_rng)
+from lsreplay.devices import on_idle_cpu
 from lsreplay.drafter.distill import distill, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
@@ -43,9 +46,16 @@ class _Trainer:
 
 
 def distill_drafter(run: Run, step: int, devices: list[int] | None = None) -> dict:
-    """`devices`: the pool slot held (recorded in the manifest)."""
+    """`devices`: the pool slot held (recorded in the manifest). Without an accelerator the
+    slot is CPU time shared with the rollouts, so the trainer runs at idle priority."""
     if done := run.done(step, "drafter"):
         return done
+    if torch.cuda.is_available():
+        return _distill_drafter(run, step, devices)
+    return on_idle_cpu(lambda: _distill_drafter(run, step, devices))
+
+
+def _distill_drafter(run: Run, step: int, devices: list[int] | None) -> dict:
     run.begin(step, "drafter")
     d = run.cfg.drafter
     prefixes = run.manifest(step, "prefixes")

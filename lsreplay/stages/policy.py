@@ -65,7 +65,8 @@ def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
         optimizer = _optimizer_before(run, step, model)
         if run.cfg.replay.mode == "replay":
             stats = replay_backward(model, trees, weights, prefix_kv=StoredPrefixKV(run, prefixes),
-                                    budget_bytes=run.cfg.replay.budget_mb * 2**20 or None)
+                                    budget_bytes=run.cfg.replay.budget_mb * 2**20 or None,
+                                    join_below=run.cfg.replay.join_below)
         else:
             stats = naive_backward(model, trees, weights)
         out = _commit(run, step, model, optimizer, loss, stats)
@@ -168,7 +169,8 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     weights = [[w.to(device) for w in tree] for tree in weights]
     stats = data_parallel_backward(model, trees, weights, rank, world, mode=cfg.replay.mode, fsdp=fsdp,
                                    prefix_kv=StoredPrefixKV(run, prefixes),
-                                   budget_bytes=cfg.replay.budget_mb * 2**20 or None)
+                                   budget_bytes=cfg.replay.budget_mb * 2**20 or None,
+                                   join_below=cfg.replay.join_below)
     try:
         if fsdp:
             return _fsdp_commit(run, step, model, loss, stats, rank)

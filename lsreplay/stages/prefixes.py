@@ -14,6 +14,7 @@ from lsreplay import faults
 from lsreplay.models import load_model
 from lsreplay.replay.capture import TreeActivations, capture_tree
 from lsreplay.replay.segments import PrefixKV
+from lsreplay.replay.view import read_kv_nodes, replay_view
 from lsreplay.run import Run
 from lsreplay.stages.common import load_trees, policy_before
 from lsreplay.storage import StorageError
@@ -91,7 +92,8 @@ def cache_prefixes(run: Run, step: int) -> dict:
     model = policy_before(run, step)
     # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
     reference = load_model(run.cfg.model, trainable=False) if run.cfg.algo.kl_coef > 0 else None
-    # Only replay reads the K/V back, only the drafter the hidden states.
+    # Only replay reads the K/V back (those of the branching spans of its view), only the
+    # drafter the hidden states.
     store_kv, keep_hidden = run.cfg.replay.mode == "replay", run.cfg.drafter.enabled
     files, kv_entries, act_entries, start = [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
@@ -99,7 +101,9 @@ def cache_prefixes(run: Run, step: int) -> dict:
         if reference is not None:
             acts.ref_entry_logprobs = capture_tree(reference, tree, keep_hidden=False).entry_logprobs
         nodes = {}
-        for node_id, kv in acts.prefix_kv.items() if store_kv else ():
+        read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below)) if store_kv else set()
+        for node_id in sorted(read):
+            kv = acts.prefix_kv[node_id]
             nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
             if run.cfg.replay.kv_offload == "host":
                 HOST_KV[nodes[str(node_id)]["sha256"]] = kv
