@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lsreplay.config import ModelConfig, load_config  # noqa: E402
+from lsreplay.config import DataConfig, ModelConfig, load_config  # noqa: E402
 from lsreplay.data import PromptSet, generate_prompt_file  # noqa: E402
 from lsreplay.drafter.distill import distill  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402
@@ -68,13 +68,16 @@ def log(msg: str) -> None:
 
 
 def prompt_ids(cfg, tokenizer, count: int, seed: int) -> list[list[int]]:
-    """`count` rendered prompts of the default prompt set's tasks."""
+    """`count` rendered prompts of the default prompt set's tasks, with the short system
+    prompt (DataConfig's default), not the config's long shared context: these benchmarks
+    measure decoding, and their README figures were taken on short prompts."""
     d = cfg.data
+    system_prompt = DataConfig.system_prompt
     key = hashlib.sha256(json.dumps([list(d.tasks), count, seed, dict(d.task_args)], sort_keys=True).encode())
     path = generate_prompt_file(ROOT / ".cache/prompts" / f"specdec-{key.hexdigest()[:12]}.jsonl", list(d.tasks),
                                 count, seed, dict(d.task_args))
     prompts = PromptSet.from_file(path)
-    return [render_prompt(tokenizer, prompts[i], d.system_prompt, d.max_prompt_tokens) for i in range(count)]
+    return [render_prompt(tokenizer, prompts[i], system_prompt, d.max_prompt_tokens) for i in range(count)]
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.LongTensor, torch.LongTensor]:

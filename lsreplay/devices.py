@@ -7,6 +7,7 @@ fcntl locks die with their process, so a crashed task never strands a device.
 
 from __future__ import annotations
 
+import contextvars
 import fcntl
 import os
 import threading
@@ -80,7 +81,8 @@ def on_idle_cpu(fn: Callable[[], T]) -> T:
         except BaseException as e:  # handed to the caller's thread
             out["error"] = e
 
-    worker = threading.Thread(target=target, name="idle-cpu")
+    context = contextvars.copy_context()  # the caller's run context (Prefect's logging reads it)
+    worker = threading.Thread(target=context.run, args=(target,), name="idle-cpu")
     worker.start()
     worker.join()
     if "error" in out:

@@ -36,6 +36,7 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     record["step_seconds"] = max(m["ended"] for m in spans) - min(m["started"] for m in spans)
     if "drafter" in manifests:
         d = manifests["drafter"]
-        record.update(drafter_loss=d["drafter_loss"], drafter_top1_accept=d["drafter_top1_accept"],
-                      drafter_steps=d["steps_done"])
+        record["drafter_steps"] = d["steps_done"]
+        if d["steps_done"]:  # a session that trained no step has no figures
+            record.update(drafter_loss=d["drafter_loss"], drafter_top1_accept=d["drafter_top1_accept"])
     return record

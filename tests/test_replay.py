@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 
 from lsreplay.replay import naive_backward, replay_backward
-from lsreplay.replay.capture import capture_tree
+from lsreplay.replay.capture import capture_rollouts, capture_tree
 from lsreplay.tree import RolloutTree
 
 
@@ -69,6 +69,15 @@ def test_cached_prefix_kv_gives_identical_gradients():
     _, g_cached = grads_of(model, replay_backward, trees, weights,
                            prefix_kv=lambda i, node: acts[i].prefix_kv[node.id])
     assert all(torch.equal(g_self[n], g_cached[n]) for n in g_self)
+
+
+def test_per_rollout_logprob_pass_matches_the_tree_pass():
+    model = tiny_model("qwen2")
+    trees, _ = random_trees(seed=4)
+    for tree in trees:
+        per_rollout, tree_pass = capture_rollouts(model, tree, batch=3), capture_tree(model, tree)
+        assert not per_rollout.prefix_kv and not per_rollout.hidden
+        assert torch.allclose(per_rollout.entry_logprobs, tree_pass.entry_logprobs, rtol=0, atol=1e-10)
 
 
 def test_caching_pass_logprobs_match_per_rollout_forward():

@@ -9,7 +9,7 @@ import json
 from flowrun import lsreplay_chain, tiny, unique_pool
 
 from lsreplay.config import load_config
-from lsreplay.run import Run
+from lsreplay.run import Run, open_run_config
 
 SPOT = ["rollout.shards=2", "pool.slots=2", "data.prompts_per_step=2", "drafter.steps=400",
         "drafter.checkpoint_every=2"]
@@ -24,9 +24,9 @@ def test_drafter_trains_on_freed_slots_until_the_rollouts_end(prefect_server, ti
     from flows.train import train
 
     run_dir = tmp_path / "run"
-    # One shard of step 1 straggles for 4 s: the other frees its slot long before the stage ends.
+    # One shard of step 1 straggles for 6 s: the other frees its slot long before the stage ends.
     monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
-    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "4")
+    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "6")
     train(overrides=[*tiny(run_dir, tiny_model_dir), *SPOT, "steps=2"])
 
     shards = manifest(run_dir, 1, "trees")["shards"]
@@ -65,14 +65,26 @@ def test_killed_drafter_resumes_from_its_checkpoint(prefect_server, tiny_model_d
     assert run.executions()[0, "drafter"] == 2
 
 
-def test_rollouts_decode_the_tail_with_the_newest_finished_drafter(prefect_server, tiny_model_dir, tmp_path):
+def test_rollouts_decode_the_tail_with_the_newest_finished_drafter(prefect_server, tiny_model_dir, tmp_path,
+                                                                   monkeypatch):
     """Step t's rollouts use step t-2's drafter (t-1's trains alongside them); every decode
-    step's decision is stored, and the speculative rounds show in the metrics."""
+    step's decision is stored, and the speculative rounds show in the metrics. A drafter
+    session that finds its rollouts already over trains nothing, and no drafter is used."""
+    import shutil
+
     from flows.train import train
+    from lsreplay import stages
+    from lsreplay.stages.common import policy_before
+    from lsreplay.stages.drafter import newest_drafter
+    from lsreplay.stages.trees import adaptive_engine
 
     run_dir = tmp_path / "run"
+    # Step 1's rollouts straggle, so step 0's drafter (at idle priority) gets CPU time to train.
+    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
+    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "3")
     train(overrides=[*tiny(run_dir, tiny_model_dir, steps=3), "rollout.spec_threshold=4",
-                     "rollout.max_new_tokens=12"])
+                     "rollout.max_new_tokens=12", "pool.slots=2"])
+    assert manifest(run_dir, 0, "drafter")["steps_done"] == 2
     used = [manifest(run_dir, step, "trees-shard0")["drafter_step"] for step in range(3)]
     assert used == [None, None, 0]
     decisions = json.loads((run_dir / "step_0002/trees/decisions_00.json").read_text())["decisions"]
@@ -82,3 +94,12 @@ def test_rollouts_decode_the_tail_with_the_newest_finished_drafter(prefect_serve
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["spec_rounds"] > 0 for m in metrics] == [False, False, True]
     assert metrics[2]["rollout_accept_len"] >= 1
+
+    # Step 0's drafter again, now that step 1's rollouts are long over: it trains no step.
+    run = Run(open_run_config(str(run_dir), []))
+    run.invalidate(0, "drafter")
+    shutil.rmtree(run_dir / "checkpoints/drafter/step_0000")
+    untrained = stages.distill_drafter(run, 0)
+    assert (untrained["steps_done"], untrained["checkpoint"]) == (0, None)
+    assert untrained["stopped_by"] == "rollouts ended before it started"
+    assert newest_drafter(run, 0) is None and adaptive_engine(run, 2, 0, policy_before(run, 2)) == (None, None)

@@ -69,3 +69,19 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
 
     visit(tree.root, [])
     return acts
+
+
+@torch.no_grad()
+def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16) -> TreeActivations:
+    """The per-rollout baseline's logprob pass: every rollout's full sequence (prompt and
+    completion) forward, `batch` rollouts at a time, right-padded. Entry logprobs only: a
+    shared entry gets the value of the last rollout that holds it."""
+    acts = TreeActivations(entry_logprobs=torch.zeros(tree.num_entries, dtype=torch.float64))
+    rollouts = [(j, c) for j, c in enumerate(tree.completions) if c]
+    for i in range(0, len(rollouts), batch):
+        chunk = rollouts[i : i + batch]
+        hidden, _ = forward_segments(model, [tree.prompt_ids + c for _, c in chunk], 0, None)
+        for row, (j, completion) in enumerate(chunk):
+            at = range(tree.prompt_len - 1, tree.prompt_len - 1 + len(completion))
+            acts.entry_logprobs[tree.entry_index[j]] = target_logprobs(model, hidden[row], list(at), completion).double().cpu()
+    return acts

@@ -57,34 +57,20 @@ def distill_drafter(run: Run, step: int, devices: list[int] | None = None) -> di
 
 def _distill_drafter(run: Run, step: int, devices: list[int] | None) -> dict:
     run.begin(step, "drafter")
-    d = run.cfg.drafter
+    rollouts_ended = _rollouts_ended(run, step)
+    if rollouts_ended() and not run.store.exists(f"{run.checkpoint('drafter', step)}/{SPOT_STATE}"):
+        return _untrained(run, step, devices, "rollouts ended before it started", 0.0)
+    start = time.perf_counter()
     prefixes = run.manifest(step, "prefixes")
     _, trees = load_trees(run, step)
     sequences = [seq for i, tree in enumerate(trees)
                  for seq in load_activations(run, step, i, prefixes).path_sequences(tree)]
     trainer = _start_or_resume(run, step, policy_before(run, step))
-    resumed_at, start = trainer.steps_done, time.perf_counter()
-    rollouts_ended = _rollouts_ended(run, step)
-    stopped_by = "steps"
-    stats = None
-    bar = tqdm(total=d.steps, initial=resumed_at, desc=f"step {step} drafter", unit="step", leave=False)
-    while trainer.steps_done < d.steps:
-        chunk = min(d.checkpoint_every, d.steps - trainer.steps_done)
-        # A trainer that got a slot runs at least one chunk; after that it asks before every
-        # step whether to stop (one step on long sequences can take a while on a CPU).
-        stop = rollouts_ended if trainer.steps_done > resumed_at else None
-        ran = distill(trainer.drafter, sequences, steps=chunk, lr=d.lr, batch_size=d.batch_size,
-                      generator=trainer.batches, optimizer=trainer.optimizer, progress=False, stop=stop)
-        stats = ran if ran.steps else stats
-        trainer.steps_done += ran.steps
-        bar.update(ran.steps)
-        files = _save(run, step, trainer)
-        faults.hook("drafter", step, "mid")  # a kill here leaves a checkpoint to resume from
-        if ran.steps < chunk or rollouts_ended():
-            stopped_by = "rollouts ended"
-            break
-    bar.close()
-    if stats is None:  # resumed from a checkpoint taken after the last step
+    resumed_at = trainer.steps_done
+    stats, files, stopped_by = _train(run, step, trainer, sequences, rollouts_ended)
+    if trainer.steps_done == 0:
+        return _untrained(run, step, devices, stopped_by, time.perf_counter() - start)
+    if stats is None:  # resumed from a checkpoint, and no step ran since
         stats, files = evaluate(trainer.drafter, sequences), _save(run, step, trainer)
     exported = save_hf(run.store, f"{run.checkpoint('drafter', step)}/hf", trainer.drafter)
     log.info("drafter of step %d: %d steps (resumed at %d), stopped by %s", step, trainer.steps_done, resumed_at,
@@ -95,6 +81,38 @@ def _distill_drafter(run: Run, step: int, devices: list[int] | None) -> dict:
         "stopped_by": stopped_by, "devices": devices,
         **{f"drafter_{k}": v for k, v in dataclasses.asdict(stats).items() if k != "steps"},
         "seconds": time.perf_counter() - start})
+
+
+def _train(run: Run, step: int, trainer: _Trainer, sequences, rollouts_ended) -> tuple:
+    """Distil in chunks of drafter.checkpoint_every steps, checkpointing after each, until
+    drafter.steps or the end of the rollouts (asked before every step: one step on long
+    sequences can take a while on a CPU). Returns (stats of the last chunk that ran, its
+    checkpoint files, why it stopped)."""
+    d = run.cfg.drafter
+    stats, files = None, []
+    with tqdm(total=d.steps, initial=trainer.steps_done, desc=f"step {step} drafter", unit="step",
+              leave=False) as bar:
+        while trainer.steps_done < d.steps:
+            chunk = min(d.checkpoint_every, d.steps - trainer.steps_done)
+            ran = distill(trainer.drafter, sequences, steps=chunk, lr=d.lr, batch_size=d.batch_size,
+                          generator=trainer.batches, optimizer=trainer.optimizer, progress=False,
+                          stop=rollouts_ended)
+            if ran.steps:
+                stats = ran
+                trainer.steps_done += ran.steps
+                bar.update(ran.steps)
+                files = _save(run, step, trainer)
+                faults.hook("drafter", step, "mid")  # a kill here leaves a checkpoint to resume from
+            if ran.steps < chunk or rollouts_ended():
+                return stats, files, "rollouts ended"
+    return stats, files, "steps"
+
+
+def _untrained(run: Run, step: int, devices, stopped_by: str, seconds: float) -> dict:
+    """A session that trained no step: the step's drafter is the previous one (newest_drafter)."""
+    log.info("drafter of step %d: no step trained (%s); the previous drafter stands", step, stopped_by)
+    return run.finish(step, "drafter", {"files": [], "checkpoint": None, "steps_done": 0, "resumed_at": 0,
+                                        "stopped_by": stopped_by, "devices": devices, "seconds": seconds})
 
 
 def _rollouts_ended(run: Run, step: int):
@@ -124,15 +142,24 @@ def _start_or_resume(run: Run, step: int, target) -> _Trainer:
 
 
 def _fresh(run: Run, step: int, target) -> _Trainer:
-    """The previous step's drafter (step 0: a new one, seeded per step so that a resumed
+    """The newest trained drafter (none yet: a new one, seeded per step so that a resumed
     process starts from the same weights), a new optimizer, a seeded batch sampler."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run.seed(step, "drafter-init"))
         drafter = Drafter.from_target(target)
-    if step > 0:
-        load_drafter(run, step - 1, drafter)
+    if (previous := newest_drafter(run, step - 1)) is not None:
+        load_drafter(run, previous, drafter)
     return _Trainer(drafter, torch.optim.AdamW(drafter.parameters(), lr=run.cfg.drafter.lr),
                     run.generator(step, "drafter"))
+
+
+def newest_drafter(run: Run, step: int) -> int | None:
+    """The newest step <= `step` whose drafter session trained (and so saved) weights; None
+    if none did yet. A session that trained no step leaves the previous drafter standing."""
+    for earlier in range(step, -1, -1):
+        if run.manifest(earlier, "drafter")["checkpoint"]:
+            return earlier
+    return None
 
 
 def load_drafter(run: Run, step: int, drafter: Drafter) -> Drafter:

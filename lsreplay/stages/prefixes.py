@@ -1,6 +1,7 @@
 """Stage 3: the caching pass. One no-grad forward per tree records the K/V of every
 branching node (for replay), every entry's logprob (old logprobs) and every position's
-last hidden state (drafter data), each tensor file with its sha256 in the manifest."""
+last hidden state (drafter data), each tensor file with its sha256 in the manifest. The
+per-rollout baseline instead runs every rollout's full sequence for the logprobs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tqdm.auto import tqdm
 
 from lsreplay import faults
 from lsreplay.models import load_model
-from lsreplay.replay.capture import TreeActivations, capture_tree
+from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.replay.view import read_kv_nodes, replay_view
 from lsreplay.run import Run
@@ -83,6 +84,18 @@ class StoredPrefixKV:
             return None
 
 
+def _capture(run: Run, model, tree, keep_hidden: bool) -> TreeActivations:
+    """Branch replay's pass over the tree; the per-rollout baseline (replay.mode=naive), as a
+    per-rollout trainer does, scores every rollout's full sequence (the drafter's hidden
+    states, if it is on, still come from a tree pass)."""
+    if run.cfg.replay.mode == "replay":
+        return capture_tree(model, tree, keep_hidden=keep_hidden)
+    acts = capture_rollouts(model, tree)
+    if keep_hidden:
+        acts.hidden = capture_tree(model, tree).hidden
+    return acts
+
+
 def cache_prefixes(run: Run, step: int) -> dict:
     if done := run.done(step, "prefixes"):
         return done
@@ -97,9 +110,9 @@ def cache_prefixes(run: Run, step: int) -> dict:
     store_kv, keep_hidden = run.cfg.replay.mode == "replay", run.cfg.drafter.enabled
     files, kv_entries, act_entries, start = [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
-        acts = capture_tree(model, tree, keep_hidden=keep_hidden)
+        acts = _capture(run, model, tree, keep_hidden)
         if reference is not None:
-            acts.ref_entry_logprobs = capture_tree(reference, tree, keep_hidden=False).entry_logprobs
+            acts.ref_entry_logprobs = _capture(run, reference, tree, keep_hidden=False).entry_logprobs
         nodes = {}
         read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below)) if store_kv else set()
         for node_id in sorted(read):

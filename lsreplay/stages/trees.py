@@ -17,7 +17,7 @@ from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.run import Run
 from lsreplay.stages.common import policy_before
-from lsreplay.stages.drafter import load_drafter
+from lsreplay.stages.drafter import load_drafter, newest_drafter
 
 
 def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int) -> list[int]:
@@ -94,11 +94,13 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
 
 
 def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation | None, int | None]:
-    """The long-tail engine and the step of the drafter it uses: the newest finished one,
-    step - 2's (step - 1's is training alongside these rollouts). None before there is one,
-    or when rollout.spec_threshold = 0 or the drafter is disabled."""
-    r, source = run.cfg.rollout, step - 2
-    if r.spec_threshold == 0 or not run.cfg.drafter.enabled or source < 0:
+    """The long-tail engine and the step of the drafter it uses: the newest trained one up
+    to step - 2's (step - 1's is training alongside these rollouts). None before there is
+    one, or when rollout.spec_threshold = 0 or the drafter is disabled."""
+    r = run.cfg.rollout
+    if r.spec_threshold == 0 or not run.cfg.drafter.enabled or step < 2:
+        return None, None
+    if (source := newest_drafter(run, step - 2)) is None:
         return None, None
     drafter = load_drafter(run, source, Drafter.from_target(model))
     bandit = DraftLengthBandit(arms=r.draft_lens, seed=run.seed(step, "bandit", shard))
