@@ -17,9 +17,15 @@ its own line, not in the step times). C must retrace A's loss curve (replay is e
 
     max_loss_gap = max over steps |loss_A - loss_C| / max over steps |loss_A|
 
+With one update per step on fresh rollouts, GRPO's loss is evaluated at ratio 1, so it
+depends on the rewards only; what the backward computed shows in the gradient's norm:
+
+    max_grad_norm_gap = max over steps |grad_norm_A - grad_norm_C| / grad_norm_A
+
 The last line is key=value pairs: step_speedup (A over B, mean step_seconds),
 train_speedup (prefix cache + policy update), rollout_speedup (the trees stage) and
-max_loss_gap; `lsreplay report` of the three runs (overlaid curves) goes to --out/report.
+max_loss_gap, max_grad_norm_gap; `lsreplay report` of the three runs
+(overlaid curves; C's wall time is its caching pass and update only) goes to --out/report.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ def give_rollouts(source: Path, target: Path, steps: int) -> None:
                 shutil.copy(src, dst)
         for marker in (source / folder).glob("trees-shard*.done.json"):
             shutil.copy(marker, target / folder / marker.name)
+        for marker in (target / folder).glob("*.done.json"):  # A's stage times are not C's
+            done = json.loads(marker.read_text())
+            marker.write_text(json.dumps({k: v for k, v in done.items() if k not in ("started", "ended")}))
 
 
 def per_step(rows: list[dict], key: str) -> list[float]:
@@ -118,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_speedup": train_seconds(a) / train_seconds(b),
         "rollout_speedup": mean(per_step(a, "trees_seconds")) / mean(per_step(b, "trees_seconds")),
         "max_loss_gap": max(abs(x - y) for x, y in zip(per_step(a, "loss"), per_step(c, "loss"))) / scale,
+        "max_grad_norm_gap": max(abs(x - y) / x for x, y in zip(per_step(a, "grad_norm"), per_step(c, "grad_norm")) if x),
         "positions_ratio": sum(per_step(a, "positions")) / sum(per_step(b, "positions")),
         "steps": args.steps,
     }

@@ -181,6 +181,52 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
+def distill_with_curve(target, drafter: Drafter, sequences, vocab: torch.LongTensor, args, probe: torch.LongTensor):
+    """Distil `args.steps` steps in chunks of `args.curve_every`; after each chunk, the
+    accept_len of greedy speculative decoding (k=5) of `probe`, a held-out prompt, for 64
+    tokens. Chunks share one optimizer and batch generator: the training is the same as
+    one `distill` call. Returns (stats of the last chunk, distillation seconds, [(steps, accept_len)])."""
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr)
+    generator = torch.Generator().manual_seed(args.seed)
+    curve, seconds, done, stats = [], 0.0, 0, None
+
+    def probe_accept() -> float:
+        drafter.eval()
+        st = SpecStats()
+        with torch.inference_mode():
+            speculative_generate(target, drafter, probe, 64, draft_len=5, draft_vocab=vocab, stats=st)
+        return st.accept_len
+
+    curve.append((0, probe_accept()))
+    while done < args.steps:
+        chunk = min(args.curve_every, args.steps - done)
+        with draft_head(drafter, vocab):
+            stats, s = timed(lambda n=chunk: distill(drafter, sequences, steps=n, lr=args.lr, batch_size=args.batch_size,
+                                                     generator=generator, optimizer=optimizer, progress=False))
+        seconds, done = seconds + s, done + chunk
+        curve.append((done, probe_accept()))
+    drafter.eval()
+    return stats, seconds, curve
+
+
+def plot_curve(curve: list[tuple[int, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([s for s, _ in curve], [a for _, a in curve], marker="o")
+    ax.set_xlabel("distillation steps")
+    ax.set_ylabel("held-out accept_len (k=5)")
+    ax.set_title(f"drafter acceptance: {title}", fontsize=8)
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_run_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Add the options every decoding benchmark has (threads, seed, smoke), parse, and
     set the thread count."""
@@ -199,6 +245,9 @@ def main() -> None:
     parser.add_argument("--rollout-tokens", type=int, default=192)
     parser.add_argument("--rollouts", choices=["greedy", "sampled"], default="greedy")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--curve-every", type=int, default=25,
+                        help="distillation steps between held-out acceptance probes")
+    parser.add_argument("--plot", default="", help="write the acceptance curve as a PNG here")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=2)
@@ -211,6 +260,7 @@ def main() -> None:
     args = parse_run_args(parser)
     if args.smoke:
         args.train_prompts, args.rollout_tokens, args.steps, args.eval_prompts, args.new_tokens = 2, 24, 3, 1, 16
+        args.curve_every = 2
     bench_start = time.perf_counter()
 
     cfg = load_config(ROOT / "configs/default.yaml")
@@ -231,13 +281,14 @@ def main() -> None:
         f"draft vocabulary {len(vocab)} tokens")
     torch.manual_seed(args.seed)
     drafter = Drafter.from_target(target)
-    with draft_head(drafter, vocab):
-        stats, distill_s = timed(lambda: distill(drafter, sequences, steps=args.steps, lr=args.lr,
-                                                 batch_size=args.batch_size,
-                                                 generator=torch.Generator().manual_seed(args.seed), progress=False))
-    log(f"distill: {args.steps} steps in {distill_s:.0f}s, last-{min(20, args.steps)} top1 {stats.top1_accept:.3f} "
-        f"feature_loss {stats.feature_loss:.4f}")
-    drafter.eval()
+    probe = torch.tensor([eval_prompts[0]])
+    stats, distill_s, curve = distill_with_curve(target, drafter, sequences, vocab, args, probe)
+    log(f"distill: {args.steps} steps in {distill_s:.0f}s (acceptance probes not counted), "
+        f"last-{min(20, args.steps)} top1 {stats.top1_accept:.3f} feature_loss {stats.feature_loss:.4f}")
+    log("held-out accept_len over distillation steps: " + ", ".join(f"{s}: {a:.2f}" for s, a in curve))
+    if args.plot:
+        plot_curve(curve, Path(args.plot), f"{args.rollouts} rollouts, {train_tokens} tokens, draft vocab {len(vocab)}")
+        log(f"plot: {args.plot}")
 
     # 3. Side by side, batch 1.
     configs = [c.strip() for c in args.draft_len.split(",")]

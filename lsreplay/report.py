@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # (metric key in metrics.jsonl, panel title). Missing keys are skipped per run.
@@ -56,20 +57,24 @@ def curves(runs: dict[str, list[dict]]) -> dict[str, dict[str, list]]:
 
 def plot(data: dict[str, dict[str, list]], path: Path) -> None:
     panels = [(k, t) for k, t in PANELS if k in data]
+    # One colour per run in every panel, also where some runs have no points.
+    names = list(dict.fromkeys(name for key, _ in panels for name in data[key]))
+    colour = {name: f"C{i}" for i, name in enumerate(names)}
     cols = 3
     rows = max(1, -(-len(panels) // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels):
         for name, points in data[key].items():
             steps, values = zip(*points)
-            ax.plot(steps, values, marker="o", label=name)
+            ax.plot(steps, values, marker="o", label=name, color=colour[name])
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
+    # The legend lists every run, whichever panels it has points in.
+    axes.flat[0].legend(handles=[Line2D([], [], marker="o", color=colour[n], label=n) for n in names], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
