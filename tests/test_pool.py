@@ -113,11 +113,11 @@ def test_idle_cpu_work_runs_at_the_lowest_priority_and_hands_back_its_result_or_
 
     from lsreplay.devices import on_idle_cpu
 
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    def policy() -> int:
+        return os.sched_getscheduler(threading.get_native_id())
 
-    before = nice()
-    assert on_idle_cpu(nice) == 19
+    before = policy()
+    assert on_idle_cpu(policy) == os.SCHED_IDLE != before
     with pytest.raises(KeyError, match="missing"):
         on_idle_cpu(lambda: {}["missing"])
-    assert nice() == before  # the caller's thread keeps its priority
+    assert policy() == before  # the caller's thread keeps its policy
