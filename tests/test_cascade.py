@@ -144,7 +144,7 @@ def replay_vs_naive(model) -> tuple[float, int]:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_replay_runs_cascade_attention_and_equals_naive(arch):
     model = tiny(arch)
-    assert _Replay(model, ActivationMeter(model), None, None).cascade
+    assert _Replay(model, ActivationMeter(model), None, None, join_below=0).cascade
     rel, calls = replay_vs_naive(model)
     assert rel <= 1e-6
     # Every run after a prefix, in every layer: the leaves under the prompt (one micro-batch),

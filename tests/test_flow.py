@@ -30,8 +30,12 @@ def test_flow_runs_every_stage_and_resumes(prefect_server, tiny_model_dir, tmp_p
             assert (run_dir / f"step_{step:04d}" / f"{stage}.done.json").is_file()
         prefixes = json.loads((run_dir / f"step_{step:04d}" / "prefixes.done.json").read_text())
         assert prefixes["prefix_kv"] and all(prefixes["prefix_kv"])  # every tree cached its branch points
-        for kind in ("policy", "drafter"):
-            assert (run_dir / "checkpoints" / kind / f"step_{step:04d}" / "model.safetensors").is_file()
+        assert (run_dir / "checkpoints/policy" / f"step_{step:04d}" / "model.safetensors").is_file()
+        # A spot session that found its rollouts over trained nothing and saved nothing.
+        drafter = json.loads((run_dir / f"step_{step:04d}" / "drafter.done.json").read_text())
+        saved = (run_dir / "checkpoints/drafter" / f"step_{step:04d}" / "model.safetensors").is_file()
+        assert saved == bool(drafter["checkpoint"]) == (drafter["steps_done"] > 0)
+    assert json.loads((run_dir / "step_0001/drafter.done.json").read_text())["steps_done"] == 2  # the last step's
     assert (run_dir / "checkpoints/policy/step_0001/optimizer.safetensors").is_file()
     m = metrics[-1]
     assert m["positions_ratio"] > 1 and m["per_rollout_positions"] > m["positions"]
