@@ -28,7 +28,8 @@ from transformers import PreTrainedModel
 
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.memory import ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows
-from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, kv_bytes, new_kv, target_logprobs
+from lsreplay.replay.segments import (PrefixKV, concat_kv, forward_segments, kv_bytes, new_kv, rollout_logprobs,
+                                      target_logprobs)
 from lsreplay.replay.view import Span, replay_view
 from lsreplay.tree import Node, RolloutTree
 
@@ -216,8 +217,7 @@ def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                     continue
                 hidden, _ = forward_segments(model, [tree.prompt_ids + comp], 0, None)
                 positions += hidden.shape[1]
-                targets_at = range(tree.prompt_len - 1, tree.prompt_len - 1 + len(comp))
-                lp = target_logprobs(model, hidden[0], list(targets_at), comp)
+                lp = rollout_logprobs(model, hidden[0], tree.prompt_len, comp)
                 term = (lp * torch.as_tensor(w).to(lp)).sum()
                 objective += term.detach().double().cpu()
                 if term.requires_grad:

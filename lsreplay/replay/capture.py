@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, new_kv, target_logprobs
+from lsreplay.replay.segments import (PrefixKV, concat_kv, forward_segments, new_kv, rollout_logprobs,
+                                      target_logprobs)
 from lsreplay.tree import Node, RolloutTree
 
 
@@ -82,6 +83,6 @@ def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16)
         chunk = rollouts[i : i + batch]
         hidden, _ = forward_segments(model, [tree.prompt_ids + c for _, c in chunk], 0, None)
         for row, (j, completion) in enumerate(chunk):
-            at = range(tree.prompt_len - 1, tree.prompt_len - 1 + len(completion))
-            acts.entry_logprobs[tree.entry_index[j]] = target_logprobs(model, hidden[row], list(at), completion).double().cpu()
+            lp = rollout_logprobs(model, hidden[row], tree.prompt_len, completion)
+            acts.entry_logprobs[tree.entry_index[j]] = lp.double().cpu()
     return acts

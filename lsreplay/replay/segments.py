@@ -76,3 +76,9 @@ def target_logprobs(model: PreTrainedModel, hidden: torch.Tensor, positions, tar
     # bf16/fp16 logits lose too much in log_softmax; float64 stays float64.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def rollout_logprobs(model: PreTrainedModel, hidden: torch.Tensor, prompt_len: int, completion: list[int]) -> torch.Tensor:
+    """log p of each completion token, from the hidden states (T, d) of one rollout's full
+    sequence (prompt, then completion)."""
+    return target_logprobs(model, hidden, list(range(prompt_len - 1, prompt_len - 1 + len(completion))), completion)
