@@ -51,8 +51,10 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     logger = get_run_logger()
     run = preflight(cfg, force)
     run.save_or_check_config(force=force)
+    cfg = run.cfg  # its thread count pinned: every stage computes with it
     ensure_pool(cfg.pool)
-    logger.info("run %s: %d steps, storage %s", cfg.run_dir, cfg.steps, run.store.uri)
+    logger.info("run %s: %d steps, storage %s, %d torch threads", cfg.run_dir, cfg.steps, run.store.uri,
+                cfg.threads)
     tasks = configured()
     with task_runner(cfg) as runner:
         return _run_steps(run, tasks, runner, cfg)

@@ -162,6 +162,11 @@ class Config:
     run_dir: str = "runs/default"
     seed: int = 0
     steps: int = 3
+    # Torch threads every stage computes with. On some processors float32 matmul results
+    # depend on the thread count, so a run fixes it: 0 = this process's count when the run
+    # starts, recorded with the run; a resume computes with the recorded count wherever it
+    # runs, unless given another.
+    threads: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -175,7 +180,7 @@ class Config:
 
 SECRET_KEYS = ("storage.key", "storage.secret")
 # Keys that do not change what a run computes: allowed to differ on resume.
-NON_RESULT_KEYS = ("run_dir", "steps", "storage", "pool")
+NON_RESULT_KEYS = ("run_dir", "steps", "threads", "storage", "pool")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -227,6 +232,8 @@ def _check(ok: bool, key: str, allowed: str, value) -> None:
 def validate(cfg: Config) -> None:
     """Value checks the types cannot express."""
     _check(cfg.steps >= 1, "steps", "must be >= 1", cfg.steps)
+    _check(cfg.threads >= 0, "threads", "must be >= 0 (0 = this machine's count, recorded with the run)",
+           cfg.threads)
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"one of {', '.join(DTYPES)}", cfg.model.dtype)
     _check(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1", cfg.data.prompts_per_step)
     _check(cfg.data.size >= cfg.data.prompts_per_step or bool(cfg.data.path), "data.size",

@@ -18,6 +18,7 @@ Layout of a run's store (the run directory by default):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -119,6 +120,17 @@ class Run:
                 "or pass --force to continue with the new values")
         return True
 
+    def with_pinned_threads(self) -> Run:
+        """This run with `threads` fixed: as configured, else as recorded when the run
+        started, else this process's torch thread count now (recorded by
+        save_or_check_config). Every stage then computes with that count (`begin`)."""
+        threads = self.cfg.threads
+        if threads == 0 and self.store.exists("config.json"):
+            threads = self.store.read_json("config.json")["config"].get("threads", 0)
+        if threads == 0:
+            threads = torch.get_num_threads()
+        return Run(dataclasses.replace(self.cfg, threads=threads), self.store)
+
     def save_or_check_config(self, force: bool = False) -> None:
         """First run: write config.yaml. Resume: refuse a config that changes results."""
         self.check_config(force)
@@ -194,6 +206,8 @@ class Run:
             "step": step, "stage": stage, "started": now.isoformat(), "pid": os.getpid(),
             "host": socket.gethostname()})
         self._started = now.timestamp()
+        if self.cfg.threads:  # per thread: torch keeps each thread's OpenMP count
+            torch.set_num_threads(self.cfg.threads)
         faults.hook(stage, step, "start")
 
     def executions(self) -> dict[tuple[int, str], int]:
@@ -234,7 +248,8 @@ class Run:
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
     run, the model folder and the prompt file are there. Raises ConfigError, StorageError,
-    ModelError or DatasetError with a message that says what to do."""
+    ModelError or DatasetError with a message that says what to do. Returns the run with
+    its thread count pinned (`Run.with_pinned_threads`)."""
     from lsreplay.data import PromptSet
     from lsreplay.models import resolve_model_dir
 
@@ -243,7 +258,7 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     resolve_model_dir(cfg.model)
     if cfg.data.path:
         PromptSet.from_file(cfg.data.path)
-    return run
+    return run.with_pinned_threads()
 
 
 def open_run_config(uri: str, overrides: list[str] = ()) -> Config:

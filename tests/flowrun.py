@@ -105,14 +105,16 @@ def step0_copy(reference: Reference, dest: Path) -> Path:
     return dest
 
 
-def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: float = 400) -> list[dict]:
+def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: float = 400,
+                   threads: int | None = None) -> list[dict]:
     """Several `lsreplay ARGS` commands, each in its own process with LSREPLAY_FAULTS set as
-    given, one after another (tests/forkrun.py: the imports are paid once). Returns each
-    command's {"returncode" (-9 when SIGKILLed), "log" (its output)}."""
+    given, one after another (tests/forkrun.py: the imports are paid once), each starting
+    with `threads` torch threads (default: the machine's). Returns each command's
+    {"returncode" (-9 when SIGKILLed), "log" (its output)}."""
     from prefect.settings import PREFECT_API_URL
 
-    spec = [{"args": args, "env": {"LSREPLAY_FAULTS": faults}, "log": str(log_dir / f"command-{i}.log")}
-            for i, (args, faults) in enumerate(jobs)]
+    spec = [{"args": args, "env": {"LSREPLAY_FAULTS": faults}, "log": str(log_dir / f"command-{i}.log"),
+             **({"threads": threads} if threads else {})} for i, (args, faults) in enumerate(jobs)]
     (log_dir / "jobs.json").write_text(json.dumps(spec))
     env = {**os.environ, **FAST_RETRIES, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, str(REPO / "tests/forkrun.py"), str(log_dir / "jobs.json")], cwd=REPO,

@@ -6,8 +6,10 @@ by a signal (an injected SIGKILL).
 
     python tests/forkrun.py JOBS.json  ->  prints a JSON list of {"returncode", "log"}
 
-JOBS.json is a list of {"args": [...], "env": {...}, "log": "path for the child's output"}.
-Nothing in this parent touches torch, Prefect's client or threads before forking.
+JOBS.json is a list of {"args": [...], "env": {...}, "log": "path for the child's output",
+"threads": N}. Nothing in this parent touches torch, Prefect's client or threads before
+forking. A child starts with N torch threads (the parent's default if absent), as a
+process on a machine with N cores would.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def main(jobs_file: str) -> None:
                 fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
+                if "threads" in job:
+                    import torch
+
+                    torch.set_num_threads(job["threads"])
                 try:
                     code = cli.main(job["args"])
                 except SystemExit as e:

@@ -28,14 +28,20 @@ def test_killed_in_each_stage_then_resumed_is_bit_identical(prefect_server, tiny
                                                             tmp_path):
     """One chain: step 1 is killed (SIGKILL) in the middle of prompts, then, resumed, in the
     middle of trees, ..., then of drafter; the last resume finishes. Each stage of step 1
-    runs exactly twice, and the weights equal the uninterrupted reference run's."""
+    runs exactly twice, and the weights equal the uninterrupted reference run's.
+
+    The reference computed in this process, with the one torch thread the test session
+    uses, and recorded it; every resuming process starts with two threads, as on a
+    machine with more cores, and still computes with the recorded one."""
     ref = reference_run(tmp_path_factory, tiny_model_dir)
+    assert json.loads((ref.run_dir / "config.json").read_text())["config"]["threads"] == 1
     run_dir = step0_copy(ref, tmp_path / "run")  # step 0 as the reference left it, a one-step run
     jobs = [(["resume", str(run_dir), unique_pool(), *(["--steps", "2"] if i == 0 else [])], f"{stage}@1:kill")
             for i, stage in enumerate(STAGES)]
-    for stage, result in zip(STAGES, lsreplay_chain(jobs, tmp_path)):
+    for stage, result in zip(STAGES, lsreplay_chain(jobs, tmp_path, threads=2)):
         assert result["returncode"] == -9, f"not killed in {stage}:\n{result['log'][-3000:]}"
         assert f"injected kill in the middle of stage {stage} of step 1" in result["log"]
+        assert "1 torch threads" in result["log"]
     assert [s for s in STAGES if done(run_dir, 1, s)] == list(STAGES[:-1])
     assert (run_dir / "checkpoints/drafter/step_0001/model.safetensors").is_file()  # outputs, no marker
     assert cli.main(["resume", str(run_dir), unique_pool()]) == 0

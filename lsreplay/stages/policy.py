@@ -140,7 +140,7 @@ def _data_parallel_update(run: Run, step: int, weights, loss: float, world: int,
     if len(devices) < world:
         raise ValueError(f"pool.devices_per_step = {world} ranks but the stage holds {len(devices)} devices")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    threads = max(1, torch.get_num_threads() // world)
+    threads = max(1, (run.cfg.threads or torch.get_num_threads()) // world)
     outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, devices[:world]),
                   backend=backend, threads=threads)
     out = outs[0]
