@@ -24,9 +24,12 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from flows import artifacts
+from lsreplay import checkpointing
 from lsreplay.config import Config, ConfigError, load_config
 from lsreplay.metrics import step_record
+from lsreplay.resident import RESIDENT, StateLost
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
+from lsreplay.stages.prefixes import release_prefixes
 from tasks.pool import ensure_pool
 from tasks.stages import configured
 
@@ -55,9 +58,14 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     ensure_pool(cfg.pool)
     logger.info("run %s: %d steps, storage %s, %d torch threads", cfg.run_dir, cfg.steps, run.store.uri,
                 cfg.threads)
+    checkpointing.rewind(run)  # this process holds nothing yet
     tasks = configured()
-    with task_runner(cfg) as runner:
-        return _run_steps(run, tasks, runner, cfg)
+    try:
+        with task_runner(cfg) as runner:
+            return _run_steps(run, tasks, runner, cfg)
+    finally:
+        checkpointing.WRITER.wait()
+        RESIDENT.release(run)
 
 
 def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
@@ -70,14 +78,15 @@ def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
         try:
             manifests = _step(run, tasks, cfg, step, runner)
         except InputCorrupt as e:
-            recomputes[e.step, e.stage] += 1
-            if recomputes[e.step, e.stage] > MAX_RECOMPUTES:
-                logger.error("stage %s of step %d failed: its output is damaged again after %d recomputes",
-                             e.stage, e.step, MAX_RECOMPUTES)
-                raise StageFailed(e.stage, e.step, f"its output keeps coming out unusable: {e}") from e
+            _count(recomputes, (e.step, e.stage), e)
             logger.warning("%s", e)
             run.invalidate(e.step, e.stage)
             step = min(step, e.step)
+            continue
+        except StateLost as e:  # an update held in memory only is gone (or its checkpoint damaged)
+            _count(recomputes, (e.step, "policy"), e)
+            logger.warning("%s", e)
+            step = min(step, checkpointing.rewind(run))
             continue
         record = step_record(step, manifests)
         run.append_metrics(record)
@@ -86,8 +95,19 @@ def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
         artifacts.metrics_table(run)
         step += 1
         progress(step / cfg.steps)
+    checkpointing.WRITER.wait()
     artifacts.summary(run)
     return run.metrics()
+
+
+def _count(recomputes: Counter, where: tuple[int, str], error: Exception) -> None:
+    """Count a recompute of (step, stage); the run stops if the same one keeps failing."""
+    recomputes[where] += 1
+    if recomputes[where] > MAX_RECOMPUTES:
+        step, stage = where
+        get_run_logger().error("stage %s of step %d failed: its input is unusable again after %d recomputes",
+                               stage, step, MAX_RECOMPUTES)
+        raise StageFailed(stage, step, f"its input keeps coming out unusable: {error}") from error
 
 
 # Stages that hold accelerator pool slots (tasks.stages._on_pool), and so Ray GPUs.
@@ -130,7 +150,7 @@ def _result(future, stage: str, step: int) -> dict:
     """A stage's manifest; a failure becomes StageFailed naming the stage and step."""
     try:
         return future.result()
-    except InputCorrupt:
+    except (InputCorrupt, StateLost):
         raise
     except Exception as e:
         get_run_logger().error("stage %s of step %d failed: %s: %s", stage, step, type(e).__name__, e)
@@ -146,8 +166,11 @@ def _step(run, tasks: dict, cfg: Config, step: int, runner=None) -> dict[str, di
     manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step, runner)}
     manifests["prefixes"] = stage("prefixes")
     manifests["policy"] = stage("policy")
+    release_prefixes(run, step, "prefix_kv")  # replay read them; nothing else will
     if cfg.drafter.enabled and step == cfg.steps - 1:
         manifests["drafter"] = stage("drafter")
+    if not cfg.drafter.enabled or step == cfg.steps - 1:
+        release_prefixes(run, step, "activations")
     return manifests
 
 
@@ -171,6 +194,7 @@ def _rollouts(run, tasks: dict, cfg: Config, step: int, runner) -> dict:
     if drafter is not None:
         previous = {name: run.done(step - 1, name) for name in STAGES if name != "drafter"}
         previous["drafter"] = _result(drafter, "drafter", step - 1)
+        release_prefixes(run, step - 1, "activations")  # the drafter's hidden states
         if None not in previous.values():
             run.append_metrics(step_record(step - 1, previous))
     return trees

@@ -34,18 +34,29 @@ def save_module(
 ) -> dict:
     """Save parameters and persistent buffers; a tied weight is written once, under the name
     named_parameters() gives it."""
+    return save_weights(store, prefix, _module_tensors(module), meta)
+
+
+def save_weights(store: Store, prefix: str, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> dict:
+    """Save named weights (a module's, or an optimizer's float32 masters under the module's
+    names) as the model file that `load_module` reads."""
     files = {
-        MODEL_FILE: store.write_tensors(f"{prefix}/{MODEL_FILE}", _module_tensors(module)),
+        MODEL_FILE: store.write_tensors(f"{prefix}/{MODEL_FILE}", tensors),
         META_FILE: store.write_json(f"{prefix}/{META_FILE}", meta or {}),
     }
     return {"prefix": prefix, "files": files}
+
+
+def load_weights(store: Store, prefix: str, manifest: dict | None = None) -> dict[str, torch.Tensor]:
+    """The named weights of a checkpoint, as saved (verified against `manifest` if given)."""
+    return _read(store, prefix, MODEL_FILE, manifest, store.read_tensors)
 
 
 def load_module(
     store: Store, prefix: str, module: torch.nn.Module, manifest: dict | None = None
 ) -> None:
     key = f"{prefix}/{MODEL_FILE}"
-    tensors = _read(store, prefix, MODEL_FILE, manifest, store.read_tensors)
+    tensors = load_weights(store, prefix, manifest)
     # Checked before loading, so a checkpoint that does not fit leaves the module untouched.
     problems = _mismatches(module.state_dict(), tensors)
     if problems:
@@ -57,10 +68,12 @@ def load_module(
     log.info("loaded %d tensors from %s", len(tensors), store.url(key))
 
 
-def save_optimizer(store: Store, prefix: str, optimizer: torch.optim.Optimizer) -> dict:
+def save_optimizer(store: Store, prefix: str, optimizer: torch.optim.Optimizer | dict) -> dict:
     """Tensors go to optimizer.safetensors as "state.{param_index}.{name}" (or
-    "param_groups.{group_index}.{name}"); every other value, with its place, to optimizer.json."""
-    state = optimizer.state_dict()
+    "param_groups.{group_index}.{name}"); every other value, with its place, to optimizer.json.
+    `optimizer`: a live optimizer, or a state_dict() of one taken earlier (a snapshot)."""
+    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+    name = "optimizer state" if isinstance(optimizer, dict) else type(optimizer).__name__
     tensors: dict[str, torch.Tensor] = {}
     plain_state = {
         str(index): _split(values, f"state.{index}", tensors)
@@ -74,7 +87,7 @@ def save_optimizer(store: Store, prefix: str, optimizer: torch.optim.Optimizer) 
         json_entry = store.write_json(json_key, {"state": plain_state, "param_groups": groups})
     except TypeError as e:
         raise CheckpointError(
-            f"optimizer {type(optimizer).__name__} holds a value JSON cannot store ({e}), "
+            f"{name} holds a value JSON cannot store ({e}), "
             f"so {store.url(json_key)} was not written; make that state a tensor or a plain value"
         ) from e
     files = {

@@ -18,6 +18,7 @@ from lsreplay.algos.grpo import LOSS_AGGS
 from lsreplay.algos.kl import KL_ESTIMATORS
 
 DTYPES = ("float32", "float64", "bfloat16")
+ACCELERATORS = ("cpu", "cuda")
 SMOLLM2 = "smollm2-135m-instruct"
 
 
@@ -131,6 +132,26 @@ class DrafterConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Steps between policy checkpoints (float32 master weights, AdamW state, RNG state);
+    # the last step is always saved. Between checkpoints the state lives in memory only:
+    # a resume restarts from the newest complete checkpoint and recomputes the steps after it.
+    every: int = 1
+    # Complete policy checkpoints kept, newest first; older ones are deleted. 0 = keep all.
+    keep_last: int = 2
+    # Write each checkpoint on a background thread while the next step runs (false: the
+    # policy stage waits for it).
+    background: bool = True
+    # Keep each step's prefix K/V and hidden states after the step is committed (they are
+    # deleted once no later stage of the run reads them).
+    keep_step_data: bool = False
+    # Hold the policy, reference and trainable state in memory between stages and steps
+    # (false: every stage loads what it needs from the newest checkpoint, as a process that
+    # keeps nothing must; needs every=1).
+    resident: bool = True
+
+
+@dataclass
 class StorageConfig:
     # Where a run writes everything: empty = `run_dir` on local disk; or s3://bucket/prefix.
     uri: str = ""
@@ -145,6 +166,9 @@ class PoolConfig:
     # Prefect global concurrency limit standing for the accelerator pool.
     name: str = "cpu"
     slots: int = 1
+    # What a slot's device index names: "cpu" (every slot computes on the CPU) or "cuda"
+    # (slot i is cuda:i; a machine without that GPU is an error before any work).
+    accelerator: str = "cpu"
     # Memory per device in GiB for `lsreplay plan` (0 = unknown: no fit verdict).
     device_memory_gb: float = 0.0
     # Data-parallel ranks of the policy update (whole trees per rank).
@@ -174,13 +198,14 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
 
 
 SECRET_KEYS = ("storage.key", "storage.secret")
 # Keys that do not change what a run computes: allowed to differ on resume.
-NON_RESULT_KEYS = ("run_dir", "steps", "threads", "storage", "pool")
+NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -267,8 +292,15 @@ def validate(cfg: Config) -> None:
     _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
     _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
+    c = cfg.checkpoint
+    _check(c.every >= 1, "checkpoint.every", "must be >= 1", c.every)
+    _check(c.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 = keep all)", c.keep_last)
+    _check(c.resident or c.every == 1, "checkpoint.resident",
+           "true unless checkpoint.every = 1 (a stage that keeps nothing loads the previous step's checkpoint)",
+           c.resident)
     _check(cfg.pool.slots >= 1, "pool.slots", "must be >= 1", cfg.pool.slots)
     _check(cfg.pool.task_runner in ("thread", "ray"), "pool.task_runner", "thread or ray", cfg.pool.task_runner)
+    _check(cfg.pool.accelerator in ACCELERATORS, "pool.accelerator", " or ".join(ACCELERATORS), cfg.pool.accelerator)
     _check(cfg.pool.ray_gpus >= 0, "pool.ray_gpus", "must be >= 0", cfg.pool.ray_gpus)
     _check(cfg.pool.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)",
            cfg.pool.device_memory_gb)

@@ -1,40 +1,88 @@
-"""Which accelerator indices a holder of pool slots owns: one lock file per device.
+"""Which devices a holder of pool slots owns, and the torch device each stands for.
 
 The Prefect pool (a global concurrency limit) bounds how many slots are held; it does
-not say which device a holder got. A holder therefore takes free per-device locks.
-fcntl locks die with their process, so a crashed task never strands a device.
+not say which device a holder got. A holder therefore takes free per-device locks: one
+lock file per device in a machine-wide folder, so that two runs on one machine (from any
+folder, on any pool name) never compute on the same GPU. A GPU's lock is named by its
+UUID, which CUDA_VISIBLE_DEVICES does not renumber. fcntl locks die with their process,
+so a crashed task never strands a device.
 """
 
 from __future__ import annotations
 
 import contextvars
 import fcntl
+import logging
 import os
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
+from lsreplay.config import ConfigError, PoolConfig
+
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+LOCK_DIR_ENV = "LSREPLAY_LOCK_DIR"
+# How often a holder looks again for a device another run holds.
+POLL_SECONDS = 1.0
 
 
-LOCK_DIR = ".cache/pool"
+def lock_dir() -> Path:
+    """Machine-wide (not per working directory); LSREPLAY_LOCK_DIR overrides it."""
+    return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "lsreplay-devices")
+
+
+def torch_device(pool: PoolConfig, index: int | None) -> torch.device:
+    """The device pool slot `index` computes on: cuda:<index> on a GPU pool, else the CPU."""
+    if pool.accelerator == "cuda" and index is not None:
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def check_accelerator(pool: PoolConfig) -> None:
+    """A GPU pool on a machine without enough visible GPUs is an error before any work."""
+    if pool.accelerator != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"pool.accelerator=cuda, but this process sees no CUDA device (torch {torch.__version__}, "
+                          f"CUDA build: {torch.version.cuda or 'no'}); run on a GPU machine, or use pool.accelerator=cpu")
+    if torch.cuda.device_count() < pool.slots:
+        raise ConfigError(f"pool.slots={pool.slots} GPUs wanted, but this process sees {torch.cuda.device_count()}; "
+                          "lower pool.slots or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+
+
+def _lock_name(pool: PoolConfig, index: int) -> str:
+    if pool.accelerator == "cuda":
+        return f"cuda-{torch.cuda.get_device_properties(index).uuid}"
+    return f"{pool.name}-{index}"
 
 
 @contextmanager
-def hold_devices(pool: str, slots: int, count: int, lock_dir: str | Path = LOCK_DIR):
-    """Yield `count` device indices in [0, slots), exclusively held until the block exits."""
+def hold_devices(pool: PoolConfig, count: int):
+    """Yield `count` device indices in [0, pool.slots), exclusively held until the block
+    exits. Waits (and says so once) while another run on this machine holds them."""
     held: list[tuple[int, int]] = []
+    waiting_since = None
     try:
-        for index in range(slots):
+        while True:
+            for index in range(pool.slots):
+                if len(held) < count and index not in {i for i, _ in held}:
+                    if (fd := _try_lock(_lock_name(pool, index))) is not None:
+                        held.append((index, fd))
             if len(held) == count:
                 break
-            if (fd := _try_lock(Path(lock_dir) / pool, index)) is not None:
-                held.append((index, fd))
-        if len(held) < count:
-            raise RuntimeError(f"pool {pool!r}: wanted {count} free devices of {slots}, found {len(held)}; "
-                               "another process holds device locks outside the pool's concurrency limit")
+            if waiting_since is None:
+                waiting_since = time.monotonic()
+                log.warning("pool %r: %d of %d devices free; waiting for devices another run on this machine holds",
+                            pool.name, len(held), count)
+            time.sleep(POLL_SECONDS)
         yield [index for index, _ in held]
     finally:
         for _, fd in held:
@@ -42,21 +90,26 @@ def hold_devices(pool: str, slots: int, count: int, lock_dir: str | Path = LOCK_
             os.close(fd)
 
 
-
-def any_held(pool: str, slots: int, lock_dir: str | Path = LOCK_DIR) -> bool:
-    """Whether a live process on this machine holds one of the pool's devices."""
+def any_held(pool: PoolConfig, slots: int) -> bool:
+    """Whether a live process on this machine holds one of the pool's first `slots` devices."""
+    if pool.accelerator == "cuda":
+        slots = min(slots, torch.cuda.device_count())
     for index in range(slots):
-        if (fd := _try_lock(Path(lock_dir) / pool, index)) is None:
+        if (fd := _try_lock(_lock_name(pool, index))) is None:
             return True
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
     return False
 
 
-def _try_lock(folder: Path, index: int) -> int | None:
-    """The open, exclusively locked lock file of device `index`, or None if another holds it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / f"{index}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+def _try_lock(name: str) -> int | None:
+    """The open, exclusively locked lock file `name`, or None if another process holds it."""
+    folder = lock_dir()
+    if not folder.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, 0o1777)  # every user of the machine locks devices here
+    # Read-only: another user's lock file can be locked too (flock needs no write access).
+    fd = os.open(folder / f"{name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd

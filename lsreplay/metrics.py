@@ -27,6 +27,12 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     }
     if "kl" in policy:
         record["kl"] = policy["kl"]
+    # Loading and saving state next to the compute: the stages' waits for models to load
+    # and for the checkpoint snapshot (its write runs in the background).
+    record["state_seconds"] = sum(manifests[s].get("state_seconds", 0.0) for s in ("trees", "prefixes", "policy"))
+    record["policy_state_seconds"] = policy.get("state_seconds", 0.0)
+    if policy.get("device_peak_bytes"):
+        record["device_peak_bytes"] = policy["device_peak_bytes"]
     for stage, manifest in manifests.items():
         if "seconds" in manifest:
             record[f"{stage}_seconds"] = manifest["seconds"]

@@ -91,28 +91,36 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     config._attn_implementation = cfg.attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
+        # Initialised in float32 whatever the dtype: every copy (masters, compute weights)
+        # rounds from the same values.
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-# transformers builds models under process-wide switches (weight init, tied weights), so two
-# threads loading at once (a rollout shard and the spot drafter, on the flow's thread pool)
-# can break each other's models: one load at a time.
-_LOADING = threading.Lock()
+# transformers builds models under process-wide switches: inside from_pretrained and a
+# model's construction it swaps torch.nn.init's functions (for no-ops, or guarded copies)
+# and puts them back on exit. Two threads doing that at once (a rollout shard loading the
+# policy while the spot drafter builds its layer) build modules without initialisation,
+# and can leave torch.nn.init swapped for the rest of the process: every later module is
+# built uninitialised. So every model or module construction here holds this lock.
+building_models = threading.RLock()
 
 
-def load_model(cfg: ModelConfig, trainable: bool = True) -> PreTrainedModel:
-    """The policy (trainable) or a frozen copy (reference), in the configured dtype."""
-    with _LOADING:
+def load_model(cfg: ModelConfig, trainable: bool = True, device: torch.device | str = "cpu",
+               dtype: str | None = None) -> PreTrainedModel:
+    """The base policy (trainable) or a frozen copy (reference) on `device`, in `dtype`
+    (default: the configured one; float32 for the masters of a bfloat16 policy)."""
+    dtype = getattr(torch, dtype or cfg.dtype)
+    with building_models:
         if cfg.arch:
             model = random_model(cfg)
         else:
             path = resolve_model_dir(cfg)
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=getattr(torch, cfg.dtype), local_files_only=True,
-                    attn_implementation=cfg.attn_implementation)
+                    path, dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation)
             except (OSError, ValueError) as e:
                 raise ModelError(f"could not load the model at {path}: {e}") from e
+    model.to(device=device, dtype=dtype)
     # Eval mode always: replay must differentiate exactly what the caching pass computed,
     # so no dropout, in training too.
     model.eval()

@@ -155,10 +155,9 @@ def gathered(model):
 
 
 # -- plain data parallel -----------------------------------------------------------------
-def all_reduce_grads(model, group=None, bucket_bytes: int = 256 * 2**20) -> None:
-    """Sum every parameter's .grad over ranks (missing grads count as zero), in flattened
+def all_reduce_grads(params: list[torch.Tensor], group=None, bucket_bytes: int = 256 * 2**20) -> None:
+    """Sum every tensor's .grad over ranks (missing grads count as zero), in flattened
     buckets of about `bucket_bytes` per dtype."""
-    params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -190,7 +189,8 @@ def all_reduce_grads(model, group=None, bucket_bytes: int = 256 * 2**20) -> None
 def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: int, world_size: int,
                            mode: str = "replay", fsdp: bool | None = None,
                            prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                           join_below: int = 0, group=None) -> BackwardStats:
+                           join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None
+                           ) -> BackwardStats:
     """This rank's share of the batch gradient, summed over ranks into `.grad`.
 
     `trees` and `weights` are the WHOLE batch (same on every rank; weights computed
@@ -198,6 +198,9 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     gradients are summed over ranks, so every rank ends with the single-process gradient
     (plain DP: the full gradient; FSDP: its shard). `prefix_kv(i, node)` is indexed by the
     batch's tree index. fsdp: None = whether `model` was passed through `shard_model`.
+
+    grad_params: where the gradients accumulate, plain DP (default: the model's trainable
+    parameters; a mixed-precision TrainState's float32 masters).
 
     Returns stats summed over ranks (objective, positions), the max peak and this
     rank's wall time (compute + communication)."""
@@ -223,7 +226,7 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     if fsdp:
         _fsdp_reduce(model)
     else:
-        all_reduce_grads(model, group)
+        all_reduce_grads(grad_params or [p for p in model.parameters() if p.requires_grad], group)
     device = next(model.parameters()).device
     sums = torch.tensor([stats.objective, stats.positions, stats.per_rollout_positions], dtype=torch.float64,
                         device=device)
@@ -275,8 +278,6 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, a
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if threads:
         torch.set_num_threads(threads)
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         out = fn(rank, world_size, *args)
@@ -293,7 +294,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None 
     process group (127.0.0.1, a free port; gloo on CPU, NCCL on GPU). `fn` must be
     importable (module level); its return value travels back through torch.save, so
     keep it small (tensors, dicts, numbers). Returns the values by rank; a rank's
-    exception is raised here. threads: torch threads per rank."""
+    exception is raised here. threads: torch threads per rank. With NCCL, `fn` sets its
+    rank's device (torch.cuda.set_device) before its first collective."""
     import queue
 
     import torch.multiprocessing as mp

@@ -38,6 +38,7 @@ from lsreplay import config as config_mod
 from lsreplay import faults
 from lsreplay.checkpoint import CheckpointError
 from lsreplay.config import Config, ConfigError
+from lsreplay.devices import check_accelerator, torch_device
 from lsreplay.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)
@@ -103,8 +104,13 @@ class Run:
         text = json.dumps([self.cfg.seed, step, stage, *more])
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & (2**63 - 1)
 
-    def generator(self, step: int, stage: str, *more: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed(step, stage, *more))
+    def generator(self, step: int, stage: str, *more: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator on `device` seeded per (step, stage, ...): draws on that device use it."""
+        return torch.Generator(device=device).manual_seed(self.seed(step, stage, *more))
+
+    def device(self, devices: list[int] | None) -> torch.device:
+        """The device a stage holding pool slots `devices` computes on (its first)."""
+        return torch_device(self.cfg.pool, devices[0] if devices else None)
 
     # -- config on disk ---------------------------------------------------------------------
     def check_config(self, force: bool = False) -> bool:
@@ -255,6 +261,8 @@ def preflight(cfg: Config, force: bool = False) -> Run:
 
     run = Run(cfg)
     run.check_config(force)
+    if cfg.pool.task_runner == "thread":  # under Ray the devices are the workers', checked there
+        check_accelerator(cfg.pool)
     resolve_model_dir(cfg.model)
     if cfg.data.path:
         PromptSet.from_file(cfg.data.path)

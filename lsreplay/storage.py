@@ -321,7 +321,7 @@ def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"cannot store {name!r}: it is a {type(tensor).__name__}, not a tensor")
-        t = tensor.detach()
+        t = tensor.detach().cpu()  # a copy off an accelerator; the same tensor on the CPU
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen or not t.is_contiguous():
             t = t.clone(memory_format=torch.contiguous_format)

@@ -46,7 +46,7 @@ def free_stranded_slots(pool: PoolConfig) -> int:
     die with their process: no lock held means no live holder on this machine."""
     with get_client(sync_client=True) as client:
         held = client.read_global_concurrency_limit_by_name(pool.name).active_slots
-        if held == 0 or any_held(pool.name, max(pool.slots, held)):
+        if held == 0 or any_held(pool, max(pool.slots, held)):
             return 0
         client.update_global_concurrency_limit(pool.name, GlobalConcurrencyLimitUpdate(active_slots=0))
     log.warning("pool %r: %d slots were held with no live holder (a run killed with its temporary "
@@ -58,7 +58,7 @@ def free_stranded_slots(pool: PoolConfig) -> int:
 def pool_devices(pool: PoolConfig, count: int = 1):
     """Hold `count` pool slots and yield the device indices they stand for."""
     with _slots(pool.name, count):
-        with hold_devices(pool.name, pool.slots, count) as indices:
+        with hold_devices(pool, count) as indices:
             yield indices
 
 

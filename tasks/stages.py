@@ -14,15 +14,16 @@ from lsreplay.config import Config, ConfigError
 from lsreplay.data import DatasetError
 from lsreplay.faults import InjectedError
 from lsreplay.models import ModelError
+from lsreplay.resident import StateLost
 from lsreplay.run import InputCorrupt, Run
 from lsreplay.stages.policy import NonFiniteLoss
 from lsreplay.storage import CorruptEntry, MissingEntry
 from tasks.pool import pool_devices
 
-# Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt is
-# not retried either: the flow recomputes the stage whose output was damaged.)
+# Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt and
+# StateLost are not retried either: the flow recomputes what was damaged or lost.)
 PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss, InjectedError,
-             InputCorrupt, MissingEntry, CorruptEntry)
+             InputCorrupt, StateLost, MissingEntry, CorruptEntry)
 
 # Transient failures (storage errors the store's own retries did not absorb, a flaky node,
 # an injected fault) are retried this many times, after exponentially growing delays with
@@ -47,17 +48,13 @@ OPTIONS = dict(retries=RETRIES, retry_delay_seconds=retry_delays(), retry_jitter
                retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
-def _on_pool(stage, name: str, cfg: Config, step: int, count: int = 1, pass_devices: bool = False,
-             **kwargs) -> dict:
-    """Run the stage holding `count` pool slots (and their device indices, passed to the
-    stage as `devices=` if `pass_devices`)."""
+def _on_pool(stage, name: str, cfg: Config, step: int, count: int = 1, **kwargs) -> dict:
+    """Run the stage holding `count` pool slots, passing it their device indices as `devices=`."""
     run = Run(cfg)
     if done := run.done(step, name):  # finished earlier: no need to wait for a device
         return done
     with pool_devices(cfg.pool, count) as devices:
-        if pass_devices:
-            kwargs["devices"] = devices
-        return stage(run, step, **kwargs)
+        return stage(run, step, devices=devices, **kwargs)
 
 
 @task(name="sample-prompts", **OPTIONS)
@@ -70,7 +67,7 @@ def generate_tree_shard(cfg: Config, step: int, shard: int) -> dict:
     from flows.artifacts import Progress  # the UI side; lsreplay itself never imports Prefect
 
     return _on_pool(stages.generate_tree_shard, stages.shard_name(shard), cfg, step, shard=shard,
-                    pass_devices=True, progress=Progress(f"step {step}: rollout tokens sampled (shard {shard})"))
+                    progress=Progress(f"step {step}: rollout tokens sampled (shard {shard})"))
 
 
 @task(name="collect-trees", **OPTIONS)
@@ -86,13 +83,13 @@ def cache_prefixes(cfg: Config, step: int) -> dict:
 @task(name="train-policy", **OPTIONS)
 def train_policy(cfg: Config, step: int) -> dict:
     # One slot (device) per data-parallel rank of the backward.
-    return _on_pool(stages.train_policy, "policy", cfg, step, count=cfg.pool.devices_per_step, pass_devices=True)
+    return _on_pool(stages.train_policy, "policy", cfg, step, count=cfg.pool.devices_per_step)
 
 
 @task(name="distill-drafter", **OPTIONS)
 def distill_drafter(cfg: Config, step: int) -> dict:
     # Submitted while the next step's rollout shards run: it waits for the slot one frees.
-    return _on_pool(stages.distill_drafter, "drafter", cfg, step, pass_devices=True)
+    return _on_pool(stages.distill_drafter, "drafter", cfg, step)
 
 
 # The tasks by stage name (lsreplay.run.STAGES); "trees" is its shards, then their collection.

@@ -32,6 +32,24 @@ def tiny_model(arch: str = "llama", vocab: int = 64, dtype=torch.float64, seed: 
     return model.to(dtype).eval()
 
 
+# torch.nn.init's functions as the process started. transformers swaps them while it builds
+# a model; two threads building at once can leave them swapped, and every module built
+# afterwards is uninitialised (lsreplay.models.building_models). That once made
+# test_drafter's distillation fail after the flow tests, far from the cause.
+_INIT_FUNCTIONS = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init) if name.endswith("_")
+                   and not name.startswith("_")}
+
+
+@pytest.fixture(autouse=True)
+def torch_init_intact(request):
+    """Fail the test after which torch.nn.init is no longer intact (and repair it)."""
+    yield
+    swapped = [n for n, f in _INIT_FUNCTIONS.items() if getattr(torch.nn.init, n) is not f]
+    for name in swapped:
+        setattr(torch.nn.init, name, _INIT_FUNCTIONS[name])
+    assert not swapped, f"{request.node.nodeid} left torch.nn.init.{swapped[0]} (and {len(swapped) - 1} more) swapped"
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     from prefect.testing.utilities import prefect_test_harness

@@ -127,11 +127,12 @@ def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: fl
 
 
 def digests(run_dir: Path, *folders: str) -> dict[str, str]:
-    """sha256 of every file under the folders, done markers and rollout decision logs (which
-    hold timings) excepted."""
+    """sha256 of every file under the folders, done markers, checkpoint records and rollout
+    decision logs (which hold timings) excepted."""
     out = {}
     for folder in folders:
         for p in sorted((run_dir / folder).rglob("*")):
-            if p.is_file() and not p.name.endswith(".done.json") and not p.name.startswith("decisions_"):
+            if p.is_file() and not p.name.endswith(".done.json") and not p.name.startswith("decisions_") \
+                    and p.name != "checkpoint.json":
                 out[str(p.relative_to(run_dir))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out

@@ -7,7 +7,7 @@ import shutil
 
 from safetensors.torch import load_file
 
-from lsreplay import stages
+from lsreplay import checkpointing, stages
 from lsreplay.config import load_config
 from lsreplay.run import Run
 
@@ -33,6 +33,7 @@ def test_replay_on_the_baselines_rollouts_ends_with_the_baselines_weights(tiny_m
         for run in (a, c):
             stages.cache_prefixes(run, step)
             stages.train_policy(run, step)
+    checkpointing.WRITER.wait()  # checkpoints are written in the background
     wa = load_file(str(tmp_path / "a" / a.checkpoint("policy", 1) / "model.safetensors"))
     wc = load_file(str(tmp_path / "c" / c.checkpoint("policy", 1) / "model.safetensors"))
     base = load_file(str(tiny_model_dir / "model.safetensors"))

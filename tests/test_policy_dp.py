@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lsreplay import stages
+from lsreplay import checkpointing, stages
 from lsreplay.config import load_config
 from lsreplay.run import Run
 
@@ -38,6 +38,7 @@ def policy_after_step0(step0_inputs, tiny_model_dir, dest, *more, devices=None):
     shutil.copytree(step0_inputs, dest)
     run = Run(config(dest, tiny_model_dir, *more))
     manifest = stages.train_policy(run, 0, devices=devices)
+    checkpointing.WRITER.wait()  # written in the background
     ckpt = dest / manifest["checkpoint"]
     return manifest, load_file(str(ckpt / "model.safetensors")), load_file(str(ckpt / "optimizer.safetensors"))
 

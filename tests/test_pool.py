@@ -102,7 +102,7 @@ def test_slots_stranded_by_a_killed_run_are_freed_only_with_no_live_holder(prefe
     with get_client(sync_client=True) as client:  # what a run killed mid-stage leaves behind
         client.increment_concurrency_slots([pool.name], slots=2, mode="concurrency")
     assert active_slots(pool.name) == 2
-    with hold_devices(pool.name, pool.slots, 1):  # a live holder: nothing is taken from it
+    with hold_devices(pool, 1):  # a live holder: nothing is taken from it
         assert free_stranded_slots(pool) == 0 and active_slots(pool.name) == 2
     assert free_stranded_slots(pool) == 2 and active_slots(pool.name) == 0
     assert free_stranded_slots(pool) == 0

@@ -69,19 +69,22 @@ def test_damaged_outputs_are_recomputed(prefect_server, tiny_model_dir, tmp_path
         data[-10] ^= 0xFF
         (run_dir / path).write_bytes(bytes(data))
     # A truncated file is caught by done() itself, before anything reads it.
-    kv = min((run_dir / "step_0000/prefix_kv").rglob("*.safetensors"))
-    kv.write_bytes(kv.read_bytes()[:-1])
+    shard = run_dir / "step_0000/trees/shard_00.json"
+    shard.write_bytes(shard.read_bytes()[:-1])
     cfg = load_config(None, tiny(run_dir, tiny_model_dir))
-    assert Run(cfg).done(0, "prefixes") is None
+    assert Run(cfg).done(0, "trees-shard0") is None
 
     train(resume=str(run_dir), overrides=[unique_pool()])
     assert digests(run_dir, "step_0000", *STEP1) == digests(ref.run_dir, "step_0000", *STEP1)
     assert digests(run_dir, "checkpoints") == digests(ref.run_dir, "checkpoints")
     ran = executions(run_dir)
-    # Step 0's prefixes (truncated K/V) run again; step 1's update finds trees.json damaged,
-    # so trees run again, which find step 0's checkpoint damaged, so step 0's update runs
-    # again; then step 1's trees, update and drafter. A try that hit damage counts too.
-    assert ran == {(0, "prefixes"): 1, (1, "policy"): 2, (1, "trees"): 2, (0, "policy"): 1, (1, "drafter"): 1}, ran
+    # Step 0's truncated shard runs again. Step 1's caching pass finds trees.json damaged,
+    # so its trees run again; they find step 0's checkpoint damaged, which then no longer
+    # counts as complete: the run restarts from the base model and step 0's caching pass and
+    # update run again; then step 1's trees, caching pass, update and drafter. A try that
+    # hit damage counts too.
+    assert ran == {(0, "trees"): 1, (1, "prefixes"): 2, (1, "trees"): 2, (0, "prefixes"): 1, (0, "policy"): 1,
+                   (1, "policy"): 1, (1, "drafter"): 1}, ran
 
 
 def test_result_changing_config_is_refused_on_resume(tiny_model_dir, tmp_path_factory, prefect_server, capsys):

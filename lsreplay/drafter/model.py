@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import transformers
 from transformers.masking_utils import create_causal_mask
 
+from lsreplay.models import building_models
+
 log = logging.getLogger(__name__)
 
 FORMAT = "eagle1"
@@ -90,9 +92,10 @@ class Drafter(torch.nn.Module):
         """A fresh drafter for a Llama- or Qwen2-style target, on the target's device and dtype."""
         base = target.base_model
         shared = _SharedHeads(target.get_input_embeddings(), target.get_output_embeddings())
-        drafter = cls(
-            _drafter_config(target.config), shared, type(base.layers[0]), type(base.rotary_emb)
-        )
+        with building_models:  # its layers' initialisation uses torch.nn.init (see models.py)
+            drafter = cls(
+                _drafter_config(target.config), shared, type(base.layers[0]), type(base.rotary_emb)
+            )
         weight = shared.embed.weight
         drafter.fc.to(device=weight.device, dtype=weight.dtype)
         drafter.layer.to(device=weight.device, dtype=weight.dtype)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from lsreplay.logits import float_logits
+
 # Per-layer keys and values of a run of positions: ([k_0, ..., k_L-1], [v_0, ..., v_L-1]),
 # each (1, kv_heads, positions, head_dim), post-rotary as HF caches them.
 PrefixKV = tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -72,9 +74,7 @@ def target_logprobs(model: PreTrainedModel, hidden: torch.Tensor, positions, tar
     device = hidden.device
     positions = torch.as_tensor(positions, dtype=torch.long, device=device)
     targets = torch.as_tensor(targets, dtype=torch.long, device=device)
-    logits = model.get_output_embeddings()(hidden[positions])
-    # bf16/fp16 logits lose too much in log_softmax; float64 stays float64.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = float_logits(model, hidden[positions])
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 

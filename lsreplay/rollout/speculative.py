@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from lsreplay.logits import float_logits
 from lsreplay.rollout.sampling import SamplingParams, _truncate
 
 log = logging.getLogger(__name__)
@@ -305,7 +306,7 @@ class Speculator:
             input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
         ).last_hidden_state
         self.stats.target_forwards += 1
-        return hidden, self.target.get_output_embeddings()(hidden)
+        return hidden, float_logits(self.target, hidden)
 
     def prefill(self, ids: torch.LongTensor, mask: torch.BoolTensor) -> torch.LongTensor:
         """Encode left-padded prompts (A, T) and pick each row's first token."""

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import time
+
+import torch
 from transformers import PreTrainedModel
 
-from lsreplay.checkpoint import load_module
-from lsreplay.models import load_model
+from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
 from lsreplay.tree import RolloutTree
 
 
-def policy_before(run: Run, step: int, trainable: bool = False) -> PreTrainedModel:
-    """The policy that acts in `step`: the base model, or the checkpoint of step - 1
-    (verified against the sha256 its stage recorded)."""
-    model = load_model(run.cfg.model, trainable=trainable)
-    if step > 0:
-        with run.reading(step - 1, "policy"):
-            manifest = run.checkpoint_manifest("policy", step - 1)
-            load_module(run.store, run.checkpoint("policy", step - 1), model, manifest)
-    return model
+def policy_before(run: Run, step: int, device: torch.device | str = "cpu") -> PreTrainedModel:
+    """The policy that acts in `step` (after updates 0 .. step - 1) on `device`: the copy
+    this process holds, else loaded (lsreplay.resident)."""
+    return RESIDENT.policy(run, step, torch.device(device))
+
+
+class StateClock:
+    """Seconds a stage spends getting and saving state rather than computing (`state_seconds`)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def __call__(self, get, *args):
+        start = time.perf_counter()
+        try:
+            return get(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
 def load_trees(run: Run, step: int) -> tuple[list[dict], list[RolloutTree]]:

@@ -28,7 +28,7 @@ from lsreplay.drafter.distill import distill, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
 from lsreplay.run import Run
-from lsreplay.stages.common import load_trees, policy_before
+from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
 from lsreplay.storage import CorruptEntry, MissingEntry
 
@@ -46,26 +46,30 @@ class _Trainer:
 
 
 def distill_drafter(run: Run, step: int, devices: list[int] | None = None) -> dict:
-    """`devices`: the pool slot held (recorded in the manifest). Without an accelerator the
-    slot is CPU time shared with the rollouts, so the trainer runs at idle priority."""
+    """`devices`: the pool slot held. On a CPU slot the time is shared with the rollouts,
+    so the trainer runs at idle priority.
+
+    The drafter drafts for, and shares the embedding and LM head of, the policy after
+    `step`: the one the rollouts it overlaps (step + 1's) use, held by this process."""
     if done := run.done(step, "drafter"):
         return done
-    if torch.cuda.is_available():
-        return _distill_drafter(run, step, devices)
-    return on_idle_cpu(lambda: _distill_drafter(run, step, devices))
+    device = run.device(devices)
+    if device.type != "cpu":
+        return _distill_drafter(run, step, devices, device)
+    return on_idle_cpu(lambda: _distill_drafter(run, step, devices, device))
 
 
-def _distill_drafter(run: Run, step: int, devices: list[int] | None) -> dict:
+def _distill_drafter(run: Run, step: int, devices: list[int] | None, device: torch.device) -> dict:
     run.begin(step, "drafter")
     rollouts_ended = _rollouts_ended(run, step)
     if rollouts_ended() and not run.store.exists(f"{run.checkpoint('drafter', step)}/{SPOT_STATE}"):
         return _untrained(run, step, devices, "rollouts ended before it started", 0.0)
-    start = time.perf_counter()
+    start, clock = time.perf_counter(), StateClock()
     prefixes = run.manifest(step, "prefixes")
     _, trees = load_trees(run, step)
     sequences = [seq for i, tree in enumerate(trees)
                  for seq in load_activations(run, step, i, prefixes).path_sequences(tree)]
-    trainer = _start_or_resume(run, step, policy_before(run, step))
+    trainer = _start_or_resume(run, step, clock(policy_before, run, step + 1, device))
     resumed_at = trainer.steps_done
     stats, files, stopped_by = _train(run, step, trainer, sequences, rollouts_ended)
     if trainer.steps_done == 0:
@@ -78,9 +82,9 @@ def _distill_drafter(run: Run, step: int, devices: list[int] | None) -> dict:
     return run.finish(step, "drafter", {
         "files": [*files, *exported.values()], "checkpoint": run.checkpoint("drafter", step),
         "sequences": len(sequences), "steps_done": trainer.steps_done, "resumed_at": resumed_at,
-        "stopped_by": stopped_by, "devices": devices,
+        "stopped_by": stopped_by, "devices": devices, "device": str(device),
         **{f"drafter_{k}": v for k, v in dataclasses.asdict(stats).items() if k != "steps"},
-        "seconds": time.perf_counter() - start})
+        "seconds": time.perf_counter() - start, "state_seconds": clock.seconds})
 
 
 def _train(run: Run, step: int, trainer: _Trainer, sequences, rollouts_ended) -> tuple:

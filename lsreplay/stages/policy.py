@@ -12,21 +12,17 @@ from lsreplay import faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, with_kl
-from lsreplay.checkpoint import load_optimizer, save_module, save_optimizer, save_rng
-from lsreplay.models import load_model
+from lsreplay import checkpointing
 from lsreplay.replay import naive_backward, replay_backward
+from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
-from lsreplay.stages.common import load_trees, policy_before
+from lsreplay.stages.common import StateClock, load_trees
 from lsreplay.stages.prefixes import StoredPrefixKV, load_activations
+from lsreplay.train_state import TrainState, master_dtype
 
 
 class NonFiniteLoss(FloatingPointError):
     """A step whose loss or gradient is NaN/inf; it is never checkpointed."""
-
-
-def make_optimizer(run: Run, model) -> torch.optim.Optimizer:
-    o = run.cfg.optim
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
 
 
 def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
@@ -47,8 +43,9 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
 
 def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
     """`devices`: the pool's device indices this stage holds (one per data-parallel rank,
-    `pool.devices_per_step` of them). With more than one rank the backward runs on
-    `lsreplay.parallel.launch`ed processes (gloo on CPU; rank r on cuda:devices[r])."""
+    `pool.devices_per_step` of them). One rank updates the policy this process holds for
+    that device in place (lsreplay.resident); several run on `lsreplay.parallel.launch`ed
+    processes (gloo on CPU; rank r on the r-th device held) over state shared with this one."""
     if done := run.done(step, "policy"):
         return done
     run.begin(step, "policy")
@@ -56,50 +53,57 @@ def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
     prefixes = run.manifest(step, "prefixes")
     loss, weights, extras = grpo_weights(run, step, records, trees, prefixes)
     loss = faults.loss("policy", step, loss)
-    world = run.cfg.pool.devices_per_step
     start = time.perf_counter()
-    if world > 1:
-        out = _data_parallel_update(run, step, weights, loss, world, devices)
+    if run.cfg.pool.devices_per_step > 1:
+        out = _data_parallel_update(run, step, weights, loss, devices)
     else:
-        model = policy_before(run, step, trainable=True)
-        optimizer = _optimizer_before(run, step, model)
-        if run.cfg.replay.mode == "replay":
-            stats = replay_backward(model, trees, weights, prefix_kv=StoredPrefixKV(run, prefixes),
-                                    budget_bytes=run.cfg.replay.budget_mb * 2**20 or None,
-                                    join_below=run.cfg.replay.join_below)
-        else:
-            stats = naive_backward(model, trees, weights)
-        out = _commit(run, step, model, optimizer, loss, stats)
+        out = _update(run, step, trees, weights, loss, prefixes, run.device(devices))
     return run.finish(step, "policy", {**out, "loss": loss, "seconds": time.perf_counter() - start, **extras})
 
 
-def _optimizer_before(run: Run, step: int, model) -> torch.optim.Optimizer:
-    optimizer = make_optimizer(run, model)
-    if step > 0:
-        with run.reading(step - 1, "policy"):
-            load_optimizer(run.store, run.checkpoint("policy", step - 1), optimizer,
-                           run.checkpoint_manifest("policy", step - 1))
-    return optimizer
+def _update(run: Run, step: int, trees, weights, loss: float, prefixes: dict, device: torch.device) -> dict:
+    """Backward, clip, AdamW step on the held state of `device`, checkpoint if due."""
+    clock = StateClock()
+    train = clock(RESIDENT.train_state, run, step, device)
+    train.zero_grad()
+    if run.cfg.replay.mode == "replay":
+        stats = replay_backward(train.model, trees, weights, prefix_kv=StoredPrefixKV(run, prefixes, device),
+                                budget_bytes=run.cfg.replay.budget_mb * 2**20 or None,
+                                join_below=run.cfg.replay.join_below)
+    else:
+        stats = naive_backward(train.model, trees, weights)
+    grad_norm = _commit_step(run, step, train, loss, lambda: RESIDENT.drop(run, device))
+    RESIDENT.updated(run, step, device)
+    saved = clock(checkpointing.save, run, step, train)
+    faults.hook("policy", step, "mid")  # updated in memory, the checkpoint maybe half written, no done marker
+    return {"checkpoint": saved["checkpoint"], "grad_norm": grad_norm, "device": str(device),
+            "state_seconds": clock.seconds, **_stats_fields(stats)}
 
 
 def _stats_fields(stats) -> dict:
     return {"objective": stats.objective, "positions": stats.positions,
             "per_rollout_positions": stats.per_rollout_positions, "positions_ratio": stats.positions_ratio,
-            "peak_activation_bytes": stats.peak_activation_bytes, "backward_seconds": stats.seconds}
+            "peak_activation_bytes": stats.peak_activation_bytes, "device_peak_bytes": stats.device_peak_bytes,
+            "backward_seconds": stats.seconds}
 
 
-def _clip_and_step(run: Run, step: int, model, optimizer, loss: float, sharded: bool = False) -> float:
-    """Clip, check, AdamW step, check; raises NonFiniteLoss (nothing is committed then).
+def _commit_step(run: Run, step: int, train: TrainState, loss: float, forget, sharded: bool = False) -> float:
+    """Clip, check, AdamW step, check; raises NonFiniteLoss, with nothing committed: a
+    non-finite gradient is caught before the step, and state the step made non-finite is
+    forgotten (`forget`), so the last good checkpoint is what the run resumes from.
     sharded: every rank holds a shard (FSDP), so the checks agree over ranks."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.cfg.optim.grad_clip)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    grad_norm = train.clip_grad_norm()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteLoss(f"step {step}: loss={loss} grad_norm={grad_norm}; the step was not committed "
                             "(the last good checkpoint is kept). Lower optim.lr or check the rewards.")
-    optimizer.step()
-    bad = [n for n, p in model.named_parameters()
-           if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
-    if (_any_rank(bool(bad)) if sharded else bad):
+    try:
+        train.step()
+    except BaseException:
+        forget()
+        raise
+    bad = train.nonfinite()
+    if _any_rank(bool(bad)) if sharded else bad:
+        forget()
         raise NonFiniteLoss(f"step {step}: the optimizer step made {len(bad)} parameters non-finite "
                             f"({bad[0] if bad else 'on another rank'}, ...); the step was not committed "
                             "(the last good checkpoint is kept). Lower optim.lr.")
@@ -118,95 +122,118 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _commit(run: Run, step: int, model, optimizer, loss: float, stats) -> dict:
-    grad_norm = _clip_and_step(run, step, model, optimizer, loss)
-    return {**_save(run, step, model, optimizer), "grad_norm": grad_norm, **_stats_fields(stats)}
-
-
-def _save(run: Run, step: int, model, optimizer) -> dict:
-    prefix = run.checkpoint("policy", step)
-    ckpt = [save_module(run.store, prefix, model, {"step": step})]
-    faults.hook("policy", step, "mid")  # a kill here leaves a partial checkpoint without a done marker
-    ckpt += [save_optimizer(run.store, prefix, optimizer),
-             save_rng(run.store, prefix, {"rollout": run.generator(step + 1, "trees")})]
-    return {"files": [e for c in ckpt for e in c["files"].values()], "checkpoint": prefix}
-
-
 # -- data parallel -----------------------------------------------------------------------
-def _data_parallel_update(run: Run, step: int, weights, loss: float, world: int, devices) -> dict:
+# The ranks are processes of their own (lsreplay.parallel.launch) started for the update;
+# the state they update is this process's, put in shared memory (TrainState.shared): each
+# rank reads the masters and AdamW moments from there and writes back what it updated,
+# plain DP rank 0 all of it, FSDP every rank its own rows. Nothing is gathered and nothing
+# goes through the store; this process then checkpoints on its schedule. The state of the
+# group lives in host memory, under the CPU in lsreplay.resident.
+def _data_parallel_update(run: Run, step: int, weights, loss: float, devices) -> dict:
     from lsreplay.parallel import launch
 
+    world = run.cfg.pool.devices_per_step
     devices = list(devices) if devices is not None else list(range(world))
     if len(devices) < world:
         raise ValueError(f"pool.devices_per_step = {world} ranks but the stage holds {len(devices)} devices")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    threads = max(1, (run.cfg.threads or torch.get_num_threads()) // world)
-    outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, devices[:world]),
-                  backend=backend, threads=threads)
-    out = outs[0]
-    if "nonfinite" in out:
-        raise NonFiniteLoss(out["nonfinite"])
-    return out
+    clock, host = StateClock(), torch.device("cpu")
+    train = clock(RESIDENT.train_state, run, step, host)
+    shared = clock(train.shared)
+    backend = "nccl" if run.cfg.pool.accelerator == "cuda" else "gloo"
+    outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, devices[:world], shared),
+                  backend=backend, threads=max(1, run.cfg.threads // world))
+    if "nonfinite" in outs[0]:  # no rank wrote anything back
+        raise NonFiniteLoss(outs[0]["nonfinite"])
+    train.follow_masters()
+    RESIDENT.updated(run, step, host)
+    saved = clock(checkpointing.save, run, step, train)
+    faults.hook("policy", step, "mid")
+    return {**outs[0], "checkpoint": saved["checkpoint"], "state_seconds": clock.seconds}
 
 
-def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, devices: list[int]) -> dict | None:
+def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, devices: list[int],
+                 shared: dict) -> dict | None:
     """One data-parallel rank: its share of the trees' backward, gradients summed over
-    ranks; then plain DP: rank 0 clips, steps and checkpoints; FSDP: every rank steps its
-    shard and rank 0 writes the gathered full state."""
+    ranks; then plain DP: rank 0 clips and steps; FSDP: every rank steps its shard."""
+    from lsreplay.devices import torch_device
+    from lsreplay.models import load_model
     from lsreplay.parallel import data_parallel_backward, shard_model
 
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(devices[rank])
-        device = torch.device("cuda", devices[rank])
+    device = torch_device(cfg.pool, devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     run = Run(cfg)
     _, trees = load_trees(run, step)
     prefixes = run.manifest(step, "prefixes")
-    model = policy_before(run, step, trainable=True).to(device)
     fsdp = bool(cfg.replay.fsdp)
+    # FSDP keeps float32 shards as masters and computes in model.dtype (its mixed-precision
+    # policy); plain DP computes in model.dtype with float32 masters (TrainState).
+    masters = master_dtype(cfg.model.dtype)
+    model = load_model(cfg.model, device=device, dtype=masters if fsdp else None)
     if fsdp:
-        shard_model(model)
-    weights = [[w.to(device) for w in tree] for tree in weights]
+        model.load_state_dict(shared["masters"], strict=False)
+        mixed = masters != cfg.model.dtype
+        shard_model(model, param_dtype=getattr(torch, cfg.model.dtype) if mixed else None,
+                    reduce_dtype=getattr(torch, masters) if mixed else None)
+    train = TrainState(model, cfg.optim)
+    if not fsdp:
+        train.load_masters(shared["masters"])
     stats = data_parallel_backward(model, trees, weights, rank, world, mode=cfg.replay.mode, fsdp=fsdp,
-                                   prefix_kv=StoredPrefixKV(run, prefixes),
+                                   prefix_kv=StoredPrefixKV(run, prefixes, device),
                                    budget_bytes=cfg.replay.budget_mb * 2**20 or None,
-                                   join_below=cfg.replay.join_below)
+                                   join_below=cfg.replay.join_below, grad_params=train.masters)
     try:
         if fsdp:
-            return _fsdp_commit(run, step, model, loss, stats, rank)
-        if rank != 0:
-            return None
-        return _commit(run, step, model.cpu(), _optimizer_before(run, step, model), loss, stats)
+            _load_moments(train, shared, rank, world)
+            grad_norm = _commit_step(run, step, train, loss, lambda: None, sharded=True)
+            _write_back(train, shared, rank, world)
+        elif rank == 0:
+            _load_moments(train, shared, rank, world)
+            grad_norm = _commit_step(run, step, train, loss, lambda: None)
+            _write_back(train, shared, rank, world)
     except NonFiniteLoss as e:  # travels back as a value: a rank's exception would lose its type
         return {"nonfinite": str(e)}
-
-
-def _fsdp_commit(run: Run, step: int, model, loss: float, stats, rank: int) -> dict | None:
-    from torch.distributed.tensor import distribute_tensor
-
-    from lsreplay.parallel import full_state
-
-    optimizer = make_optimizer(run, model)
-    if step > 0:  # the checkpoint holds full tensors: load them, then keep each rank's shard
-        with run.reading(step - 1, "policy"):
-            load_optimizer(run.store, run.checkpoint("policy", step - 1), optimizer,
-                           run.checkpoint_manifest("policy", step - 1))
-        for p in model.parameters():
-            for k, v in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and not hasattr(v, "to_local"):
-                    optimizer.state[p][k] = distribute_tensor(v.to(p.to_local().device), p.device_mesh,
-                                                              p.placements)
-    grad_norm = _clip_and_step(run, step, model, optimizer, loss, sharded=True)
-    # Gather the full weights and optimizer state (collectives: every rank), rank 0 writes them.
-    weights = full_state(model)
-    moments = [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                for k, v in optimizer.state.get(p, {}).items()} for p in model.parameters()]
     if rank != 0:
         return None
-    plain = load_model(run.cfg.model, trainable=True)
-    plain.load_state_dict(weights, strict=False)
-    plain_opt = make_optimizer(run, plain)
-    for p, state in zip(plain.parameters(), moments):
-        if state:
-            plain_opt.state[p] = state
-    return {**_save(run, step, plain, plain_opt), "grad_norm": grad_norm, **_stats_fields(stats)}
+    return {"grad_norm": grad_norm, "device": str(device), "ranks": world, **_stats_fields(stats)}
+
+
+def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The rows of `full` a rank's FSDP shard holds (FSDP2 shards dim 0 as torch.chunk does)."""
+    chunks = full.chunk(world, dim=0) if full.dim() else [full]
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _load_moments(train: TrainState, shared: dict, rank: int, world: int) -> None:
+    """AdamW moments from the shared state into this rank's optimizer (its rows, if sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    for master, moments in zip(train.masters, shared["optimizer"]):
+        state = train.optimizer.state[master]
+        for name, full in moments.items():
+            if name == "step" or not hasattr(master, "to_local"):
+                state[name] = full.to(_local(master).device, copy=True)
+            else:
+                local = _rows(full, rank, world).to(master.to_local().device, copy=True)
+                state[name] = DTensor.from_local(local, master.device_mesh, master.placements, run_check=False,
+                                                 shape=master.shape, stride=master.stride())
+
+
+def _write_back(train: TrainState, shared: dict, rank: int, world: int) -> None:
+    """This rank's updated masters and moments into the shared state: all of them, or its rows."""
+    with torch.no_grad():
+        for name, master, moments in zip(train.names, train.masters, shared["optimizer"]):
+            sharded = hasattr(master, "to_local")
+            target = _rows(shared["masters"][name], rank, world) if sharded else shared["masters"][name]
+            target.copy_(_local(master))
+            for key, full in moments.items():
+                value = _local(train.optimizer.state[master][key])
+                if key == "step" or not sharded:
+                    if rank == 0:
+                        full.copy_(value)
+                else:
+                    _rows(full, rank, world).copy_(value)

@@ -12,12 +12,12 @@ import torch
 from tqdm.auto import tqdm
 
 from lsreplay import faults
-from lsreplay.models import load_model
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.replay.view import read_kv_nodes, replay_view
+from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
-from lsreplay.stages.common import load_trees, policy_before
+from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.storage import StorageError
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,11 @@ HOST_KV: dict[str, PrefixKV] = {}
 
 
 class StoredPrefixKV:
-    """Prefix K/V read back from host memory or the store, verified; None (recompute) if
-    missing or corrupt."""
+    """Prefix K/V read back from this process's memory or the store, verified, on `device`;
+    None (recompute) if missing or corrupt."""
 
-    def __init__(self, run: Run, manifest: dict):
-        self.run, self.entries = run, manifest["prefix_kv"]
+    def __init__(self, run: Run, manifest: dict, device: torch.device | str = "cpu"):
+        self.run, self.entries, self.device = run, manifest["prefix_kv"], torch.device(device)
 
     def __call__(self, tree: int, node) -> PrefixKV | None:
         entry = self.entries[tree].get(str(node.id))
@@ -76,12 +76,14 @@ class StoredPrefixKV:
             log.warning("tree %d node %d: no cached prefix K/V in the manifest; recomputing it", tree, node.id)
             return None
         if entry["sha256"] in HOST_KV:
-            return HOST_KV.pop(entry["sha256"])
-        try:
-            return tensors_kv(self.run.store.read_tensors(entry["key"], sha256=entry["sha256"]))
-        except StorageError as e:
-            log.warning("tree %d node %d: cached prefix K/V unusable (%s); recomputing it", tree, node.id, e)
-            return None
+            keys, values = HOST_KV.pop(entry["sha256"])
+        else:
+            try:
+                keys, values = tensors_kv(self.run.store.read_tensors(entry["key"], sha256=entry["sha256"]))
+            except StorageError as e:
+                log.warning("tree %d node %d: cached prefix K/V unusable (%s); recomputing it", tree, node.id, e)
+                return None
+        return [k.to(self.device) for k in keys], [v.to(self.device) for v in values]
 
 
 def _capture(run: Run, model, tree, keep_hidden: bool) -> TreeActivations:
@@ -96,15 +98,17 @@ def _capture(run: Run, model, tree, keep_hidden: bool) -> TreeActivations:
     return acts
 
 
-def cache_prefixes(run: Run, step: int) -> dict:
+def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dict:
+    """`devices`: the pool slot held (the caching pass computes on its device)."""
     if done := run.done(step, "prefixes"):
         return done
     run.begin(step, "prefixes")
     HOST_KV.clear()  # an earlier step's K/V are stale
     _, trees = load_trees(run, step)
-    model = policy_before(run, step)
+    device, clock = run.device(devices), StateClock()
+    model = clock(policy_before, run, step, device)
     # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
-    reference = load_model(run.cfg.model, trainable=False) if run.cfg.algo.kl_coef > 0 else None
+    reference = clock(RESIDENT.reference, run, device) if run.cfg.algo.kl_coef > 0 else None
     # Only replay reads the K/V back (those of the branching spans of its view), only the
     # drafter the hidden states.
     store_kv, keep_hidden = run.cfg.replay.mode == "replay", run.cfg.drafter.enabled
@@ -129,5 +133,20 @@ def cache_prefixes(run: Run, step: int) -> dict:
     return run.finish(step, "prefixes", {
         "files": files, "prefix_kv": kv_entries, "activations": act_entries,
         "unique_positions": sum(t.unique_positions for t in trees),
-        "kv_bytes": sum(e["bytes"] for nodes in kv_entries for e in nodes.values()),
-        "seconds": time.perf_counter() - start})
+        "kv_bytes": sum(e["bytes"] for nodes in kv_entries for e in nodes.values()), "device": str(device),
+        "seconds": time.perf_counter() - start, "state_seconds": clock.seconds})
+
+
+def release_prefixes(run: Run, step: int, part: str) -> None:
+    """Delete the step's `part` ("prefix_kv" or "activations") once nothing of the run reads
+    it again, unless checkpoint.keep_step_data. The done marker is rewritten first, without
+    those files and naming them `released`, so the stage still counts as finished; a later
+    read of them (a recomputed update) finds them missing and recomputes the stage."""
+    if run.cfg.checkpoint.keep_step_data or (manifest := run.done(step, "prefixes")) is None:
+        return
+    folder = run.key(step, part)
+    if part not in manifest.get("released", []):
+        kept = [e for e in manifest["files"] if not e["key"].startswith(folder + "/")]
+        run.store.write_json(run.key(step, "prefixes.done.json"),
+                             {**manifest, "files": kept, "released": [*manifest.get("released", []), part]})
+    run.store.delete_prefix(folder)

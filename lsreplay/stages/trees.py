@@ -16,7 +16,7 @@ from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.run import Run
-from lsreplay.stages.common import policy_before
+from lsreplay.stages.common import StateClock, policy_before
 from lsreplay.stages.drafter import load_drafter, newest_drafter
 
 
@@ -58,7 +58,8 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         stored = run.store.read_json(key, sha256=run.sha256(run.manifest(step, "prompts"), key))
     indices = list(range(shard, len(stored["prompts"]), r.shards))
     prompts = [Prompt(**stored["prompts"][i]) for i in indices]
-    model, tokenizer = policy_before(run, step), load_tokenizer(cfg.model)
+    device, clock = run.device(devices), StateClock()
+    model, tokenizer = clock(policy_before, run, step, device), load_tokenizer(cfg.model)
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
     start = time.perf_counter()
@@ -73,7 +74,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         speculation, drafter_step = adaptive_engine(run, step, shard, model)
         trees, trace = sample_trees(
             model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens, params,
-            eos_ids(tokenizer, model), [run.generator(step, "trees", i) for i in indices], advance,
+            eos_ids(tokenizer, model), [run.generator(step, "trees", i, device=device) for i in indices], advance,
             speculation=speculation)
     seconds = time.perf_counter() - start
     if progress is not None:
@@ -88,9 +89,10 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     faults.hook("trees", step, "mid")
     lengths = [len(c) for rec in records for c in rec["completions"]]
     return run.finish(step, shard_name(shard), {
-        "files": [entry, decisions], "shard": shard, "devices": devices, "drafter_step": drafter_step,
-        "forward_positions": sum(t.forward_positions for t in trees), "completion_tokens": sum(lengths),
-        "seconds": seconds, **trace.summary(lengths)})
+        "files": [entry, decisions], "shard": shard, "devices": devices, "device": str(device),
+        "drafter_step": drafter_step, "forward_positions": sum(t.forward_positions for t in trees),
+        "completion_tokens": sum(lengths), "seconds": seconds, "state_seconds": clock.seconds,
+        **trace.summary(lengths)})
 
 
 def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation | None, int | None]:
@@ -130,6 +132,7 @@ def collect_trees(run: Run, step: int) -> dict:
         "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
         "tokens_per_s": sum(lengths) / seconds, "started": min(m["started"] for m in shards),
         "ended": max(m["ended"] for m in shards), **combine_traces(shards, lengths),
+        "state_seconds": sum(m.get("state_seconds", 0.0) for m in shards),
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 

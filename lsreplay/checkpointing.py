@@ -1,0 +1,195 @@
+"""Policy checkpoints on a schedule: every `checkpoint.every` steps (and the last), written in
+the background while the next step runs, the newest `checkpoint.keep_last` complete ones kept.
+
+The policy stage takes a snapshot of the trainable state into host memory (the only part
+the step waits for) and hands it to this process's writer thread. A checkpoint is complete
+once its `checkpoint.json` (every file with its size and sha256), written last, is there
+and the files have those sizes: a process killed at any moment of a write leaves no such
+file, and a resume starts from the newest complete checkpoint (lsreplay.resume).
+
+Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights),
+optimizer.safetensors, optimizer.json, rng.safetensors, meta.json, checkpoint.json}.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lsreplay import faults
+from lsreplay.checkpoint import save_optimizer, save_rng, save_weights
+from lsreplay.run import Run
+from lsreplay.storage import CorruptEntry, MissingEntry
+from lsreplay.train_state import TrainState
+
+log = logging.getLogger(__name__)
+
+COMPLETE = "checkpoint.json"
+POLICY = "checkpoints/policy"
+
+
+def due(run: Run, step: int) -> bool:
+    """Whether the policy after `step` is checkpointed: every checkpoint.every steps, and the last."""
+    return (step + 1) % run.cfg.checkpoint.every == 0 or step == run.cfg.steps - 1
+
+
+@dataclass
+class Snapshot:
+    """The trainable state after a step, copied to host memory: what a checkpoint holds."""
+
+    step: int
+    weights: dict[str, torch.Tensor]  # float32 masters by parameter name
+    optimizer: dict  # the optimizer's state_dict(), tensors copied
+    rng: dict[str, torch.Generator]
+    seconds: float  # how long taking it held the step up
+
+
+def snapshot(run: Run, step: int, train: TrainState) -> Snapshot:
+    start = time.perf_counter()
+    weights = {name: _host_copy(t) for name, t in train.master_tensors().items()}
+    state = train.optimizer.state_dict()
+    optimizer = {"state": {i: {k: _host_copy(v) if torch.is_tensor(v) else v for k, v in s.items()}
+                           for i, s in state["state"].items()},
+                 "param_groups": state["param_groups"]}
+    return Snapshot(step, weights, optimizer, {"rollout": run.generator(step + 1, "trees")},
+                    time.perf_counter() - start)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that later in-place updates of `t` do not reach."""
+    return t.detach().to("cpu", copy=True)
+
+
+def write(run: Run, snap: Snapshot) -> dict:
+    """Write the snapshot's files, then checkpoint.json; returns what checkpoint.json holds."""
+    start = time.perf_counter()
+    prefix = run.checkpoint("policy", snap.step)
+    parts = [save_weights(run.store, prefix, snap.weights, {"step": snap.step})]
+    faults.hook("checkpoint", snap.step, "mid")  # weights written, no checkpoint.json yet
+    parts += [save_optimizer(run.store, prefix, snap.optimizer), save_rng(run.store, prefix, snap.rng)]
+    files = {name: entry for part in parts for name, entry in part["files"].items()}
+    record = {"step": snap.step, "config_hash": run.config_hash, "snapshot_seconds": snap.seconds,
+              "write_seconds": time.perf_counter() - start,
+              "files": {name: {k: e[k] for k in ("key", "bytes", "sha256")} for name, e in files.items()}}
+    run.store.write_json(f"{prefix}/{COMPLETE}", record)
+    return record
+
+
+def manifest(run: Run, step: int) -> dict | None:
+    """The checkpoint manifest ({"prefix", "files"}) of the complete policy checkpoint of
+    `step`, for verified loading; None if it is not complete."""
+    prefix = run.checkpoint("policy", step)
+    try:
+        record = run.store.read_json(f"{prefix}/{COMPLETE}")
+    except (MissingEntry, CorruptEntry):
+        return None
+    sizes = run.store.sizes(prefix)
+    if any(sizes.get(e["key"]) != e["bytes"] for e in record["files"].values()):
+        return None
+    return {"prefix": prefix, "files": record["files"]}
+
+
+def complete_steps(run: Run) -> list[int]:
+    """Steps with a complete policy checkpoint, oldest first."""
+    steps = sorted({int(posixpath.basename(posixpath.dirname(k)).removeprefix("step_"))
+                    for k in run.store.list(POLICY) if posixpath.basename(k) == COMPLETE})
+    return [s for s in steps if manifest(run, s) is not None]
+
+
+def newest_complete(run: Run, before: int | None = None) -> int | None:
+    """The newest step (below `before`, if given) with a complete policy checkpoint."""
+    steps = [s for s in complete_steps(run) if before is None or s < before]
+    return steps[-1] if steps else None
+
+
+def prune(run: Run) -> list[int]:
+    """Delete policy checkpoints beyond the newest checkpoint.keep_last complete ones (and
+    incomplete ones older than those); returns the steps deleted. Never the newest complete."""
+    keep = run.cfg.checkpoint.keep_last
+    complete = complete_steps(run)
+    if keep == 0 or len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    present = {int(posixpath.basename(posixpath.dirname(k)).removeprefix("step_")) for k in run.store.list(POLICY)}
+    deleted = sorted(s for s in present if s < oldest_kept)
+    for step in deleted:
+        run.store.delete_prefix(run.checkpoint("policy", step))
+    return deleted
+
+
+class Writer:
+    """One background thread per process writing snapshots in order, then pruning. At most
+    one snapshot waits besides the one being written, so host memory holds at most two."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.failures: list[str] = []
+
+    def submit(self, run: Run, snap: Snapshot) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
+                self._thread.start()
+        self._queue.put((run, snap))
+
+    def wait(self) -> None:
+        """Block until every submitted checkpoint is written (or failed: see `failures`)."""
+        self._queue.join()
+
+    def _loop(self) -> None:
+        while True:
+            run, snap = self._queue.get()
+            try:
+                record = write(run, snap)
+                deleted = prune(run)
+                log.info("policy checkpoint of step %d written in %.1f s in the background%s", snap.step,
+                         record["write_seconds"], f"; deleted those of steps {deleted}" if deleted else "")
+            except Exception as e:  # the run goes on: the state is resident; resume uses an older one
+                self.failures.append(f"step {snap.step}: {type(e).__name__}: {e}")
+                log.error("policy checkpoint of step %d failed: %s: %s", snap.step, type(e).__name__, e)
+            finally:
+                self._queue.task_done()
+
+
+WRITER = Writer()
+
+
+def save(run: Run, step: int, train: TrainState) -> dict:
+    """Checkpoint the state after `step` if due: snapshot now, write in the background (or
+    now, with checkpoint.background=false). Returns {"checkpoint": prefix or None, "state_seconds"}."""
+    if not due(run, step):
+        return {"checkpoint": None, "state_seconds": 0.0}
+    snap = snapshot(run, step, train)
+    start = time.perf_counter()
+    if run.cfg.checkpoint.background:
+        WRITER.submit(run, snap)  # waits only while an earlier snapshot is still queued
+    else:
+        write(run, snap)
+        prune(run)
+    return {"checkpoint": run.checkpoint("policy", step), "state_seconds": snap.seconds + time.perf_counter() - start}
+
+
+def rewind(run: Run) -> int:
+    """Forget the policy updates after the newest complete checkpoint of a finished update:
+    they run again from it, with their caching passes where those released their outputs
+    (other outputs stand: recomputed, they would come out the same). Returns the first
+    step whose update is not held anywhere: where a process that holds nothing resumes."""
+    complete = [s for s in complete_steps(run) if run.done(s, "policy") is not None]
+    restart = complete[-1] + 1 if complete else 0
+    forgotten = [s for s in range(restart, run.cfg.steps) if run.done(s, "policy") is not None]
+    for step in range(restart, run.cfg.steps):
+        run.invalidate(step, "policy")
+        if (prefixes := run.done(step, "prefixes")) is not None and prefixes.get("released"):
+            run.invalidate(step, "prefixes")
+    if forgotten:
+        log.warning("policy updates of steps %s were held in memory only; recomputing them from %s", forgotten,
+                    f"the checkpoint of step {restart - 1}" if restart else "the base model")
+    return restart

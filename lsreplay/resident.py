@@ -1,0 +1,209 @@
+"""State that stays put: the models a process holds between stages and steps.
+
+A process serving devices (the flow's own process under the thread runner; a Ray actor
+per device under Ray, lsreplay.hosts) keeps per device one copy of the policy, tagged with
+the step it acts in, plus, where the update runs, its trainable state (float32 masters and
+AdamW, lsreplay.train_state), and the frozen reference. The policy update changes that copy
+in place. A stage asking for the policy of a step gets, in this order:
+
+1. the copy this device holds, if it acts in that step;
+2. the weights of another device's copy in this process that does (a device-to-device copy);
+3. the base model (step 0), or the complete checkpoint of the step before (lsreplay.checkpointing);
+4. otherwise StateLost: the flow rewinds to the newest complete checkpoint and recomputes
+   the steps after it (flows/train.py). The store stays the source of truth after a crash.
+
+`checkpoint.resident=false` keeps nothing: every request loads from the store, as a
+process that serves one stage and exits must.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from lsreplay import checkpointing
+from lsreplay.checkpoint import CheckpointError, load_module, load_optimizer, load_weights
+from lsreplay.models import load_model
+from lsreplay.run import Run
+from lsreplay.storage import CorruptEntry, MissingEntry
+from lsreplay.train_state import TrainState, master_dtype
+
+log = logging.getLogger(__name__)
+
+
+class StateLost(RuntimeError):
+    """The policy after update `step` is neither held by this process nor in a complete checkpoint."""
+
+    def __init__(self, step: int, why: str = ""):
+        self.step = step
+        super().__init__(why or f"the policy after step {step} is neither held in memory nor checkpointed; "
+                                "the run restarts from the newest complete checkpoint")
+
+    def __reduce__(self):  # keep the step when the exception crosses a process or a pickle
+        return (type(self), (self.step, str(self)))
+
+
+@dataclass
+class _Copy:
+    model: PreTrainedModel  # the compute weights, on the copy's device
+    acts_in: int  # the step this policy acts in: updates 0 .. acts_in - 1 applied
+    train: TrainState | None = None  # where the update runs: masters and AdamW of this copy
+
+
+class Resident:
+    """The copies this process holds, one per (run, device)."""
+
+    def __init__(self):
+        self._copies: dict[tuple[str, str], _Copy] = {}
+        self._references: dict[tuple[str, str], PreTrainedModel] = {}
+        self._lock = threading.RLock()  # stages of one process run on several threads
+
+    # -- what stages ask for ---------------------------------------------------------------
+    def policy(self, run: Run, step: int, device: torch.device) -> PreTrainedModel:
+        """The policy that acts in `step` (after updates 0 .. step - 1), on `device`."""
+        with self._lock:
+            if not run.cfg.checkpoint.resident:
+                return self._load(run, step, device)
+            copy = self._copies.get(_key(run, device))
+            if copy is not None and copy.acts_in == step:
+                return copy.model
+            self._drop_other_runs(run, device)
+            if (source := self._holder(run, step)) is not None:
+                model = copy.model if copy is not None else load_model(run.cfg.model, device=device)
+                model.load_state_dict(source.model.state_dict())
+                log.info("policy of step %d copied from %s to %s", step, source.model.device, device)
+            else:
+                if copy is not None:
+                    del self._copies[_key(run, device)]  # free it before loading another
+                model = self._load(run, step, device)
+            self._copies[_key(run, device)] = _Copy(model, step)
+            return model
+
+    def train_state(self, run: Run, step: int, device: torch.device) -> TrainState:
+        """The trainable state that acts in `step`, on `device` (the policy update's)."""
+        with self._lock:
+            copy = self._copies.get(_key(run, device))
+            if copy is not None and copy.acts_in == step and copy.train is not None:
+                return copy.train
+            elsewhere = next((c for c in self._run_copies(run) if c.acts_in == step and c.train is not None), None)
+            model = self.policy(run, step, device)
+            if elsewhere is not None:
+                train = elsewhere.train.moved_to(model)
+                elsewhere.train = None
+            else:
+                train = self._load_train_state(run, step, model)
+            if run.cfg.checkpoint.resident:
+                self._copies[_key(run, device)].train = train
+            return train
+
+    def reference(self, run: Run, device: torch.device) -> PreTrainedModel:
+        """The frozen base model (the KL penalty's reference)."""
+        with self._lock:
+            key = _key(run, device)
+            if key not in self._references:
+                self._references = {k: m for k, m in self._references.items() if k[1] != key[1]}
+                self._references[key] = load_model(run.cfg.model, trainable=False, device=device)
+            return self._references[key]
+
+    # -- what the policy update reports ----------------------------------------------------
+    def updated(self, run: Run, step: int, device: torch.device) -> None:
+        """The copy on `device` now holds the policy after update `step`."""
+        with self._lock:
+            if copy := self._copies.get(_key(run, device)):
+                copy.acts_in = step + 1
+
+    def drop(self, run: Run, device: torch.device) -> None:
+        """Forget the copy on `device` (an update that failed half-way leaves it unusable)."""
+        with self._lock:
+            self._copies.pop(_key(run, device), None)
+
+    def release(self, run: Run) -> None:
+        """Free everything held for `run` (its flow ended)."""
+        with self._lock:
+            for key in [k for k in self._copies if k[0] == _run_id(run)]:
+                del self._copies[key]
+            for key in [k for k in self._references if k[0] == _run_id(run)]:
+                del self._references[key]
+
+    def held(self, run: Run) -> dict[str, int]:
+        """{device: step its policy acts in} for `run`."""
+        with self._lock:
+            return {k[1]: c.acts_in for k, c in self._copies.items() if k[0] == _run_id(run)}
+
+    # -- loading ---------------------------------------------------------------------------
+    def _holder(self, run: Run, step: int) -> _Copy | None:
+        return next((c for c in self._run_copies(run) if c.acts_in == step), None)
+
+    def _run_copies(self, run: Run) -> list[_Copy]:
+        return [c for k, c in self._copies.items() if k[0] == _run_id(run)]
+
+    def _drop_other_runs(self, run: Run, device: torch.device) -> None:
+        """One run's copy per device: another run's goes when this one needs the device."""
+        for key in [k for k in self._copies if k[1] == str(device) and k[0] != _run_id(run)]:
+            del self._copies[key]
+
+    @staticmethod
+    def _load(run: Run, step: int, device: torch.device) -> PreTrainedModel:
+        model = load_model(run.cfg.model, device=device)
+        if step > 0:
+            manifest = _checkpoint(run, step - 1)
+            with _verified(run, step - 1):
+                load_module(run.store, manifest["prefix"], model, manifest)
+        return model
+
+    @staticmethod
+    def _load_train_state(run: Run, step: int, model: PreTrainedModel) -> TrainState:
+        """Masters and AdamW for `model`: float32 masters of the base (step 0), or the
+        checkpoint of step - 1's masters and optimizer state."""
+        train = TrainState(model, run.cfg.optim)
+        if step == 0:
+            if train.mixed:  # masters from the float32 weights, not from their bf16 rounding
+                base = load_model(run.cfg.model, dtype=master_dtype(run.cfg.model.dtype))
+                train.load_masters(dict(base.named_parameters()))
+            return train
+        manifest = _checkpoint(run, step - 1)
+        with _verified(run, step - 1):
+            train.load_masters(load_weights(run.store, manifest["prefix"], manifest))
+            load_optimizer(run.store, manifest["prefix"], train.optimizer, manifest)
+        return train
+
+
+def _run_id(run: Run) -> str:
+    return f"{run.store.uri}#{run.config_hash}"
+
+
+def _key(run: Run, device: torch.device) -> tuple[str, str]:
+    return _run_id(run), str(torch.device(device))
+
+
+def _checkpoint(run: Run, step: int) -> dict:
+    """The complete checkpoint of `step` (waiting for this process's writer if it is still
+    writing it); StateLost if there is none."""
+    if (manifest := checkpointing.manifest(run, step)) is None:
+        checkpointing.WRITER.wait()
+        if (manifest := checkpointing.manifest(run, step)) is None:
+            raise StateLost(step)
+    return manifest
+
+
+@contextlib.contextmanager
+def _verified(run: Run, step: int):
+    """Reads of a checkpoint: damage (a sha256 mismatch, a missing file) makes it
+    incomplete, and the state of that step lost (the run restarts from an older checkpoint)."""
+    try:
+        yield
+    except (CheckpointError, MissingEntry, CorruptEntry) as e:
+        cause = e.__cause__ if isinstance(e, CheckpointError) else e
+        if not isinstance(cause, (MissingEntry, CorruptEntry)):
+            raise
+        log.warning("policy checkpoint of step %d is damaged (%s); it no longer counts as complete", step, cause)
+        run.store.delete(f"{run.checkpoint('policy', step)}/{checkpointing.COMPLETE}")
+        raise StateLost(step, f"the policy checkpoint of step {step} is damaged ({cause})") from e
+
+
+RESIDENT = Resident()

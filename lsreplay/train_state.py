@@ -1,0 +1,130 @@
+"""The policy's trainable state: float32 master weights, gradients and AdamW moments, with
+the model computing in its own dtype.
+
+Mixed precision as production trainers do it. With `model.dtype=bfloat16` the model's
+parameters are bf16 copies that every forward and backward computes with; the optimizer
+owns float32 masters of them. An AdamW update of 1e-6 relative is below half a bf16 ulp,
+so updates applied to bf16 weights mostly vanish; applied to the masters they add up,
+and the compute copies are refreshed from the masters after every step.
+
+Replay calls backward many times per step (one per run). Each call's bf16 gradient is
+added into the master's float32 `.grad` by a post-accumulate hook and the bf16 one
+dropped, so gradients accumulate in float32, never in bf16.
+
+With a float32 or float64 model the masters are the model's own parameters: no copies,
+no hooks, exactly the plain training of before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lsreplay.config import OptimConfig
+
+FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def master_dtype(compute: str) -> str:
+    """The masters' dtype for a model computing in `compute`: float32 under bfloat16."""
+    return compute if getattr(torch, compute) in FULL_PRECISION else "float32"
+
+
+class TrainState:
+    """`model` (computing in its dtype) plus master parameters, their gradients, AdamW."""
+
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig):
+        self.model = model
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
+        self.mixed = self.params[0].dtype not in FULL_PRECISION
+        if self.mixed:
+            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+            for param, master in zip(self.params, self.masters):
+                param.register_post_accumulate_grad_hook(_into_master(master))
+        else:
+            self.masters = self.params
+        self.optimizer = torch.optim.AdamW(self.masters, lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                           weight_decay=optim.weight_decay)
+        self.optim, self.grad_clip = optim, optim.grad_clip
+
+    def zero_grad(self) -> None:
+        for master in self.masters:
+            master.grad = None
+
+    def clip_grad_norm(self) -> float:
+        """Clip the master gradients to optim.grad_clip (0: no clipping); their norm before."""
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if not grads:
+            return 0.0
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def step(self) -> None:
+        """AdamW on the masters, then the compute weights follow them."""
+        self.optimizer.step()
+        self.follow_masters()
+
+    def follow_masters(self) -> None:
+        """Refresh the compute weights from the masters (after they changed)."""
+        if self.mixed:
+            with torch.no_grad():
+                for param, master in zip(self.params, self.masters):
+                    param.copy_(master)
+
+    def shared(self) -> dict:
+        """The masters and AdamW moments in shared memory, for the data-parallel ranks of a
+        policy update to read and write in place (lsreplay.stages.policy): {"masters":
+        {name: tensor}, "optimizer": [per master {"step", "exp_avg", "exp_avg_sq"}]}.
+        Moments not created yet are created as AdamW's first step would (zeros, step 0)."""
+        for master in self.masters:
+            state = self.optimizer.state[master]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))
+        moments = [self.optimizer.state[m] for m in self.masters]
+        for t in [*self.masters, *(v for s in moments for v in s.values())]:
+            t.share_memory_()
+        return {"masters": dict(zip(self.names, (m.detach() for m in self.masters))), "optimizer": moments}
+
+    def nonfinite(self) -> list[str]:
+        """Names of master parameters holding NaN or inf."""
+        return [n for n, m in zip(self.names, self.masters)
+                if not torch.isfinite(m.to_local() if hasattr(m, "to_local") else m).all()]
+
+    def moved_to(self, model: torch.nn.Module) -> TrainState:
+        """This state for `model` (the same weights on another device): masters and AdamW
+        moments move there."""
+        moved = TrainState(model, self.optim)
+        with torch.no_grad():
+            for master, old in zip(moved.masters, self.masters):
+                master.copy_(old)
+        moved.optimizer.load_state_dict(self.optimizer.state_dict())  # moves the moments to the masters' device
+        return moved
+
+    # -- checkpoints: masters by the model's parameter names -------------------------------
+    def master_tensors(self) -> dict[str, torch.Tensor]:
+        """The masters by parameter name, and the model's persistent buffers: a full model file."""
+        state = self.model.state_dict()
+        buffers = {n: state[n] for n, _ in self.model.named_buffers() if n in state}
+        return {**{n: m.detach() for n, m in zip(self.names, self.masters)}, **buffers}
+
+    def load_masters(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set masters (and so the compute weights) from `tensors` by name."""
+        with torch.no_grad():
+            for name, master, param in zip(self.names, self.masters, self.params):
+                master.copy_(tensors[name])
+                if self.mixed:
+                    param.copy_(master)
+
+
+def _into_master(master: torch.nn.Parameter):
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad.to(master.dtype)
+        master.grad = grad if master.grad is None else master.grad.add_(grad)
+        param.grad = None
+
+    return hook
+

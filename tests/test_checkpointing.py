@@ -1,0 +1,63 @@
+"""Checkpoints on a schedule, written in the background, the last few kept; each step's
+prefix K/V and hidden states deleted once read; a run killed with updates held in memory
+only, or in the middle of a checkpoint's write, resumes from the newest complete
+checkpoint and ends bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+from flowrun import digests, lsreplay_chain, tiny, unique_pool
+
+from lsreplay.config import load_config
+from lsreplay.run import Run
+
+# Checkpoints after steps 1 and 3 (the last); only the newest complete one kept. Computed
+# with one thread here and in every process of the chains, so all runs compare bit for bit.
+SCHEDULE = ["checkpoint.every=2", "checkpoint.keep_last=1", "threads=1"]
+
+
+def checkpoints(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints/policy").iterdir())
+
+
+def ran(run_dir) -> dict:
+    return Run(load_config(None, [f"run_dir={run_dir}"])).executions()
+
+
+def test_schedule_bounded_storage_and_resume_from_the_newest_checkpoint(prefect_server, tiny_model_dir, tmp_path):
+    from flows.train import train
+
+    ref = tmp_path / "ref"
+    metrics = train(overrides=[*tiny(ref, tiny_model_dir, steps=4), *SCHEDULE])
+    assert checkpoints(ref) == ["step_0003"]
+    assert (ref / "checkpoints/policy/step_0003/checkpoint.json").is_file()
+    assert not list(ref.glob("step_*/prefix_kv")) and not list(ref.glob("step_*/activations"))
+    assert [m["policy_state_seconds"] >= 0 for m in metrics] == [True] * 4
+    policy = [json.loads((ref / f"step_{s:04d}/policy.done.json").read_text())["checkpoint"] for s in range(4)]
+    assert policy == [None, "checkpoints/policy/step_0001", None, "checkpoints/policy/step_0003"]
+
+    # Killed in step 3's rollouts: step 2's update was held in memory only. The resume
+    # restarts from step 1's checkpoint: step 2's caching pass and update run again.
+    killed = tmp_path / "killed"
+    first, resumed = lsreplay_chain([(["train", *tiny(killed, tiny_model_dir, steps=4), *SCHEDULE], "trees@3:kill"),
+                                     (["resume", str(killed), unique_pool()], "")], tmp_path)
+    assert first["returncode"] == -9 and resumed["returncode"] == 0, resumed["log"][-3000:]
+    assert "recomputing them from the checkpoint of step 1" in resumed["log"]
+    runs = ran(killed)
+    assert (runs[2, "prefixes"], runs[2, "policy"], runs[3, "trees"]) == (2, 2, 2) and runs[1, "policy"] == 1
+    assert digests(killed, "checkpoints") == digests(ref, "checkpoints")
+
+    # Killed in the middle of the last checkpoint's background write: it is incomplete, the
+    # one before it is kept, and the resume recomputes the last update.
+    cut = tmp_path / "cut"
+    first, = lsreplay_chain([(["train", *tiny(cut, tiny_model_dir, steps=4), *SCHEDULE], "checkpoint@3:kill")],
+                            tmp_path)
+    assert first["returncode"] == -9
+    assert checkpoints(cut) == ["step_0001", "step_0003"]
+    assert not (cut / "checkpoints/policy/step_0003/checkpoint.json").exists()
+    resumed, = lsreplay_chain([(["resume", str(cut), unique_pool()], "")], tmp_path)
+    assert resumed["returncode"] == 0, resumed["log"][-3000:]
+    assert ran(cut)[3, "policy"] == 2
+    assert checkpoints(cut) == ["step_0003"]
+    assert digests(cut, "checkpoints") == digests(ref, "checkpoints")

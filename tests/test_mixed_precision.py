@@ -1,0 +1,111 @@
+"""Mixed precision: bf16 compute over float32 master weights, gradients and AdamW moments.
+
+An AdamW update of lr 1e-6 is far below half a bf16 ulp of a weight: applied to bf16
+parameters most of it vanishes. With float32 masters a bf16 run moves the weights as a
+float32 run does, and replay's many backward calls accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+
+from lsreplay import checkpointing, stages
+from lsreplay.config import OptimConfig, load_config
+from lsreplay.replay import naive_backward, replay_backward
+from lsreplay.resident import RESIDENT
+from lsreplay.run import Run
+from lsreplay.train_state import TrainState
+from lsreplay.tree import RolloutTree
+
+
+def config(run_dir, model_dir, dtype: str):
+    return load_config(None, [f"run_dir={run_dir}", f"model.path={model_dir}", f"model.dtype={dtype}", "steps=1",
+                              "data.size=8", "data.prompts_per_step=2", "rollout.branching=[2,2]",
+                              "rollout.segment_tokens=[3]", "rollout.max_new_tokens=6", "optim.lr=1e-6",
+                              "drafter.enabled=false"])
+
+
+@pytest.fixture(scope="module")
+def trees_dir(tiny_model_dir, tmp_path_factory):
+    """Step 0's prompts and trees, sampled once by the float32 policy."""
+    run_dir = tmp_path_factory.mktemp("mixed") / "trees"
+    run = Run(config(run_dir, tiny_model_dir, "float32"))
+    run.save_or_check_config()
+    stages.sample_prompts(run, 0)
+    stages.generate_trees(run, 0)
+    RESIDENT.release(run)
+    return run_dir
+
+
+def update_on_same_trees(trees_dir, model_dir, dest, dtype: str) -> tuple[dict, dict]:
+    """The caching pass and policy update of step 0 on the shared trees, in `dtype`:
+    (checkpointed master weights, the compute weights the process holds after the update)."""
+    shutil.copytree(trees_dir, dest)
+    run = Run(config(dest, model_dir, dtype))
+    stages.cache_prefixes(run, 0)
+    manifest = stages.train_policy(run, 0)
+    checkpointing.WRITER.wait()
+    compute = {n: p.detach().clone() for n, p in RESIDENT.policy(run, 1, torch.device("cpu")).named_parameters()}
+    RESIDENT.release(run)
+    return load_file(str(dest / manifest["checkpoint"] / "model.safetensors")), compute
+
+
+def test_bf16_run_moves_the_weights_as_the_float32_run_does(trees_dir, tiny_model_dir, tmp_path):
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    fp32, _ = update_on_same_trees(trees_dir, tiny_model_dir, tmp_path / "fp32", "float32")
+    bf16, compute = update_on_same_trees(trees_dir, tiny_model_dir, tmp_path / "bf16", "bfloat16")
+    assert all(t.dtype == torch.float32 for t in bf16.values())  # the checkpoint holds the masters
+    d32 = torch.cat([(fp32[n] - base[n]).flatten() for n in base])
+    d16 = torch.cat([(bf16[n] - base[n]).flatten() for n in base])
+    # The same update to bf16 tolerance, in direction and size. (AdamW's first step is
+    # about lr * sign(g): where |g| is within bf16 noise of 0, the two runs' signs differ.)
+    cosine = float(d16 @ d32 / (d16.norm() * d32.norm()))
+    assert cosine > 0.95, cosine
+    assert 0.95 < float(d16.norm() / d32.norm()) < 1.05, float(d16.norm() / d32.norm())
+    assert float((d16 != 0).float().mean()) > 0.95 * float((d32 != 0).float().mean())
+    # What bf16 parameters alone would have kept of it: almost nothing.
+    kept = torch.cat([(compute[n].float() != base[n].to(torch.bfloat16).float()).flatten() for n in base])
+    assert float(kept.float().mean()) < 0.05
+    # The compute weights are the masters rounded.
+    assert all(torch.equal(compute[n], bf16[n].to(torch.bfloat16)) for n in base)
+
+
+def trees_batch(vocab: int) -> tuple[list[RolloutTree], list]:
+    g = torch.Generator().manual_seed(3)
+    trees, weights = [], []
+    for prompt_len in (40, 24):
+        prompt = torch.randint(vocab, (prompt_len,), generator=g).tolist()
+        stems = [torch.randint(vocab, (5,), generator=g).tolist() for _ in range(2)]
+        completions = [s + torch.randint(vocab, (n,), generator=g).tolist() for s in stems for n in (4, 9)]
+        trees.append(RolloutTree.from_sequences(prompt, completions))
+        weights.append([torch.randn(len(c), generator=g, dtype=torch.float64) for c in completions])
+    return trees, weights
+
+
+def master_grads(model, trees, weights, backward, **kwargs) -> torch.Tensor:
+    train = TrainState(model, OptimConfig())
+    train.zero_grad()
+    backward(model, trees, weights, **kwargs)
+    assert all(p.grad is None for p in train.params)  # each call's bf16 gradient went to its master
+    assert all(m.grad.dtype == torch.float32 for m in train.masters)
+    return torch.cat([m.grad.flatten() for m in train.masters])
+
+
+def test_replay_and_per_rollout_gradients_agree_in_bf16_compute():
+    trees, weights = trees_batch(vocab=64)
+    reference = tiny_model(dtype=torch.float64)
+    naive_backward(reference, trees, weights)
+    exact = torch.cat([p.grad.flatten() for p in reference.parameters()]).float()
+    replay = master_grads(tiny_model(dtype=torch.bfloat16), trees, weights, replay_backward)
+    naive = master_grads(tiny_model(dtype=torch.bfloat16), trees, weights, naive_backward)
+    scale = exact.abs().max()
+    # Both bf16 paths sit within bf16 rounding of the exact gradient, and of each other.
+    assert float((replay - exact).abs().max() / scale) < 3e-2
+    assert float((naive - exact).abs().max() / scale) < 3e-2
+    assert float((replay - naive).abs().max() / scale) < 3e-2
+    assert float(replay @ exact / (replay.norm() * exact.norm())) > 0.999
