@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lsreplay.replay.attention_kernels import kernel_for
 from lsreplay.replay.view import joins
 from lsreplay.replay.memory import (
     ModelDims,
@@ -156,12 +157,10 @@ def joined_levels(levels: tuple[tuple[int, int], ...], join_below: int) -> tuple
 def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
                 accelerator: bool = False, join_below: int = 0) -> RunPeak:
     """The largest run of `replay_backward` on a tree of this shape (branching nodes'
-    K/V recomputed or loaded: neither is saved for backward). On CPU, micro-batches of
-    leaves use cascade attention where the dtype allows it (see cascade.cascade_applies);
-    on an `accelerator`, sdpa."""
-    from lsreplay.replay.cascade import DTYPES
-
-    cascade = not accelerator and dtype in DTYPES
+    K/V recomputed or loaded: neither is saved for backward). Runs after a prefix use
+    cascade attention where the device kind (CPU, or a CUDA `accelerator`) has a kernel for
+    the dtype and head size (see cascade.cascade_applies); sdpa otherwise."""
+    cascade = kernel_for("cuda" if accelerator else "cpu", dtype, dims.head_dim) is not None
     elt = torch.tensor([], dtype=dtype).element_size()
     kvpp = kv_bytes_per_position(dims, elt)
     root, levels = shape.radix()

@@ -1,14 +1,17 @@
 """Cascade attention (lsreplay/replay/cascade.py): the attention itself against sdpa over the
 prefix repeated per row, a model forward on it against `forward_segments`, and the replay
-backward, which runs it on CPU, against the per-rollout reference."""
+backward, which runs it, against the per-rollout reference. Without a GPU, the CUDA kernels
+(attention_kernels.py) are checked through their shape functions only; the CUDA cases run
+where a GPU is (`pytest tests/test_cascade.py -k cuda`)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from torch.profiler import profile
+from torch.profiler import ProfilerActivity, profile
 
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
+from lsreplay.replay.attention_kernels import CUDA_EFFICIENT, CUDA_FLASH, kernel_for
 from lsreplay.replay.backward import _Replay
 from lsreplay.replay.cascade import _CascadeAttention, cascade_applies, forward_cascade
 from lsreplay.replay.segments import concat_kv, forward_segments, new_kv
@@ -19,6 +22,12 @@ ARCHS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
 
 
+def on_cuda(*values):
+    """A parameter set that needs a CUDA device to run."""
+    marks = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.param("cuda", *values, marks=marks, id="-".join(["cuda", *map(str, values)]))
+
+
 def reference_attention(scale, query, key, value, *prefix):
     """sdpa over [prefix repeated per row; the row's own], K/V repeated to every query head,
     causal on the own part."""
@@ -26,35 +35,65 @@ def reference_attention(scale, query, key, value, *prefix):
     keys = torch.cat([k.expand(rows, -1, -1, -1) for k in prefix[0::2]] + [key], dim=2)
     values = torch.cat([v.expand(rows, -1, -1, -1) for v in prefix[1::2]] + [value], dim=2)
     past = keys.shape[2] - width
-    mask = torch.ones(width, past + width, dtype=torch.bool).tril(past)
+    mask = torch.ones(width, past + width, dtype=torch.bool, device=query.device).tril(past)
     group = heads // key.shape[1]
     return F.scaled_dot_product_attention(query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
                                           attn_mask=mask, scale=scale)
 
 
-@pytest.mark.parametrize("heads, kv_heads, prefix_lengths", [(8, 2, (11, 5)), (4, 4, (9,))], ids=["gqa", "mha"])
-def test_cascade_attention_equals_sdpa_over_the_repeated_prefix(heads, kv_heads, prefix_lengths):
+def attention_inputs(heads, kv_heads, prefix_lengths, dtype, device="cpu"):
+    """query, own key, own value of 3 rows of width 6, laid out as HF attention produces them
+    ((rows, width, heads, d) transposed), then each ancestor's key and value; all leaves."""
     g = torch.Generator().manual_seed(0)
     rows, width, dim = 3, 6, 16
 
     def rand(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
+        if device == "meta":
+            return torch.empty(*shape, dtype=dtype, device=device)
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
-    # Queries and own keys/values laid out as HF attention produces them: (rows, width, heads, d) transposed.
-    query = rand(rows, width, heads, dim).transpose(1, 2).requires_grad_()
-    key = rand(rows, width, kv_heads, dim).transpose(1, 2).requires_grad_()
-    value = rand(rows, width, kv_heads, dim).transpose(1, 2).requires_grad_()
-    prefix = [rand(1, kv_heads, n, dim).requires_grad_() for n in prefix_lengths for _ in "kv"]
-    inputs = [query, key, value, *prefix]
+    own = [rand(rows, width, h, dim).transpose(1, 2).requires_grad_() for h in (heads, kv_heads, kv_heads)]
+    return own + [rand(1, kv_heads, n, dim).requires_grad_() for n in prefix_lengths for _ in "kv"]
 
-    out = _CascadeAttention.apply(dim**-0.5, *inputs)
-    expected = reference_attention(dim**-0.5, *inputs)
-    assert (out - expected).abs().max() < 1e-12
-    grad_out = rand(*out.shape)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+
+SHAPES = pytest.mark.parametrize("heads, kv_heads, prefix_lengths", [(8, 2, (11, 5)), (4, 4, (9,))], ids=["gqa", "mha"])
+
+
+@SHAPES
+@pytest.mark.parametrize("device, dtype, tol", [
+    ("cpu", torch.float64, 1e-12), ("cpu", torch.float32, 5e-6),
+    on_cuda(torch.float32, 1e-4), on_cuda(torch.bfloat16, 3e-2), on_cuda(torch.float16, 5e-3)])
+def test_cascade_attention_equals_sdpa_over_the_repeated_prefix(heads, kv_heads, prefix_lengths, device, dtype, tol):
+    """Output and every input's gradient against the reference in float64, through the
+    device's kernel for the dtype."""
+    inputs = attention_inputs(heads, kv_heads, prefix_lengths, dtype, device)
+    scale = inputs[0].shape[-1] ** -0.5
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    out = _CascadeAttention.apply(kernel_for(device, dtype, inputs[0].shape[-1]), scale, *inputs)
+    expected = reference_attention(scale, *exact)
+    assert out.dtype == dtype
+    assert (out.double() - expected).abs().max() < tol * max(1.0, expected.abs().max().item())
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
+    grads = torch.autograd.grad(out, inputs, grad_out.to(dtype))
+    expected_grads = torch.autograd.grad(expected, exact, grad_out)
     for got, want in zip(grads, expected_grads):
-        assert (got - want).abs().max() < 1e-12 * max(1.0, want.abs().max().item())
+        assert got.dtype == dtype
+        assert (got.double() - want).abs().max() < tol * max(1.0, want.abs().max().item())
+
+
+@SHAPES
+@pytest.mark.parametrize("kernel, dtype", [(CUDA_FLASH, torch.bfloat16), (CUDA_FLASH, torch.float16),
+                                           (CUDA_EFFICIENT, torch.float32)], ids=["flash-bf16", "flash-f16", "eff-f32"])
+def test_cuda_kernels_fit_the_cascade_function_on_meta_tensors(heads, kv_heads, prefix_lengths, kernel, dtype):
+    """No GPU here: on meta tensors the CUDA ops run their shape functions, which checks the
+    calls against the ops' schemas and that what they return (the efficient kernel pads its
+    log-sum-exp rows to a multiple of 32) fits the fold, the merge and the backward. Their
+    numbers are for a GPU check."""
+    inputs = attention_inputs(heads, kv_heads, prefix_lengths, dtype, device="meta")
+    out = _CascadeAttention.apply(kernel, inputs[0].shape[-1] ** -0.5, *inputs)
+    assert (out.shape, out.dtype) == (inputs[0].shape, dtype)
+    grads = torch.autograd.grad(out, inputs, torch.empty_like(out))
+    assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in inputs]
 
 
 def tiny(arch: str, dtype=torch.float64, **overrides) -> transformers.PreTrainedModel:
@@ -81,7 +120,7 @@ def hidden_and_grads(model, forward, segments, prefix):
     and the gradient of a fixed random function of them w.r.t. the prefix K/V and the weights."""
     hidden, _ = forward(model, segments, sum(part[0][0].shape[-2] for part in prefix), prefix)
     real = torch.cat([hidden[row, : len(seg)] for row, seg in enumerate(segments)])
-    probe = torch.randn(real.shape, generator=torch.Generator().manual_seed(2), dtype=real.dtype)
+    probe = torch.randn(real.shape, generator=torch.Generator().manual_seed(2), dtype=real.dtype).to(real.device)
     (real * probe).sum().backward()
     leaves = [t for part in prefix for half in part for t in half] + list(model.base_model.parameters())
     grads = [t.grad.clone() for t in leaves]
@@ -108,8 +147,9 @@ def test_forward_cascade_equals_forward_segments_on_right_padded_rows(arch, kv_h
         assert (got - want).abs().max() <= 1e-9 * want.abs().max()
 
 
-def test_bfloat16_cascade_forward_close_to_sdpa():
-    model = tiny("qwen2", torch.bfloat16)
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), on_cuda(torch.bfloat16), on_cuda(torch.float16)])
+def test_half_precision_cascade_forward_close_to_sdpa(device, dtype):
+    model = tiny("qwen2", dtype).to(device)
     prefix = prefix_kv(model, [list(range(1, 30))])
     segments = [list(range(30, 41)), list(range(41, 47))]
     hidden, _ = hidden_and_grads(model, forward_cascade, segments, prefix)
@@ -134,19 +174,21 @@ def replay_vs_naive(model) -> tuple[float, int]:
     naive_backward(model, [t], weights)
     naive = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    with profile() as prof:  # a budget that holds all siblings: one micro-batch of leaves per node
+    # A budget that holds all siblings: one micro-batch of leaves per node.
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         replay_backward(model, [t], weights, budget_bytes=2**30)
     calls = sum(e.count for e in prof.key_averages() if e.key == "_CascadeAttention")
     rel = max(((p.grad - g).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), naive))
     return rel, calls
 
 
+@pytest.mark.parametrize("device, dtype, tol", [("cpu", torch.float64, 1e-6), on_cuda(torch.float32, 1e-4)])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_replay_runs_cascade_attention_and_equals_naive(arch):
-    model = tiny(arch)
+def test_replay_runs_cascade_attention_and_equals_naive(arch, device, dtype, tol):
+    model = tiny(arch, dtype).to(device)
     assert _Replay(model, ActivationMeter(model), None, None, join_below=0).cascade
     rel, calls = replay_vs_naive(model)
-    assert rel <= 1e-6
+    assert rel <= tol
     # Every run after a prefix, in every layer: the leaves under the prompt (one micro-batch),
     # the two level-1 nodes, and the micro-batch of leaves under each.
     runs = 1 + 2 + 2
@@ -164,3 +206,12 @@ def test_unsupported_model_falls_back_to_sdpa_and_equals_naive():
                                             (torch.float16, False)])
 def test_cascade_applies_to_the_dtypes_of_the_cpu_flash_kernel(dtype, applies):
     assert cascade_applies(tiny("llama", dtype)) is applies
+
+
+@pytest.mark.parametrize("dtype, head_dim, kernel", [
+    (torch.bfloat16, 128, CUDA_FLASH), (torch.float16, 64, CUDA_FLASH), (torch.float32, 64, CUDA_EFFICIENT),
+    (torch.float64, 64, None), (torch.bfloat16, 12, None), (torch.bfloat16, 264, None)])
+def test_cuda_kernel_choice(dtype, head_dim, kernel):
+    """Flash for half precision, memory-efficient for float32 (flash has no float32), none
+    for float64 or a head size the kernels do not take: sdpa runs those."""
+    assert kernel_for("cuda", dtype, head_dim) is kernel

@@ -120,3 +120,18 @@ def test_impossible_config_is_refused(capsys, overrides, why):
 def test_bad_planner_key_is_a_config_error(capsys):
     assert main([PROD, "pool.devices_per_step=0"]) == 2
     assert "pool.devices_per_step" in capsys.readouterr().err
+
+
+
+def test_an_accelerator_plan_counts_cascade_attention_where_cuda_has_a_kernel():
+    """On CUDA as on CPU, bfloat16 (flash) and float32 (memory-efficient) leaves attend to
+    their prefix in place, saving the same; float64 has no CUDA kernel: sdpa saves the prefix
+    per row, so fewer leaves fit a micro-batch."""
+    dims = ModelDims.from_hf(Qwen2Config(**SMALL, vocab_size=300))
+    shape = TreeShape(64, ((4, 32), (8, 64)))  # the peak run: a micro-batch of leaves after 96 positions
+    for dtype in (torch.bfloat16, torch.float32):
+        peak = replay_peak(dims, dtype, shape, accelerator=True)
+        assert peak.cascade and peak == replay_peak(dims, dtype, shape)
+    on_cpu, on_cuda = (replay_peak(dims, torch.float64, shape, accelerator=a) for a in (False, True))
+    assert on_cpu.cascade and not on_cuda.cascade
+    assert on_cuda.rows < on_cpu.rows

@@ -1,10 +1,10 @@
-"""Attention to a shared prefix in place ("cascade" attention), for replay runs on CPU.
+"""Attention to a shared prefix in place ("cascade" attention), for replay runs on CPU and CUDA.
 
 A replay run (a micro-batch of sibling leaves, or a branching node recomputed with grad)
 attends to its ancestors' K/V. Broadcast over the batch (what `forward_segments` does),
 sdpa gets an explicit mask, which turns off its grouped-query path: every row attends to
 its own copy of the prefix, repeated to every query head, and all of it is saved for
-backward. Here instead, per layer:
+backward (on CUDA the mask also rules out the flash kernel). Here instead, per layer:
 
 - every row's queries, with the query heads of each K/V group folded into the query
   length, attend once to each ancestor's unrepeated K/V (1, kv_heads, positions, d),
@@ -13,10 +13,12 @@ backward. Here instead, per layer:
   length, so the flash kernel's is_causal needs no mask either);
 - the partial results merge by their log-sum-exp.
 
-The backward runs the flash backward of each part with the merged output and log-sum-exp,
+The backward runs each part's kernel backward with the merged output and log-sum-exp,
 which is exactly the gradient of the joint softmax. What is saved for backward is the
 rows' own queries, keys, values, output and log-sum-exp (as in a forward without past)
-plus the ancestors' K/V themselves, which replay holds anyway.
+plus the ancestors' K/V themselves, which replay holds anyway: the same on every device.
+The kernels (flash on CPU; flash or memory-efficient on CUDA) are in attention_kernels.py,
+the only code that differs per device.
 
 Rows are right-padded: a real token never sees the padding after it (causal), and padded
 outputs are ignored by the caller.
@@ -31,17 +33,13 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
+from lsreplay.replay.attention_kernels import AttentionKernel, kernel_for, runs_on
 from lsreplay.replay.segments import PrefixKV, padded_batch
 
 IMPLEMENTATION = "lsreplay_cascade"
-# The CPU flash kernel, which returns the log-sum-exp the merge needs; verified for these.
-DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # Attention modules that call the AttentionInterface with their layer_idx and pass the
 # model's keyword arguments through to it.
 MODULES = (LlamaAttention, Qwen2Attention)
-
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -68,19 +66,20 @@ class _CascadeAttention(torch.autograd.Function):
     """softmax(q [prefix keys; own keys]^T * scale, causal on the own part) [prefix values; own values].
 
     query (rows, heads, width, d); key, value (rows, kv_heads, width, d): the rows' own;
-    prefix: k_0, v_0, k_1, v_1, ... each (1, kv_heads, positions, d), the ancestors' in order."""
+    prefix: k_0, v_0, k_1, v_1, ... each (1, kv_heads, positions, d), the ancestors' in order;
+    kernel: the device's attention kernel for these tensors (attention_kernels.kernel_for)."""
 
     @staticmethod
-    def forward(ctx, scale: float, query, key, value, *prefix):
+    def forward(ctx, kernel: AttentionKernel, scale: float, query, key, value, *prefix):
         rows, heads, width, _ = query.shape
         kv_heads = key.shape[1]
         # Own part first: its output has the query's memory layout, (rows, width, heads, d),
         # so the caller's transpose back to that shape is free.
-        out, lse = _flash(query, _repeat_heads(key, heads), _repeat_heads(value, heads), 0.0, True, scale=scale)
+        out, lse = kernel.forward(query, _repeat_heads(key, heads), _repeat_heads(value, heads), True, scale)
         parts = [(out, lse)]
         folded = _fold(query, kv_heads)
         for k, v in zip(prefix[0::2], prefix[1::2]):
-            part_out, part_lse = _flash(folded, k, v, 0.0, False, scale=scale)
+            part_out, part_lse = kernel.forward(folded, k, v, False, scale)
             parts.append((_unfold(part_out, rows, heads, width), _unfold(part_lse, rows, heads, width)))
         merged_lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
         # Merged in the log-sum-exp's dtype (float32 for bfloat16), in place, so the result
@@ -89,7 +88,7 @@ class _CascadeAttention(torch.autograd.Function):
         for part_out, part_lse in parts[1:]:
             out.addcmul_(part_out, (part_lse - merged_lse).exp().unsqueeze(-1))
         out = out.to(query.dtype)
-        ctx.scale = scale
+        ctx.kernel, ctx.scale = kernel, scale
         ctx.save_for_backward(query, key, value, out, merged_lse, *prefix)
         return out
 
@@ -98,19 +97,18 @@ class _CascadeAttention(torch.autograd.Function):
         query, key, value, out, lse, *prefix = ctx.saved_tensors
         rows, heads, width, _ = query.shape
         kv_heads, group = key.shape[1], heads // key.shape[1]
-        grad_query, grad_key, grad_value = _flash_backward(
-            grad_out, query, _repeat_heads(key, heads), _repeat_heads(value, heads), out, lse, 0.0, True,
-            scale=ctx.scale)
+        grad_query, grad_key, grad_value = ctx.kernel.backward(
+            grad_out, query, _repeat_heads(key, heads), _repeat_heads(value, heads), out, lse, True, ctx.scale)
         grad_key = grad_key.reshape(rows, kv_heads, group, width, -1).sum(2)
         grad_value = grad_value.reshape(rows, kv_heads, group, width, -1).sum(2)
         folded = [_fold(t, kv_heads) for t in (grad_out, query, out, lse)]
         grad_prefix = []
         for k, v in zip(prefix[0::2], prefix[1::2]):
-            part_grad_query, grad_k, grad_v = _flash_backward(folded[0], folded[1], k, v, folded[2], folded[3],
-                                                              0.0, False, scale=ctx.scale)
+            part_grad_query, grad_k, grad_v = ctx.kernel.backward(folded[0], folded[1], k, v, folded[2], folded[3],
+                                                                  False, ctx.scale)
             grad_query = grad_query + _unfold(part_grad_query, rows, heads, width)
             grad_prefix += [grad_k, grad_v]
-        return None, grad_query, grad_key, grad_value, *grad_prefix
+        return None, None, grad_query, grad_key, grad_value, *grad_prefix
 
 
 def cascade_attention(module, query, key, value, attention_mask, *, scaling: float, cascade_prefix: list[PrefixKV],
@@ -119,9 +117,13 @@ def cascade_attention(module, query, key, value, attention_mask, *, scaling: flo
     the model keyword argument `cascade_prefix` (see `forward_cascade`)."""
     if dropout or sliding_window is not None or attention_mask is not None:
         raise ValueError("cascade attention supports neither dropout, a sliding window nor an attention mask")
+    kernel = kernel_for(query.device.type, query.dtype, query.shape[-1])
+    if kernel is None:
+        raise ValueError(f"no cascade attention kernel for {query.dtype} on {query.device.type}, "
+                         f"head_dim {query.shape[-1]}")
     layer = module.layer_idx
     prefix = [t for keys, values in cascade_prefix for t in (keys[layer], values[layer])]
-    out = _CascadeAttention.apply(scaling, query, key, value, *prefix)
+    out = _CascadeAttention.apply(kernel, scaling, query, key, value, *prefix)
     return out.transpose(1, 2), None
 
 
@@ -133,13 +135,16 @@ def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module | None]:
 
 
 def cascade_applies(model: PreTrainedModel) -> bool:
-    """Whether `forward_cascade` can run this model: on CPU, in a dtype of DTYPES, every
-    layer's attention a module of MODULES without a sliding window, no attention dropout."""
+    """Whether `forward_cascade` can run this model: a device and dtype (and head size) with
+    an attention kernel (attention_kernels.kernel_for), every layer's attention a module of
+    MODULES without a sliding window, no attention dropout."""
     param = next(model.parameters())
     attention = _attention_modules(model)
-    return (param.device.type == "cpu" and param.dtype in DTYPES and bool(attention)
+    return (bool(attention)
             and all(isinstance(m, MODULES) and getattr(m, "sliding_window", None) is None for m in attention)
-            and not (model.training and getattr(model.config, "attention_dropout", 0.0)))
+            and not (model.training and getattr(model.config, "attention_dropout", 0.0))
+            and kernel_for(param.device.type, param.dtype, attention[0].head_dim) is not None
+            and runs_on(param.device))
 
 
 @contextmanager

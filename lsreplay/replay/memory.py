@@ -173,7 +173,9 @@ def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, ent
     copy of the mask (rows x width x (past + width) x e). `cascade` (cascade.forward_cascade):
     the rows attend to the past in place, saving the past K/V themselves, which replay holds
     anyway (counted once, see ActivationMeter.hold), and the rows' new K/V as without a
-    past. A node run's injected dK/dV are output gradients, not saved tensors."""
+    past: the same on CPU and CUDA, whose kernels differ but not what the one autograd
+    Function saves (a float32 log-sum-exp for every dtype but float64). A node run's
+    injected dK/dV are output gradients, not saved tensors."""
     repeated_kv = past > 0 and not cascade
     out = rows * width * per_position_bytes(dims, elt, repeated_kv) + entries * entry_bytes(dims, elt)
     if repeated_kv:
