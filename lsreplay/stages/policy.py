@@ -16,7 +16,7 @@ from lsreplay.checkpoint import load_optimizer, save_module, save_optimizer, sav
 from lsreplay.models import load_model
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.run import Run
-from lsreplay.stages.common import load_trees, policy_before
+from lsreplay.stages.common import leaf_counts, leaf_subtrees, load_trees, policy_before
 from lsreplay.stages.prefixes import StoredPrefixKV, load_activations
 
 
@@ -34,14 +34,17 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
     acts = [load_activations(run, step, i, prefixes) for i in range(len(trees))]
     old = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
     algo, max_tokens = run.cfg.algo, run.cfg.rollout.max_new_tokens
-    batch = GRPOBatch(
-        advantages=[group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards) for r in records],
-        old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg, max_tokens=max_tokens)
+    counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
+    advantages = [group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards, counts=n,
+                                   subtrees=leaf_subtrees(r) if algo.tree_baseline == "independent" else None)
+                  for r, n in zip(records, counts)]
+    batch = GRPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
+                      max_tokens=max_tokens, counts=counts)
     loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), {}
     if algo.kl_coef > 0:
         ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)]
-        loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens)
-        extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens))
+        loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens, counts)
+        extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens, counts))
     return *loss_and_weights(loss_fn, old), extras
 
 
