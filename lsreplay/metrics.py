@@ -27,6 +27,12 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     }
     if "kl" in policy:
         record["kl"] = policy["kl"]
+    # The tree shape per tree: leaves sampled, the samples G they stand for, and the
+    # effective group size of their counts (stages.trees.group_stats; absent from the
+    # manifests of rollouts sampled before leaves carried counts).
+    for key in ("leaves_per_tree", "group_size", "effective_group_size"):
+        if key in trees:
+            record[key] = trees[key]
     for stage, manifest in manifests.items():
         if "seconds" in manifest:
             record[f"{stage}_seconds"] = manifest["seconds"]
