@@ -111,7 +111,7 @@ def gradient_directions(s, exact_gradient: torch.Tensor) -> torch.Tensor:
 def test_weighted_mean_reward_is_unbiased_and_unweighted_is_not(setup):
     records = setup["records"]
     assert all(sum(r["counts"]) == G for r in records)
-    assert sum(len(r["completions"]) for r in records) / TREES < 0.8 * G  # many leaves stand for several
+    assert sum(len(r["completions"]) for r in records) / TREES < 0.7 * G  # many leaves stand for several (5.2 of 8)
     exact = sum(p * reward(list(y)) for y, p in setup["prob"].items())
     weighted = torch.tensor([group_stats([r])["reward_mean"] for r in records], dtype=torch.float64)
     unweighted = torch.tensor([sum(r["rewards"]) / len(r["rewards"]) for r in records], dtype=torch.float64)

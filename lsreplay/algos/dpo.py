@@ -2,14 +2,14 @@
 
     L = mean over pairs (c, r) of -log sigmoid(beta * ((lp_c - ref_c) - (lp_r - ref_r)))
 
-A leaf that stands for n samples (see grpo: it ended before a branch point) makes a pair
-stand for n_c * n_r pairs of samples, and the mean weighs it so.
-
 with lp = the sequence logprob (sum of token logprobs) of a completion under the policy and
 ref the same under the frozen reference. dL/dlogp per token is the same for every token of
 a completion (+-beta * sigmoid(-margin) / pairs), and on a prefix shared by the chosen and
 the rejected completion the two weights cancel on the tree's shared entries: the shared
 prefix of a pair gets no gradient from it, as it should.
+
+A leaf that stands for n samples (see grpo: it ended before a branch point) makes a pair
+stand for n_c * n_r pairs of samples, and the mean weighs it so.
 
 The policy's sequence logprobs come from the caching pass (no grad), `loss_and_weights`
 gives the per-token weights, and the replay backward injects them.
