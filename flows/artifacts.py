@@ -30,7 +30,8 @@ from lsreplay.run import Run
 
 log = logging.getLogger(__name__)
 
-TABLE_COLUMNS = ("step", "reward_mean", "loss", "kl", "grad_norm", "positions_ratio", "completion_tokens",
+TABLE_COLUMNS = ("step", "reward_mean", "loss", "kl", "grad_norm", "leaves_per_tree", "effective_group_size",
+                 "positions_ratio", "completion_tokens",
                  "rollout_tokens_per_s", "train_positions_per_s", "drafter_loss", "drafter_top1_accept",
                  "prompts_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "drafter_seconds")
 

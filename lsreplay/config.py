@@ -19,6 +19,7 @@ from lsreplay.algos.kl import KL_ESTIMATORS
 
 DTYPES = ("float32", "float64", "bfloat16")
 ACCELERATORS = ("cpu", "cuda")
+TREE_BASELINES = ("independent", "group")
 SMOLLM2 = "smollm2-135m-instruct"
 
 
@@ -84,6 +85,12 @@ class AlgoConfig:
     loss_agg: str = "token-mean"
     # Divide advantages by the group's reward std (False = Dr. GRPO's unbiased variant).
     scale_rewards: bool = True
+    # The baseline a tree leaf's reward is compared with. "independent": the mean over the
+    # leaves of the other first-level subtrees (none shares a sampled token with it), scaled
+    # so that the expected gradient is flat GRPO's on prod(rollout.branching) rollouts;
+    # needs rollout.branching[0] >= 2. "group": the mean over all leaves, its own siblings
+    # included, which shrinks the gradient on the tokens siblings share (see the README).
+    tree_baseline: str = "independent"
     # KL penalty to the frozen base model (0 = off; no reference pass then).
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -283,6 +290,11 @@ def validate(cfg: Config) -> None:
     _check(cfg.drafter.checkpoint_every >= 1, "drafter.checkpoint_every", "must be >= 1",
            cfg.drafter.checkpoint_every)
     _check(cfg.algo.name in ("grpo",), "algo.name", "grpo", cfg.algo.name)
+    _check(cfg.algo.tree_baseline in TREE_BASELINES, "algo.tree_baseline", " or ".join(TREE_BASELINES),
+           cfg.algo.tree_baseline)
+    _check(cfg.algo.tree_baseline == "group" or r.branching[0] >= 2, "algo.tree_baseline",
+           "independent needs rollout.branching[0] >= 2 (leaves of different first-level subtrees to compare "
+           "with); set rollout.branching[0] >= 2 or algo.tree_baseline=group", cfg.algo.tree_baseline)
     _check(cfg.algo.loss_agg in LOSS_AGGS, "algo.loss_agg", " or ".join(LOSS_AGGS), cfg.algo.loss_agg)
     _check(cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS),
            cfg.algo.kl_estimator)

@@ -33,6 +33,12 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     record["policy_state_seconds"] = policy.get("state_seconds", 0.0)
     if policy.get("device_peak_bytes"):
         record["device_peak_bytes"] = policy["device_peak_bytes"]
+    # The tree shape per tree: leaves sampled, the samples G they stand for, and the
+    # effective group size of their counts (stages.trees.group_stats; absent from the
+    # manifests of rollouts sampled before leaves carried counts).
+    for key in ("leaves_per_tree", "group_size", "effective_group_size"):
+        if key in trees:
+            record[key] = trees[key]
     for stage, manifest in manifests.items():
         if "seconds" in manifest:
             record[f"{stage}_seconds"] = manifest["seconds"]

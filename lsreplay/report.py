@@ -19,13 +19,15 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # (metric key in metrics.jsonl, panel title). Missing keys are skipped per run.
 PANELS = [
-    ("reward_mean", "reward (mean over rollouts)"),
+    ("reward_mean", "reward (mean over the G samples)"),
     ("loss", "loss"),
     ("kl", "KL to reference"),
     ("positions_saved", "token positions saved by replay"),
     ("step_seconds", "wall time per step (s)"),
     ("drafter_top1_accept", "drafter top-1 agreement"),
     ("rollout_accept_len", "speculative tail: tokens per verify"),
+    ("leaves_per_tree", "leaves sampled per tree"),
+    ("effective_group_size", "effective group size per tree"),
 ]
 
 
@@ -83,14 +85,23 @@ def plot(data: dict[str, dict[str, list]], path: Path) -> None:
 def markdown(runs: dict[str, list[dict]]) -> str:
     lines = ["# lsreplay report", "", "![curves](curves.png)", ""]
     for name, rows in runs.items():
-        lines += [f"## {name}", "", "| step | reward | loss | positions (replay / per-rollout) | step s | drafter top-1 |",
-                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"## {name}", "",
+                  "| step | reward | loss | leaves / G (effective) per tree | positions (replay / per-rollout) "
+                  "| step s | drafter top-1 |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             lines.append(f"| {r['step']} | {r.get('reward_mean', float('nan')):.3f} | {r.get('loss', float('nan')):.4g} "
-                         f"| {r.get('positions', 0)} / {r.get('per_rollout_positions', 0)} "
+                         f"| {_tree_shape(r)} | {r.get('positions', 0)} / {r.get('per_rollout_positions', 0)} "
                          f"| {r['step_seconds']:.1f} | {r.get('drafter_top1_accept', float('nan')):.3f} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _tree_shape(row: dict) -> str:
+    """Leaves sampled / samples they stand for (effective group size), per tree; "-" for
+    runs logged before leaves carried counts."""
+    if "group_size" not in row:
+        return "-"
+    return f"{row['leaves_per_tree']:.2f} / {row['group_size']:g} ({row['effective_group_size']:.2f})"
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:

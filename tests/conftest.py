@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from s3server import s3_endpoint, store  # noqa: F401  (fixtures for every test module: one S3 server)
@@ -48,6 +49,19 @@ def torch_init_intact(request):
     for name in swapped:
         setattr(torch.nn.init, name, _INIT_FUNCTIONS[name])
     assert not swapped, f"{request.node.nodeid} left torch.nn.init.{swapped[0]} (and {len(swapped) - 1} more) swapped"
+
+
+def _rmsnorm_float64(self, hidden):
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture
+def exact_rmsnorm(monkeypatch):
+    """HF's RMSNorm upcasts to float32 only, which is what limits float64 agreement to ~1e-7;
+    computed in the model's dtype, replay and naive agree to float64 rounding."""
+    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _rmsnorm_float64)
+    monkeypatch.setattr(transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm, "forward", _rmsnorm_float64)
 
 
 @pytest.fixture(scope="session")

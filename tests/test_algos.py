@@ -11,9 +11,9 @@ import transformers
 import lsreplay.algos.backward as naive_module
 import lsreplay.algos.ppo as ppo_module
 from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs, sequence_logprobs
-from lsreplay.algos.grpo import GRPOBatch, aggregate, group_advantages, grpo_loss
+from lsreplay.algos.grpo import LOSS_AGGS, GRPOBatch, aggregate, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, kl_per_token, reference_logprobs, with_kl
-from lsreplay.algos.backward import capture_logprobs, naive_logprobs
+from lsreplay.algos.backward import capture_logprobs, naive_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.ppo import PPOBatch, ppo_loss, ppo_update
 from lsreplay.algos.weights import loss_and_weights
 from lsreplay.tree import RolloutTree
@@ -89,6 +89,88 @@ def test_aggregate_skips_empty_completions():
     assert float(aggregate(t, "seq-mean")) == 2.0
     assert float(aggregate(t, "seq-mean-token-sum-norm", max_tokens=4)) == 4.0 / (2 * 4)
     assert float(aggregate([], "token-mean")) == 0.0
+
+
+# -- leaves that stand for several samples --------------------------------------------------------
+
+def test_a_leaf_with_count_n_counts_as_n_identical_completions():
+    """Every loss_agg, GRPO's group statistics, KL: counts [3, 1, 2] equal the completions
+    repeated 3, 1 and 2 times; counts of 1 change nothing."""
+    g = torch.Generator().manual_seed(0)
+    lengths, counts = [2, 5, 3], [3, 1, 2]
+    lp = [[-torch.rand(n, dtype=torch.float64, generator=g) for n in lengths]]
+    ref = [[x - torch.rand(len(x), dtype=torch.float64, generator=g) for x in lp[0]]]
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    copies = [j for j, n in enumerate(counts) for _ in range(n)]
+    repeated = [[lp[0][j] for j in copies]]
+    adv = group_advantages(rewards, counts=counts)
+    assert torch.allclose(adv[copies], group_advantages(rewards[copies]))
+    assert torch.equal(group_advantages(rewards, counts=[1, 1, 1]), group_advantages(rewards))
+    for agg in LOSS_AGGS:
+        weighted = GRPOBatch(advantages=[adv], old_logprobs=lp, loss_agg=agg, max_tokens=8, counts=[counts])
+        plain = GRPOBatch(advantages=[adv[copies]], old_logprobs=repeated, loss_agg=agg, max_tokens=8)
+        moved = [[x + 0.1 for x in lp[0]]]  # ratio != 1
+        assert float(grpo_loss(moved, weighted)) == pytest.approx(float(grpo_loss([[moved[0][j] for j in copies]], plain)))
+        kl = float(kl_loss(lp, ref, "k3", agg, 8, counts=[counts]))
+        assert kl == pytest.approx(float(kl_loss(repeated, [[ref[0][j] for j in copies]], "k3", agg, 8)))
+    with pytest.raises(ValueError, match="counts"):
+        group_advantages(rewards, counts=[1, 0, 2])
+    with pytest.raises(ValueError, match="counts"):
+        aggregate([torch.ones(2)], "token-mean", counts=[1, 1])
+
+
+def test_independent_baseline_leaves_out_the_leafs_own_subtree():
+    """Subtrees {0, 1} and {2}: leaf 0's baseline is leaf 2's reward, leaf 2's the count-
+    weighted mean of leaves 0 and 1; scaled by 1 - 1/G (flat GRPO's factor), G = 4."""
+    rewards, counts, subtrees = torch.tensor([1.0, 0.0, 0.0]), [1, 1, 2], [0, 0, 1]
+    adv = group_advantages(rewards, scale=False, counts=counts, subtrees=subtrees)
+    assert torch.allclose(adv, 0.75 * torch.tensor([1.0 - 0.0, 0.0 - 0.0, 0.0 - 0.5], dtype=torch.float64))
+    # With each leaf its own subtree it is the group mean: flat GRPO, and records without paths.
+    r = torch.tensor([1.0, 0.0, 0.0, 2.0])
+    assert torch.allclose(group_advantages(r, subtrees=[0, 1, 2, 3]), group_advantages(r))
+    with pytest.raises(ValueError, match="branching"):
+        group_advantages(rewards, counts=counts, subtrees=[0, 0, 0])
+
+
+def test_dpo_pair_stands_for_the_pairs_of_its_samples():
+    lp = nested([2, 3, 1], value=-0.5)
+    lp[0][1] = lp[0][1] - 0.2
+    ref = sequence_logprobs(nested([2, 3, 1], value=-0.5))
+    pairs = [[(0, 1), (2, 1)]]
+    per_pair = [float(dpo_loss(lp, [[p]], ref)) for p in pairs[0]]
+    # counts 3, 2, 1: pair (0, 1) stands for 6 pairs of samples, pair (2, 1) for 2
+    weighted = float(dpo_loss(lp, pairs, ref, counts=[[3, 2, 1]]))
+    assert weighted == pytest.approx((6 * per_pair[0] + 2 * per_pair[1]) / 8)
+    assert float(dpo_loss(lp, pairs, ref)) == pytest.approx(sum(per_pair) / 2)
+
+
+def test_counts_survive_identical_leaves_in_the_trie():
+    """Two leaves with the same tokens share every trie entry; a count of 2 on one of them
+    gives the gradient of three copies, by replay as by the per-rollout reference."""
+    model = tiny_llama()
+    prompt, same, other = [5, 6, 7], [1, 2, 3], [1, 4]
+    counted = [RolloutTree.from_sequences(prompt, [same, same, other])]
+    copied = [RolloutTree.from_sequences(prompt, [same, same, same, other])]
+    assert counted[0].unique_positions == copied[0].unique_positions
+    rewards = torch.tensor([1.0, 1.0, 0.0])
+
+    def gradient(trees, counts, mode):
+        old, acts = capture_logprobs(model, trees)
+        r = rewards if counts else torch.tensor([1.0, 1.0, 1.0, 0.0])
+        batch = GRPOBatch(advantages=[group_advantages(r, counts=counts and counts[0])], old_logprobs=old,
+                          counts=counts)
+        model.zero_grad(set_to_none=True)
+        if mode == "replay":
+            replay_loss_backward(model, trees, lambda lp: grpo_loss(lp, batch), activations=acts)
+        else:
+            naive_loss_backward(model, trees, lambda lp: grpo_loss(lp, batch))
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    reference = gradient(copied, None, "naive")
+    assert reference.abs().max() > 1e-4
+    for mode in ("replay", "naive"):  # HF's float32 RMSNorm: float64 models agree to ~1e-7
+        got = gradient(counted, [[2, 1, 1]], mode)
+        assert (got - reference).abs().max() <= 1e-6 * reference.abs().max(), mode
 
 
 # -- PPO clip -----------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from lsreplay.config import ConfigError, load_config, result_hash, to_dict, to_y
     ("model.dtype=int8", "one of float32, float64, bfloat16"),
     ("rollout.segment_tokens=[1,2]", "exactly len(rollout.branching) - 1 = 1 values"),
     ("algo.loss_agg=mean", "token-mean or seq-mean or seq-mean-token-sum-norm"),
+    ("algo.tree_baseline=siblings", "independent or group"),
+    ("rollout.branching=[1,8]", "independent needs rollout.branching[0] >= 2"),
     ("optim.lr=inf", "a finite number > 0"),
     ("replay.kv_offload=disk", "store or host"),
     ("pool.devices_per_step=3", "between 1 and pool.slots = 1"),

@@ -40,6 +40,11 @@ def test_flow_runs_every_stage_and_resumes(prefect_server, tiny_model_dir, tmp_p
     m = metrics[-1]
     assert m["positions_ratio"] > 1 and m["per_rollout_positions"] > m["positions"]
     assert {"reward_mean", "loss", "trees_seconds", "policy_seconds", "drafter_loss"} <= m.keys()
+    # Every tree's leaves stand for the 2 x 2 samples of its shape, each counted once or twice.
+    trees = json.loads((run_dir / "step_0001/trees.json").read_text())["trees"]
+    assert all(sum(t["counts"]) == 4 and len(t["counts"]) == len(t["completions"]) for t in trees)
+    assert m["group_size"] == 4 and m["leaves_per_tree"] == sum(len(t["counts"]) for t in trees) / len(trees)
+    assert 1 <= m["effective_group_size"] <= 4
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == 2
 
     base = load_file(str(tiny_model_dir / "model.safetensors"))["model.embed_tokens.weight"]

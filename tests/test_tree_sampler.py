@@ -34,7 +34,7 @@ def _tree(model, branching=(3, 2), segment=(5,), max_new=12, eos=NO_EOS, seed=0,
 
 def test_shape_and_shared_segments(model):
     tree = _tree(model)
-    assert len(tree.completions) == 6 and not any(tree.finished)
+    assert len(tree.completions) == 6 and not any(tree.finished) and tree.counts == [1] * 6
     assert all(len(c) == 12 for c in tree.completions)
     assert [len(lp) for lp in tree.logprobs] == [12] * 6
     for k in range(3):
@@ -91,6 +91,11 @@ def test_eos_ends_branches_early_and_they_are_not_forked(model):
     assert len(groups) == 4
     for group in groups:
         assert len(group) == (1 if len(group[0]) <= 5 else 2)
+    # A leaf that ended before the branch point stands for the 2 leaves it would have been
+    # forked into: the counts sum to the 4 x 2 samples of the tree shape.
+    assert tree.counts == [2 if len(c) <= 5 else 1 for c in tree.completions] and sum(tree.counts) == 8
+    assert [p[0] for p in tree.paths] == [k for k, group in enumerate(groups) for _ in group]
+    assert all(len(p) == (1 if n == 2 else 2) for p, n in zip(tree.paths, tree.counts))
     # Dropping finished rows must keep each survivor's own cache rows.
     _assert_logprobs_match_a_fresh_forward(model, tree)
 

@@ -8,6 +8,9 @@ a completion (+-beta * sigmoid(-margin) / pairs), and on a prefix shared by the 
 the rejected completion the two weights cancel on the tree's shared entries: the shared
 prefix of a pair gets no gradient from it, as it should.
 
+A leaf that stands for n samples (see grpo: it ended before a branch point) makes a pair
+stand for n_c * n_r pairs of samples, and the mean weighs it so.
+
 The policy's sequence logprobs come from the caching pass (no grad), `loss_and_weights`
 gives the per-token weights, and the replay backward injects them.
 """
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from lsreplay.algos.backward import capture_logprobs
+from lsreplay.algos.grpo import NestedCounts, sample_counts
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.tree import RolloutTree
 
@@ -39,13 +43,18 @@ def reference_sequence_logprobs(reference: PreTrainedModel, trees: list[RolloutT
 
 
 def dpo_loss(logprobs: NestedLogprobs, pairs: Pairs, ref_seq_logprobs: list[torch.Tensor],
-             beta: float = 0.1) -> torch.Tensor:
-    """-log sigmoid(beta * policy-minus-reference margin), averaged over all pairs of all trees."""
+             beta: float = 0.1, counts: NestedCounts = None) -> torch.Tensor:
+    """-log sigmoid(beta * policy-minus-reference margin), averaged over all pairs of all
+    trees, each pair weighted by the pairs of samples it stands for (counts: see grpo)."""
     if not (len(logprobs) == len(pairs) == len(ref_seq_logprobs)):
         raise ValueError(f"logprobs, pairs and reference cover {len(logprobs)}, {len(pairs)} and "
                          f"{len(ref_seq_logprobs)} trees")
-    margins = []
-    for i, (lps, tree_pairs, ref) in enumerate(zip(logprobs, pairs, ref_seq_logprobs)):
+    counts = [None] * len(logprobs) if counts is None else counts
+    if len(counts) != len(logprobs):
+        raise ValueError(f"counts cover {len(counts)} trees, logprobs {len(logprobs)}")
+    margins, pair_weights = [], []
+    for i, (lps, tree_pairs, ref, ns) in enumerate(zip(logprobs, pairs, ref_seq_logprobs, counts)):
+        n = sample_counts(ns, len(lps))
         if len(ref) != len(lps):
             raise ValueError(f"tree {i}: {len(lps)} completions but {len(ref)} reference sequence logprobs")
         for c, r in tree_pairs:
@@ -53,6 +62,8 @@ def dpo_loss(logprobs: NestedLogprobs, pairs: Pairs, ref_seq_logprobs: list[torc
                 raise ValueError(f"tree {i}: pair ({c}, {r}) must name two completions of the {len(lps)}")
             lp_c, lp_r = lps[c].sum(), lps[r].sum()
             margins.append((lp_c - ref[c].to(lp_c)) - (lp_r - ref[r].to(lp_r)))
+            pair_weights.append(n[c] * n[r])
     if not margins:
         return torch.zeros((), dtype=torch.float64)
-    return -F.logsigmoid(beta * torch.stack(margins)).mean()
+    w = torch.stack(pair_weights)
+    return -(F.logsigmoid(beta * torch.stack(margins)) * w.to(margins[0])).sum() / w.sum()

@@ -14,6 +14,18 @@ Aggregations (`loss_agg`), over the per-token losses l_{j,t} of the batch's comp
   normalisation, a constant denominator instead (the generation budget, `max_tokens`).
   Together with `group_advantages(..., scale=False)` (no std division) this is Dr. GRPO.
 
+Tree leaves as samples. A leaf that ended before a branch point stands for the
+`counts[j]` continuations it would have been forked into (copies of itself), so a tree's
+leaves stand for G = sum(counts) samples of the policy, each distributed as a flat
+rollout. Every statistic here treats a leaf with count n as n identical completions: the
+group's mean and std, and each aggregation (its tokens count n times in token-mean, its
+sequence mean n times in seq-mean, G in Dr. GRPO's denominator). Counts of None mean 1 each.
+
+Siblings share sampled tokens, so a group mean that includes a leaf's own siblings is
+correlated with it, which a flat group's mean is not (beyond the leaf itself). With
+`subtrees` given, `group_advantages` gives every leaf the baseline of flat GRPO with that
+correlation taken out; see its docstring and the README's "Tree rollouts as samples".
+
 The functions here are plain torch over nested logprobs; they serve both the replay path
 (through `loss_and_weights`) and the per-rollout reference (through autograd).
 """
@@ -29,38 +41,94 @@ from lsreplay.algos.weights import NestedLogprobs
 LOSS_AGGS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
 
 
-def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean) / std over one prompt's completions; std division off = Dr. GRPO."""
+# counts[i][j]: the samples completion j of tree i stands for; None = 1 each.
+NestedCounts = list[list[int]] | None
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6,
+                     counts: list[int] | None = None, subtrees: list[int] | None = None) -> torch.Tensor:
+    """Advantages of one prompt's completions: reward minus a baseline, over the group's
+    std (scale off = Dr. GRPO). Mean and std are over the G = sum(counts) samples.
+
+    subtrees: each leaf's first-level subtree. None: the baseline is the group mean, as in
+    flat GRPO (`algo.tree_baseline=group`). Given (`independent`): (1 - 1/G) (r_j - b_j),
+    b_j the mean reward over the leaves outside j's own subtree. Flat GRPO's advantage is
+    exactly (1 - 1/G) times r_j minus the mean of the other G - 1 samples, all independent of
+    j; here b_j averages only leaves independent of j, so the tree's expected gradient is
+    flat GRPO's. With each leaf its own subtree the two baselines are the same."""
     rewards = torch.as_tensor(rewards).double()
-    centred = rewards - rewards.mean()
-    if not scale or rewards.numel() < 2:
+    n = sample_counts(counts, len(rewards))
+    size = n.sum()
+    mean = (n * rewards).sum() / size
+    if subtrees is None:
+        centred = rewards - mean
+    else:
+        centred = (1 - 1 / size) * (rewards - independent_baselines(rewards, n, subtrees))
+    if not scale or size < 2:
         return centred
-    return centred / (rewards.std() + eps)
+    std = ((n * (rewards - mean) ** 2).sum() / (size - 1)).sqrt()
+    return centred / (std + eps)
+
+
+def independent_baselines(rewards: torch.Tensor, counts: torch.Tensor, subtrees: list[int]) -> torch.Tensor:
+    """Per leaf: the count-weighted mean reward of the leaves outside its first-level subtree."""
+    if len(subtrees) != len(rewards):
+        raise ValueError(f"{len(subtrees)} subtrees for {len(rewards)} rewards")
+    subtrees = torch.as_tensor(subtrees)
+    outside = (subtrees[:, None] != subtrees[None, :]).double() * counts[None, :]
+    mass = outside.sum(1)
+    if (mass == 0).any():
+        raise ValueError("every leaf lies in one first-level subtree, so no leaf is independent of another: "
+                         "the independent baseline needs rollout.branching[0] >= 2 (or algo.tree_baseline=group)")
+    return outside @ rewards / mass
+
+
+def sample_counts(counts: list[int] | None, leaves: int) -> torch.Tensor:
+    """Counts as float64, checked: one positive integer per leaf (None = 1 each)."""
+    if counts is None:
+        return torch.ones(leaves, dtype=torch.float64)
+    if len(counts) != leaves or any(int(c) != c or c < 1 for c in counts):
+        raise ValueError(f"counts must be one positive integer per completion ({leaves}), got {list(counts)}")
+    return torch.tensor([float(c) for c in counts], dtype=torch.float64)
 
 
 def aggregate(token_losses: list[torch.Tensor], loss_agg: str = "token-mean",
-              max_tokens: int | None = None) -> torch.Tensor:
+              max_tokens: int | None = None, counts: list[int] | None = None) -> torch.Tensor:
     """Reduce per-token losses (one 1-D tensor per completion, the whole batch) to a scalar.
 
     max_tokens: Dr. GRPO's constant denominator (the generation limit); None uses the
-    longest completion given, which is only constant if every batch has one that long."""
+    longest completion given, which is only constant if every batch has one that long.
+    counts: the samples each completion stands for; it counts as that many copies."""
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
-    nonempty = [t for t in token_losses if t.numel()]
+    n = sample_counts(counts, len(token_losses)).tolist()
+    nonempty = [(t, c) for t, c in zip(token_losses, n) if t.numel()]
     if not nonempty:
         return torch.zeros((), dtype=torch.float64)
     if loss_agg == "token-mean":
-        return torch.cat(nonempty).sum() / sum(t.numel() for t in nonempty)
+        return torch.cat([t * c for t, c in nonempty]).sum() / sum(t.numel() * c for t, c in nonempty)
     if loss_agg == "seq-mean":
-        return torch.stack([t.mean() for t in nonempty]).mean()
-    longest = max(t.numel() for t in nonempty)
+        return torch.stack([t.mean() * c for t, c in nonempty]).sum() / sum(c for _, c in nonempty)
+    longest = max(t.numel() for t, _ in nonempty)
     if max_tokens is None:
         max_tokens = longest
     elif longest > max_tokens:
         raise ValueError(f"a completion has {longest} tokens, more than max_tokens={max_tokens}: "
                          "Dr. GRPO's denominator must be the generation limit")
-    # Every completion counts in G, empty ones too: the denominator does not depend on lengths.
-    return torch.cat(nonempty).sum() / (len(token_losses) * max_tokens)
+    # Every sample counts in G, empty ones too: the denominator does not depend on lengths.
+    return torch.cat([t * c for t, c in nonempty]).sum() / (sum(n) * max_tokens)
+
+
+def flat_counts(counts: NestedCounts, logprobs: list[list]) -> list[int] | None:
+    """Nested per-tree counts as one list over the batch's completions, checked per tree."""
+    if counts is None:
+        return None
+    if len(counts) != len(logprobs):
+        raise ValueError(f"counts cover {len(counts)} trees, logprobs {len(logprobs)}")
+    for i, (ns, lps) in enumerate(zip(counts, logprobs)):
+        if len(ns) != len(lps):
+            raise ValueError(f"tree {i}: {len(lps)} completions but {len(ns)} counts")
+    return [c for ns in counts for c in ns]
 
 
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages,
@@ -76,7 +144,7 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
 
 def clipped_policy_loss(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, advantages,
                         clip_eps: float, loss_agg: str = "token-mean",
-                        max_tokens: int | None = None) -> torch.Tensor:
+                        max_tokens: int | None = None, counts: NestedCounts = None) -> torch.Tensor:
     """The clipped surrogate of every completion of every tree, aggregated over the batch.
 
     advantages[i][j]: a scalar, or a 1-D tensor with one advantage per token."""
@@ -90,7 +158,7 @@ def clipped_policy_loss(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, 
                              f"{len(advs)} advantages")
         for lp, old, a in zip(lps, olds, advs):
             token_losses.append(clipped_surrogate(lp, old, a, clip_eps))
-    return aggregate(token_losses, loss_agg, max_tokens)
+    return aggregate(token_losses, loss_agg, max_tokens, flat_counts(counts, logprobs))
 
 
 @dataclass
@@ -100,9 +168,10 @@ class GRPOBatch:
     clip_eps: float = 0.2
     loss_agg: str = "token-mean"  # see LOSS_AGGS
     max_tokens: int | None = None  # seq-mean-token-sum-norm's constant (the generation limit)
+    counts: NestedCounts = None  # per tree, per completion: the samples it stands for
 
 
 def grpo_loss(logprobs: NestedLogprobs, batch: GRPOBatch) -> torch.Tensor:
     """Negative clipped surrogate, aggregated over the batch's completion tokens."""
     return clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps,
-                               batch.loss_agg, batch.max_tokens)
+                               batch.loss_agg, batch.max_tokens, batch.counts)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.algos.grpo import clipped_policy_loss
+from lsreplay.algos.grpo import NestedCounts, clipped_policy_loss
 from lsreplay.algos.kl import with_kl
 from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.weights import NestedLogprobs
@@ -30,12 +30,13 @@ class PPOBatch:
     clip_eps: float = 0.2
     loss_agg: str = "token-mean"  # see grpo.LOSS_AGGS
     max_tokens: int | None = None
+    counts: NestedCounts = None  # per tree, per completion: the samples it stands for (see grpo)
 
 
 def ppo_loss(logprobs: NestedLogprobs, batch: PPOBatch) -> torch.Tensor:
     """Negative clipped surrogate, aggregated over the batch's completion tokens."""
     return clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps,
-                               batch.loss_agg, batch.max_tokens)
+                               batch.loss_agg, batch.max_tokens, batch.counts)
 
 
 def minibatch_orders(num_trees: int, epochs: int, minibatch_trees: int | None,
@@ -57,13 +58,14 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
                max_tokens: int | None = None, old_logprobs: NestedLogprobs | None = None,
                ref_logprobs: NestedLogprobs | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
                max_grad_norm: float | None = None, generator: torch.Generator | None = None,
-               budget_bytes: int | None = None) -> list[float]:
+               budget_bytes: int | None = None, counts: NestedCounts = None) -> list[float]:
     """`epochs` passes over `trees` in minibatches of `minibatch_trees` trees, one optimizer
     step each; returns each minibatch's loss (at the weights before its step).
 
     old_logprobs: None runs the caching pass now (its activations also serve the first
     minibatch, whose weights they are). ref_logprobs + kl_coef: KL penalty to a reference
-    (see kl.reference_logprobs). mode "naive" differentiates the same loss per rollout.
+    (see kl.reference_logprobs). counts: the samples each leaf stands for (grpo's
+    NestedCounts), in both terms. mode "naive" differentiates the same loss per rollout.
     The model must be deterministic (no dropout): the caching pass and the backward must
     see the same function."""
     if mode not in ("replay", "naive"):
@@ -86,8 +88,9 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
     for epoch in orders:
         for idx in epoch:
             sub = [trees[i] for i in idx]
+            sub_counts = None if counts is None else [counts[i] for i in idx]
             batch = PPOBatch(advantages=[advantages[i] for i in idx], old_logprobs=[old_logprobs[i] for i in idx],
-                             clip_eps=clip_eps, loss_agg=loss_agg, max_tokens=max_tokens)
+                             clip_eps=clip_eps, loss_agg=loss_agg, max_tokens=max_tokens, counts=sub_counts)
 
             def loss_fn(lp, batch=batch):
                 return ppo_loss(lp, batch)
@@ -95,7 +98,8 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
             if kl_coef:
                 if ref_logprobs is None:
                     raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
-                loss_fn = with_kl(loss_fn, [ref_logprobs[i] for i in idx], kl_coef, kl_estimator, loss_agg, max_tokens)
+                loss_fn = with_kl(loss_fn, [ref_logprobs[i] for i in idx], kl_coef, kl_estimator, loss_agg, max_tokens,
+                                  sub_counts)
             model.zero_grad(set_to_none=True)
             optimizer.zero_grad(set_to_none=True)
             if mode == "replay":

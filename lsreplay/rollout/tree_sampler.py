@@ -6,6 +6,9 @@ dimension, so no shared prefix is ever re-encoded. Many trees decode together: p
 are left-padded, and all live sequences have generated the same number of tokens at
 every step, so one forward per token serves them all. A sequence that emits EOS leaves
 the batch (its cache rows are dropped) and becomes a leaf; it is never forked again.
+Forking it could only have copied it, so such a leaf stands for every continuation it
+would have been forked into: its `count` is the product of the fan-outs below it, and
+the counts of a tree always sum to prod(branching), the G samples its weights stand for.
 
 The adaptive engine (`Speculation`). Most sequences finish early; a few long ones keep
 the batch decoding one token per forward. Once no fork is pending and at most
@@ -18,6 +21,7 @@ features at no extra cost.
 """
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +53,12 @@ class TreeRollout:
     logprobs: list[list[float]]  # raw-policy logprob of each completion token (see sampling.py)
     finished: list[bool]  # True if the completion ended with EOS
     forward_positions: int  # token positions the model was run on (prefill, decode, verify blocks)
+    # The child index taken at each branch point the leaf passed; paths[j][0] is its
+    # first-level subtree (leaves of different ones share no sampled token).
+    paths: list[list[int]]
+    # Independent samples each leaf stands for: the product of the fan-outs of the branch
+    # points it ended before (1 for a leaf that reached the last level).
+    counts: list[int]
 
 
 @dataclass(frozen=True)
@@ -290,15 +300,17 @@ class _Batch:
             ids[row, width - len(encoded):] = torch.tensor(encoded)
         return ids
 
-    def rollouts(self) -> list[TreeRollout]:
-        """Per tree, leaves sorted by path: a tuple sorts before its extensions (depth-first)."""
+    def rollouts(self, branching: list[int]) -> list[TreeRollout]:
+        """Per tree, leaves sorted by path: a tuple sorts before its extensions (depth-first).
+        A leaf whose path is shorter than `branching` ended before the forks it missed."""
         out = []
         for i, prompt in enumerate(self.prompts):
             leaves = sorted((x for x in self.leaves if x[0].tree == i), key=lambda leaf: leaf[0].path)
             out.append(TreeRollout(
                 prompt_ids=list(prompt), completions=[b.tokens for b, _ in leaves],
                 logprobs=[b.logprobs for b, _ in leaves], finished=[done for _, done in leaves],
-                forward_positions=self.positions[i]))
+                forward_positions=self.positions[i], paths=[list(b.path) for b, _ in leaves],
+                counts=[math.prod(branching[len(b.path):]) for b, _ in leaves]))
         return out
 
 
@@ -343,7 +355,7 @@ def sample_trees(
                 batch.step()
             if not batch.branches:
                 break
-    return batch.rollouts(), batch.trace
+    return batch.rollouts(branching), batch.trace
 
 
 def sample_tree(model, prompt_ids: list[int], branching: list[int], segment_tokens: list[int],

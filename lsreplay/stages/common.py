@@ -38,3 +38,18 @@ def load_trees(run: Run, step: int) -> tuple[list[dict], list[RolloutTree]]:
     with run.reading(step, "trees"):
         records = run.store.read_json(key, sha256=run.sha256(run.manifest(step, "trees"), key))["trees"]
     return records, [RolloutTree.from_sequences(r["prompt_ids"], r["completions"]) for r in records]
+
+
+def leaf_counts(record: dict) -> list[int]:
+    """The samples each leaf of a tree record stands for; records written before leaves
+    carried counts: 1 each."""
+    return record.get("counts", [1] * len(record["completions"]))
+
+
+def leaf_subtrees(record: dict) -> list[int]:
+    """Each leaf's first-level subtree (leaves of different ones share no sampled token).
+    Records written before leaves carried paths: each leaf its own, with which the
+    independent baseline is the plain group mean (what those runs trained with)."""
+    if "paths" not in record:
+        return list(range(len(record["completions"])))
+    return [path[0] for path in record["paths"]]

@@ -8,15 +8,14 @@ import time
 
 import torch
 
-from lsreplay import faults
+from lsreplay import checkpointing, faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, with_kl
-from lsreplay import checkpointing
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
-from lsreplay.stages.common import StateClock, load_trees
+from lsreplay.stages.common import StateClock, leaf_counts, leaf_subtrees, load_trees
 from lsreplay.stages.prefixes import StoredPrefixKV, load_activations
 from lsreplay.train_state import TrainState, master_dtype
 
@@ -30,14 +29,17 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
     acts = [load_activations(run, step, i, prefixes) for i in range(len(trees))]
     old = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
     algo, max_tokens = run.cfg.algo, run.cfg.rollout.max_new_tokens
-    batch = GRPOBatch(
-        advantages=[group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards) for r in records],
-        old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg, max_tokens=max_tokens)
+    counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
+    advantages = [group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards, counts=n,
+                                   subtrees=leaf_subtrees(r) if algo.tree_baseline == "independent" else None)
+                  for r, n in zip(records, counts)]
+    batch = GRPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
+                      max_tokens=max_tokens, counts=counts)
     loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), {}
     if algo.kl_coef > 0:
         ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)]
-        loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens)
-        extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens))
+        loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens, counts)
+        extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens, counts))
     return *loss_and_weights(loss_fn, old), extras
 
 

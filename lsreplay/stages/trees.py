@@ -16,7 +16,7 @@ from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.run import Run
-from lsreplay.stages.common import StateClock, policy_before
+from lsreplay.stages.common import StateClock, leaf_counts, policy_before
 from lsreplay.stages.drafter import load_drafter, newest_drafter
 
 
@@ -122,13 +122,12 @@ def collect_trees(run: Run, step: int) -> dict:
         by_prompt.update(zip(stored["prompt_indices"], stored["trees"]))
     records = [by_prompt[i] for i in sorted(by_prompt)]
     entry = run.store.write_json(run.key(step, "trees.json"), {"trees": records})
-    rewards = [x for rec in records for x in rec["rewards"]]
     lengths = [len(c) for rec in records for c in rec["completions"]]
     # Shards run side by side: the stage took from the first start to the last end.
     seconds = max(m["ended"] for m in shards) - min(m["started"] for m in shards)
     return run.finish(step, "trees", {
-        "files": [entry], "trees": len(records), "rollouts": len(rewards),
-        "reward_mean": sum(rewards) / len(rewards), "completion_tokens": sum(lengths),
+        "files": [entry], "trees": len(records), "rollouts": len(lengths), **group_stats(records),
+        "completion_tokens": sum(lengths),
         "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
         "tokens_per_s": sum(lengths) / seconds, "started": min(m["started"] for m in shards),
         "ended": max(m["ended"] for m in shards), **combine_traces(shards, lengths),
@@ -137,11 +136,25 @@ def collect_trees(run: Run, step: int) -> dict:
 
 
 def tree_record(tokenizer, prompt: Prompt, tree, task_args: dict | None) -> dict:
-    """What the store keeps of one tree: tokens, behaviour logprobs, texts, rewards."""
+    """What the store keeps of one tree: tokens, behaviour logprobs, texts, rewards, and
+    the samples each leaf stands for (its count, and its path through the branch points)."""
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions]
     return {"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
             "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts,
-            "rewards": [score(prompt, t, task_args) for t in texts]}
+            "rewards": [score(prompt, t, task_args) for t in texts], "counts": tree.counts, "paths": tree.paths}
+
+
+def group_stats(records: list[dict]) -> dict:
+    """The step's mean reward over the samples the leaves stand for (an unbiased estimate of
+    the policy's expected reward), and what the tree shape saves and costs, per tree on
+    average: leaves sampled, the group size G they stand for, and the effective group size
+    (sum n)^2 / sum n^2 of the counts n: G when no leaf ended before a branch point, less
+    as copies of a leaf replace independent samples."""
+    counts = [leaf_counts(rec) for rec in records]
+    samples = sum(map(sum, counts))
+    return {"reward_mean": sum(n * r for rec, ns in zip(records, counts) for n, r in zip(ns, rec["rewards"])) / samples,
+            "leaves_per_tree": sum(map(len, counts)) / len(records), "group_size": samples / len(records),
+            "effective_group_size": sum(sum(ns) ** 2 / sum(n * n for n in ns) for ns in counts) / len(records)}
 
 
 def combine_traces(shards: list[dict], lengths: list[int]) -> dict:
