@@ -17,7 +17,7 @@ last committed checkpoint stays as it was.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager
 from functools import partial
 
 from prefect import flow, get_run_logger
@@ -26,6 +26,7 @@ from prefect.futures import as_completed
 from flows import artifacts
 from lsreplay import checkpointing
 from lsreplay.config import Config, ConfigError, load_config
+from lsreplay.hosts import release_hosts
 from lsreplay.metrics import step_record
 from lsreplay.resident import RESIDENT, StateLost
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
@@ -61,14 +62,14 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     checkpointing.rewind(run)  # this process holds nothing yet
     tasks = configured()
     try:
-        with task_runner(cfg) as runner:
-            return _run_steps(run, tasks, runner, cfg)
+        with ray_session(cfg):
+            return _run_steps(run, tasks, cfg)
     finally:
         checkpointing.WRITER.wait()
         RESIDENT.release(run)
 
 
-def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
+def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
     logger = get_run_logger()
     progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
     progress(0.0)
@@ -76,7 +77,7 @@ def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
     step = 0
     while step < cfg.steps:
         try:
-            manifests = _step(run, tasks, cfg, step, runner)
+            manifests = _step(run, tasks, cfg, step)
         except InputCorrupt as e:
             _count(recomputes, (e.step, e.stage), e)
             logger.warning("%s", e)
@@ -110,40 +111,24 @@ def _count(recomputes: Counter, where: tuple[int, str], error: Exception) -> Non
         raise StageFailed(stage, step, f"its input keeps coming out unusable: {error}") from error
 
 
-# Stages that hold accelerator pool slots (tasks.stages._on_pool), and so Ray GPUs.
-ACCELERATOR_STAGES = ("trees", "prefixes", "policy", "drafter")
-
-
-def task_runner(cfg: Config):
-    """pool.task_runner: "thread" (default) runs each stage's task in the flow's own
-    process; "ray" submits each to prefect-ray's RayTaskRunner on the Ray cluster at
-    pool.ray_address (empty: a Ray instance already initialised in this process, else a
-    new local one). Yields the runner, or None for "thread"."""
+@contextmanager
+def ray_session(cfg: Config):
+    """pool.task_runner=ray: connect this process to the Ray cluster at pool.ray_address
+    (empty: a Ray instance already initialised here, else a new local one), where each
+    pool device's host runs (lsreplay.hosts); end the run's hosts afterwards."""
     if cfg.pool.task_runner == "thread":  # validated by lsreplay.config: "thread" or "ray"
-        return nullcontext(None)
+        yield
+        return
     try:
-        from prefect_ray import RayTaskRunner
+        import ray
     except ImportError as e:
-        raise ConfigError("pool.task_runner=ray needs prefect-ray and ray: pip install 'lsreplay[ray]'") from e
-    return RayTaskRunner(address=cfg.pool.ray_address or None)
-
-
-def _ray_options(cfg: Config, stage: str) -> dict:
-    """What a stage's Ray task asks the cluster for: pool.ray_gpus GPUs per pool slot it holds."""
-    if stage not in ACCELERATOR_STAGES or cfg.pool.ray_gpus <= 0:
-        return {}
-    return {"num_gpus": cfg.pool.ray_gpus * (cfg.pool.devices_per_step if stage == "policy" else 1)}
-
-
-def _submit(task, runner, cfg: Config, stage: str, **parameters):
-    """Start a stage's task: on the flow's thread pool, or as a Ray task; returns its future."""
-    parameters = {"cfg": cfg, **parameters}
-    if runner is None:
-        return task.submit(**parameters)
-    from prefect_ray.context import remote_options
-
-    with remote_options(**_ray_options(cfg, stage)):
-        return runner.submit(task, parameters=parameters)
+        raise ConfigError("pool.task_runner=ray needs ray: pip install 'lsreplay[ray]'") from e
+    if not ray.is_initialized():
+        ray.init(address=cfg.pool.ray_address or None, log_to_driver=False)
+    try:
+        yield
+    finally:
+        release_hosts(cfg)
 
 
 def _result(future, stage: str, step: int) -> dict:
@@ -157,13 +142,13 @@ def _result(future, stage: str, step: int) -> dict:
         raise StageFailed(stage, step, e) from e
 
 
-def _step(run, tasks: dict, cfg: Config, step: int, runner=None) -> dict[str, dict]:
+def _step(run, tasks: dict, cfg: Config, step: int) -> dict[str, dict]:
     """prompts -> rollout shards (with the previous step's drafter on freed slots) -> trees
     -> prefix cache -> policy; the last step then trains its own drafter to the end."""
     def stage(name: str) -> dict:
-        return _result(_submit(tasks[name], runner, cfg, name, step=step), name, step)
+        return _result(tasks[name].submit(cfg=cfg, step=step), name, step)
 
-    manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step, runner)}
+    manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step)}
     manifests["prefixes"] = stage("prefixes")
     manifests["policy"] = stage("policy")
     release_prefixes(run, step, "prefix_kv")  # replay read them; nothing else will
@@ -174,15 +159,15 @@ def _step(run, tasks: dict, cfg: Config, step: int, runner=None) -> dict[str, di
     return manifests
 
 
-def _rollouts(run, tasks: dict, cfg: Config, step: int, runner) -> dict:
+def _rollouts(run, tasks: dict, cfg: Config, step: int) -> dict:
     """The step's rollout shards, then their collected trees. The previous step's drafter
     starts on a free slot (an idle one, or the first a finished shard frees) and trains
     until the last shard is collected (lsreplay.stages.drafter); then its metrics join the
     previous step's line. If a shard fails, the drafter trains its full budget before the
     flow stops."""
-    shards = [_submit(tasks["trees"], runner, cfg, "trees", step=step, shard=k) for k in range(cfg.rollout.shards)]
+    shards = [tasks["trees"].submit(cfg=cfg, step=step, shard=k) for k in range(cfg.rollout.shards)]
     spot = cfg.drafter.enabled and step > 0
-    start_drafter = partial(_submit, tasks["drafter"], runner, cfg, "drafter", step=step - 1)
+    start_drafter = partial(tasks["drafter"].submit, cfg=cfg, step=step - 1)
     # Slots no shard needs are idle from the start. Otherwise the drafter waits for a shard
     # to finish, so that it never holds a slot a shard is still waiting for.
     drafter = start_drafter() if spot and cfg.pool.slots > cfg.rollout.shards else None
@@ -190,7 +175,7 @@ def _rollouts(run, tasks: dict, cfg: Config, step: int, runner) -> dict:
         _result(future, "trees", step)
         if drafter is None and spot:
             drafter = start_drafter()
-    trees = _result(_submit(tasks["collect-trees"], runner, cfg, "collect-trees", step=step), "trees", step)
+    trees = _result(tasks["collect-trees"].submit(cfg=cfg, step=step), "trees", step)
     if drafter is not None:
         previous = {name: run.done(step - 1, name) for name in STAGES if name != "drafter"}
         previous["drafter"] = _result(drafter, "drafter", step - 1)

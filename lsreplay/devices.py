@@ -39,8 +39,21 @@ def lock_dir() -> Path:
     return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "lsreplay-devices")
 
 
+# Pool indices a host process (lsreplay.hosts) serves on devices of its own numbering: a
+# Ray actor sees only the GPUs Ray gave it, as cuda:0, cuda:1, ...
+_PINNED: dict[int, torch.device] = {}
+
+
+def pin(indices: list[int], devices: list[torch.device]) -> None:
+    """This process computes pool slots `indices` on `devices`."""
+    _PINNED.update(zip(indices, devices))
+
+
 def torch_device(pool: PoolConfig, index: int | None) -> torch.device:
-    """The device pool slot `index` computes on: cuda:<index> on a GPU pool, else the CPU."""
+    """The device pool slot `index` computes on: the one this process pinned it to, else
+    cuda:<index> on a GPU pool, else the CPU."""
+    if index in _PINNED:
+        return _PINNED[index]
     if pool.accelerator == "cuda" and index is not None:
         return torch.device("cuda", index)
     return torch.device("cpu")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,9 @@ class Resident:
         self._copies: dict[tuple[str, str], _Copy] = {}
         self._references: dict[tuple[str, str], PreTrainedModel] = {}
         self._lock = threading.RLock()  # stages of one process run on several threads
+        # (run id, step) -> the weights of that policy from another process that holds it, or
+        # None: set by a host whose peers are processes of their own (lsreplay.hosts).
+        self.peer_weights: Callable[[str, int], dict[str, torch.Tensor] | None] | None = None
 
     # -- what stages ask for ---------------------------------------------------------------
     def policy(self, run: Run, step: int, device: torch.device) -> PreTrainedModel:
@@ -73,10 +77,9 @@ class Resident:
             if copy is not None and copy.acts_in == step:
                 return copy.model
             self._drop_other_runs(run, device)
-            if (source := self._holder(run, step)) is not None:
+            if (weights := self._held_weights(run, step)) is not None:
                 model = copy.model if copy is not None else load_model(run.cfg.model, device=device)
-                model.load_state_dict(source.model.state_dict())
-                log.info("policy of step %d copied from %s to %s", step, source.model.device, device)
+                model.load_state_dict(weights)
             else:
                 if copy is not None:
                     del self._copies[_key(run, device)]  # free it before loading another
@@ -135,9 +138,19 @@ class Resident:
         with self._lock:
             return {k[1]: c.acts_in for k, c in self._copies.items() if k[0] == _run_id(run)}
 
+    def weights(self, run_id: str, step: int) -> dict[str, torch.Tensor] | None:
+        """The weights of run `run_id`'s policy acting in `step` on the CPU, if held here.
+        Read without the lock: a peer asks while this process may be busy loading."""
+        copy = next((c for k, c in list(self._copies.items()) if k[0] == run_id and c.acts_in == step), None)
+        return None if copy is None else {k: v.cpu() for k, v in copy.model.state_dict().items()}
+
     # -- loading ---------------------------------------------------------------------------
-    def _holder(self, run: Run, step: int) -> _Copy | None:
-        return next((c for c in self._run_copies(run) if c.acts_in == step), None)
+    def _held_weights(self, run: Run, step: int) -> dict[str, torch.Tensor] | None:
+        """The weights of the policy acting in `step` from another device of this process,
+        else from a peer process; None if neither holds it."""
+        if (source := next((c for c in self._run_copies(run) if c.acts_in == step), None)) is not None:
+            return source.model.state_dict()
+        return self.peer_weights(_run_id(run), step) if self.peer_weights else None
 
     def _run_copies(self, run: Run) -> list[_Copy]:
         return [c for k, c in self._copies.items() if k[0] == _run_id(run)]

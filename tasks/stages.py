@@ -18,6 +18,7 @@ from lsreplay.resident import StateLost
 from lsreplay.run import InputCorrupt, Run
 from lsreplay.stages.policy import NonFiniteLoss
 from lsreplay.storage import CorruptEntry, MissingEntry
+from lsreplay.hosts import run_on_host
 from tasks.pool import pool_devices
 
 # Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt and
@@ -48,13 +49,13 @@ OPTIONS = dict(retries=RETRIES, retry_delay_seconds=retry_delays(), retry_jitter
                retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
-def _on_pool(stage, name: str, cfg: Config, step: int, count: int = 1, **kwargs) -> dict:
-    """Run the stage holding `count` pool slots, passing it their device indices as `devices=`."""
-    run = Run(cfg)
-    if done := run.done(step, name):  # finished earlier: no need to wait for a device
+def _on_pool(stage: str, done_as: str, cfg: Config, step: int, count: int = 1, **kwargs) -> dict:
+    """Run `stage` holding `count` pool slots, on the host of their devices (this process,
+    or their Ray actor: lsreplay.hosts), passing it their indices as `devices=`."""
+    if done := Run(cfg).done(step, done_as):  # finished earlier: no need to wait for a device
         return done
     with pool_devices(cfg.pool, count) as devices:
-        return stage(run, step, devices=devices, **kwargs)
+        return run_on_host(stage, cfg, step, devices, **kwargs)
 
 
 @task(name="sample-prompts", **OPTIONS)
@@ -66,8 +67,10 @@ def sample_prompts(cfg: Config, step: int) -> dict:
 def generate_tree_shard(cfg: Config, step: int, shard: int) -> dict:
     from flows.artifacts import Progress  # the UI side; lsreplay itself never imports Prefect
 
-    return _on_pool(stages.generate_tree_shard, stages.shard_name(shard), cfg, step, shard=shard,
-                    progress=Progress(f"step {step}: rollout tokens sampled (shard {shard})"))
+    # A Ray host cannot report to Prefect: the shard's live progress bar is this process's.
+    progress = Progress(f"step {step}: rollout tokens sampled (shard {shard})") \
+        if cfg.pool.task_runner == "thread" else None
+    return _on_pool("trees", stages.shard_name(shard), cfg, step, shard=shard, progress=progress)
 
 
 @task(name="collect-trees", **OPTIONS)
@@ -77,19 +80,19 @@ def collect_trees(cfg: Config, step: int) -> dict:
 
 @task(name="cache-prefixes", **OPTIONS)
 def cache_prefixes(cfg: Config, step: int) -> dict:
-    return _on_pool(stages.cache_prefixes, "prefixes", cfg, step)
+    return _on_pool("prefixes", "prefixes", cfg, step)
 
 
 @task(name="train-policy", **OPTIONS)
 def train_policy(cfg: Config, step: int) -> dict:
     # One slot (device) per data-parallel rank of the backward.
-    return _on_pool(stages.train_policy, "policy", cfg, step, count=cfg.pool.devices_per_step)
+    return _on_pool("policy", "policy", cfg, step, count=cfg.pool.devices_per_step)
 
 
 @task(name="distill-drafter", **OPTIONS)
 def distill_drafter(cfg: Config, step: int) -> dict:
     # Submitted while the next step's rollout shards run: it waits for the slot one frees.
-    return _on_pool(stages.distill_drafter, "drafter", cfg, step)
+    return _on_pool("drafter", "drafter", cfg, step)
 
 
 # The tasks by stage name (lsreplay.run.STAGES); "trees" is its shards, then their collection.

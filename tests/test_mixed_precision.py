@@ -109,3 +109,26 @@ def test_replay_and_per_rollout_gradients_agree_in_bf16_compute():
     assert float((naive - exact).abs().max() / scale) < 3e-2
     assert float((replay - naive).abs().max() / scale) < 3e-2
     assert float(replay @ exact / (replay.norm() * exact.norm())) > 0.999
+
+
+def test_float_logits_of_a_bf16_head_are_float32_and_keep_no_float32_copy_of_it():
+    from lsreplay.logits import CHUNK, float_logits
+    from lsreplay.replay.memory import ActivationMeter
+
+    model = tiny_model(vocab=CHUNK * 2 + 100, dtype=torch.bfloat16)  # three vocabulary chunks
+    head = model.get_output_embeddings().weight
+    hidden = torch.randn(5, head.shape[1], dtype=torch.bfloat16, requires_grad=True)
+    meter = ActivationMeter(model)
+    with meter.measure():
+        logits = float_logits(model, hidden)
+        saved = meter.current
+    assert saved < head.numel()  # the bf16 input row only: no float32 head (4 bytes per weight)
+    with torch.no_grad():
+        exact = hidden.double() @ head.double().T
+        assert logits.dtype == torch.float32
+        assert float((logits - exact).abs().max()) < 1e-5 * float(exact.abs().max())
+    grad = torch.randn_like(logits)
+    logits.backward(grad)
+    assert hidden.grad.dtype == head.grad.dtype == torch.bfloat16
+    assert torch.allclose(head.grad.double(), grad.double().T @ hidden.double(), rtol=1e-2, atol=1e-3)
+    assert torch.allclose(hidden.grad.double(), grad.double() @ head.double(), rtol=1e-2, atol=1e-3)

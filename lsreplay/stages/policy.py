@@ -142,7 +142,8 @@ def _data_parallel_update(run: Run, step: int, weights, loss: float, devices) ->
     train = clock(RESIDENT.train_state, run, step, host)
     shared = clock(train.shared)
     backend = "nccl" if run.cfg.pool.accelerator == "cuda" else "gloo"
-    outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, devices[:world], shared),
+    rank_devices = [str(run.device([index])) for index in devices[:world]]
+    outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, rank_devices, shared),
                   backend=backend, threads=max(1, run.cfg.threads // world))
     if "nonfinite" in outs[0]:  # no rank wrote anything back
         raise NonFiniteLoss(outs[0]["nonfinite"])
@@ -153,15 +154,14 @@ def _data_parallel_update(run: Run, step: int, weights, loss: float, devices) ->
     return {**outs[0], "checkpoint": saved["checkpoint"], "state_seconds": clock.seconds}
 
 
-def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, devices: list[int],
+def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, devices: list[str],
                  shared: dict) -> dict | None:
-    """One data-parallel rank: its share of the trees' backward, gradients summed over
-    ranks; then plain DP: rank 0 clips and steps; FSDP: every rank steps its shard."""
-    from lsreplay.devices import torch_device
+    """One data-parallel rank, on devices[rank]: its share of the trees' backward, gradients
+    summed over ranks; then plain DP: rank 0 clips and steps; FSDP: every rank steps its shard."""
     from lsreplay.models import load_model
     from lsreplay.parallel import data_parallel_backward, shard_model
 
-    device = torch_device(cfg.pool, devices[rank])
+    device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     run = Run(cfg)

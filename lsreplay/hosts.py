@@ -1,0 +1,109 @@
+"""Where stages run: a host is a process that keeps state for pool devices (lsreplay.resident).
+
+Under the thread runner the host is the flow's own process: every stage runs on the flow's
+threads and the state of every device lives there. Under `pool.task_runner=ray` each pool
+device has a long-lived Ray actor of its own (a policy update over several devices, one
+for its group), created on first use and kept for the run: Prefect's tasks still run in the
+flow's process, hold the pool slots, and hand each stage to the host of the devices they
+hold. A host runs the very stage functions of lsreplay.stages; its process keeps the models
+between stages and steps, and a host that lacks a policy takes its weights from the host
+that holds them before it falls back on the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from lsreplay import devices as device_pins
+from lsreplay import stages
+from lsreplay.config import Config
+from lsreplay.resident import RESIDENT
+from lsreplay.run import Run
+
+log = logging.getLogger(__name__)
+
+STAGE_FUNCTIONS = {"prompts": stages.sample_prompts, "trees": stages.generate_tree_shard,
+                   "collect-trees": stages.collect_trees, "prefixes": stages.cache_prefixes,
+                   "policy": stages.train_policy, "drafter": stages.distill_drafter}
+
+
+class DeviceHost:
+    """Runs stages in this process, for the pool slots `indices` (pinned to this process's
+    own devices when it is a Ray actor with GPUs of its own)."""
+
+    def __init__(self, cfg: Config, indices: list[int], peers: list[str] = ()):
+        self.peers = list(peers)
+        if cfg.pool.accelerator == "cuda" and len(indices) <= torch.cuda.device_count():
+            device_pins.pin(indices, [torch.device("cuda", i) for i in range(len(indices))])
+        RESIDENT.peer_weights = self._peer_weights
+
+    def run(self, stage: str, cfg: Config, step: int, **kwargs) -> dict:
+        return STAGE_FUNCTIONS[stage](Run(cfg), step, **kwargs)
+
+    def weights(self, run_id: str, step: int) -> dict[str, torch.Tensor] | None:
+        """The weights of the policy acting in `step` of run `run_id`, if this host holds it (on the CPU)."""
+        return RESIDENT.weights(run_id, step)
+
+    def _peer_weights(self, run_id: str, step: int) -> dict[str, torch.Tensor] | None:
+        import ray
+
+        for name in self.peers:
+            try:
+                peer = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:  # not created (yet)
+                continue
+            if (weights := ray.get(peer.weights.remote(run_id, step))) is not None:
+                log.info("policy of step %d taken from host %s", step, name)
+                return weights
+        return None
+
+
+NAMESPACE = "lsreplay"
+
+
+def host_name(cfg: Config, indices: list[int]) -> str:
+    return f"lsreplay-{cfg.pool.name}-{'-'.join(map(str, indices))}"
+
+
+# Handles of the hosts this process created, by name: an actor lives while its owner holds
+# a handle to it, and ends with its owner (no host outlives the flow that started it).
+_HOSTS: dict[str, object] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def ray_host(cfg: Config, indices: list[int]):
+    """The Ray actor hosting pool slots `indices`: created on first use, with their GPUs;
+    several threads, so that it answers its peers' requests for weights while it runs a stage."""
+    import ray
+
+    name = host_name(cfg, indices)
+    with _HOSTS_LOCK:
+        if name not in _HOSTS:
+            peers = [host_name(cfg, [i]) for i in range(cfg.pool.slots) if [i] != indices]
+            _HOSTS[name] = ray.remote(DeviceHost).options(
+                name=name, namespace=NAMESPACE, num_gpus=cfg.pool.ray_gpus * len(indices), max_concurrency=4,
+            ).remote(cfg, indices, peers)
+        return _HOSTS[name]
+
+
+def run_on_host(stage: str, cfg: Config, step: int, devices: list[int], **kwargs) -> dict:
+    """Run stage `stage` for the pool slots `devices`: here (thread runner) or on their Ray host."""
+    if cfg.pool.task_runner != "ray":
+        return STAGE_FUNCTIONS[stage](Run(cfg), step, devices=devices, **kwargs)
+    import ray
+
+    return ray.get(ray_host(cfg, devices).run.remote(stage, cfg, step, devices=devices, **kwargs))
+
+
+def release_hosts(cfg: Config) -> None:
+    """End the pool's Ray hosts (their state goes with them); nothing to do in-process."""
+    if cfg.pool.task_runner != "ray":
+        return
+    import ray
+
+    with _HOSTS_LOCK:
+        for name in [n for n in _HOSTS if n.startswith(host_name(cfg, []))]:
+            ray.kill(_HOSTS.pop(name))
