@@ -166,6 +166,9 @@ class StorageConfig:
     # Credentials: leave empty to use the usual AWS variables. Never written back out.
     key: str = ""
     secret: str = ""
+    # The store's read/write bandwidth in GB/s, for `lsreplay plan`'s cost of the state a
+    # step moves (checkpoints, prefix K/V); nothing else reads it.
+    bandwidth_gbps: float = 1.0
 
 
 @dataclass
@@ -318,6 +321,7 @@ def validate(cfg: Config) -> None:
            cfg.pool.device_memory_gb)
     _check(1 <= cfg.pool.devices_per_step <= cfg.pool.slots, "pool.devices_per_step",
            f"between 1 and pool.slots = {cfg.pool.slots}", cfg.pool.devices_per_step)
+    _check(cfg.storage.bandwidth_gbps > 0, "storage.bandwidth_gbps", "a number > 0", cfg.storage.bandwidth_gbps)
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
            "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)

@@ -25,6 +25,7 @@ from lsreplay.run import Run
 
 log = logging.getLogger(__name__)
 
+NAMESPACE = "lsreplay"
 STAGE_FUNCTIONS = {"prompts": stages.sample_prompts, "trees": stages.generate_tree_shard,
                    "collect-trees": stages.collect_trees, "prefixes": stages.cache_prefixes,
                    "policy": stages.train_policy, "drafter": stages.distill_drafter}
@@ -34,9 +35,9 @@ class DeviceHost:
     """Runs stages in this process, for the pool slots `indices` (pinned to this process's
     own devices when it is a Ray actor with GPUs of its own)."""
 
-    def __init__(self, cfg: Config, indices: list[int], peers: list[str] = ()):
-        self.peers = list(peers)
-        if cfg.pool.accelerator == "cuda" and len(indices) <= torch.cuda.device_count():
+    def __init__(self, cfg: Config, indices: list[int]):
+        self.name, self.pool = host_name(cfg, indices), host_name(cfg, [])
+        if cfg.pool.accelerator == "cuda" and cfg.pool.ray_gpus > 0:  # Ray shows it its GPUs only
             device_pins.pin(indices, [torch.device("cuda", i) for i in range(len(indices))])
         RESIDENT.peer_weights = self._peer_weights
 
@@ -50,7 +51,9 @@ class DeviceHost:
     def _peer_weights(self, run_id: str, step: int) -> dict[str, torch.Tensor] | None:
         import ray
 
-        for name in self.peers:
+        peers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == NAMESPACE and a["name"].startswith(self.pool) and a["name"] != self.name]
+        for name in peers:  # the other hosts of this pool: single devices, and update groups
             try:
                 peer = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:  # not created (yet)
@@ -59,9 +62,6 @@ class DeviceHost:
                 log.info("policy of step %d taken from host %s", step, name)
                 return weights
         return None
-
-
-NAMESPACE = "lsreplay"
 
 
 def host_name(cfg: Config, indices: list[int]) -> str:
@@ -82,10 +82,9 @@ def ray_host(cfg: Config, indices: list[int]):
     name = host_name(cfg, indices)
     with _HOSTS_LOCK:
         if name not in _HOSTS:
-            peers = [host_name(cfg, [i]) for i in range(cfg.pool.slots) if [i] != indices]
             _HOSTS[name] = ray.remote(DeviceHost).options(
                 name=name, namespace=NAMESPACE, num_gpus=cfg.pool.ray_gpus * len(indices), max_concurrency=4,
-            ).remote(cfg, indices, peers)
+            ).remote(cfg, indices)
         return _HOSTS[name]
 
 

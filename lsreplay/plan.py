@@ -230,6 +230,57 @@ def workspace_bytes(dims: ModelDims, elt: int, run: RunPeak) -> int:
     return logits + 2 * layer
 
 
+# -- state I/O ------------------------------------------------------------------------------
+@dataclass
+class StepIO:
+    """What a step moves through the store (bytes, the whole run's, not per device)."""
+
+    prefix_kv: int  # the caching pass writes the branching spans' K/V, the backward reads them
+    activations: int  # entry logprobs, and hidden states for the drafter: written, read once or twice
+    checkpoint: int  # float32 masters, AdamW moments: one checkpoint
+    every: int  # steps per checkpoint
+    model_loads: int  # what stages that keep nothing read instead (checkpoint.resident=false)
+    bandwidth: float  # the store's bytes per second
+
+    @property
+    def written(self) -> float:
+        return self.prefix_kv + self.activations + self.checkpoint / self.every
+
+    @property
+    def read(self) -> int:
+        return self.prefix_kv + self.activations
+
+    def seconds(self, resident: bool = True) -> float:
+        """Store time a step costs; stages that keep nothing also load the models and write
+        and read back a checkpoint every step (checkpoint.every must be 1 then)."""
+        if resident:
+            return (self.written + self.read) / self.bandwidth
+        return (2 * (self.prefix_kv + self.activations + self.checkpoint) + self.model_loads) / self.bandwidth
+
+
+def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
+    """Bytes per step: K/V of the branching spans replay reads (after joining), every
+    entry's logprob and, with the drafter, every position's hidden state; a checkpoint per
+    checkpoint.every steps; and, for stages that keep nothing, the models they load (each
+    rollout shard and the caching pass the weights, the update the masters and moments)."""
+    elt, n = ELT[cfg.model.dtype], dims.params()
+    root, levels = shape.radix()
+    levels = joined_levels(levels, cfg.replay.join_below)
+    branching_positions, nodes = (root if levels else 0), 1
+    for b, seg in levels[:-1]:
+        nodes *= b
+        branching_positions += nodes * seg
+    trees = cfg.data.prompts_per_step
+    kv = trees * branching_positions * kv_bytes_per_position(dims, elt) if cfg.replay.mode == "replay" else 0
+    entries = shape.unique_positions - shape.prompt
+    hidden = shape.unique_positions * dims.hidden * elt if cfg.drafter.enabled else 0
+    master = 8 if cfg.model.dtype == "float64" else 4
+    checkpoint = 3 * n * master  # masters + two AdamW moments
+    loads = (cfg.rollout.shards + 1 + (cfg.algo.kl_coef > 0)) * n * master
+    return StepIO(kv, trees * (entries * 8 + hidden), checkpoint, cfg.checkpoint.every, loads,
+                  cfg.storage.bandwidth_gbps * 1e9)
+
+
 # -- the plan -------------------------------------------------------------------------------
 @dataclass
 class Plan:
@@ -247,6 +298,7 @@ class Plan:
     naive: RunPeak
     replay_workspace: int
     naive_workspace: int
+    io: StepIO | None = None
     budget_bytes: int | None = None
     join_below: int = 0
 
@@ -330,8 +382,8 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step, state=state_bytes(dims, dtype_name, ranks, fsdp),
                 replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
-                naive_workspace=workspace_bytes(dims, elt, naive), budget_bytes=budget,
-                join_below=cfg.replay.join_below)
+                naive_workspace=workspace_bytes(dims, elt, naive), io=step_io(cfg, dims, shape),
+                budget_bytes=budget, join_below=cfg.replay.join_below)
 
 
 def format_plan(p: Plan) -> str:
@@ -367,15 +419,33 @@ def format_plan(p: Plan) -> str:
         verdict = lambda m: "fits" if p.fits(m) else "DOES NOT FIT"  # noqa: E731
         lines.append(f"{'device memory':<44} {gib(p.device_bytes):>10} {gib(p.device_bytes):>10}")
         lines.append(f"{'':<44} {verdict('replay'):>10} {verdict('naive'):>10}")
+    if p.io is not None:
+        lines += ["", *format_io(p.io)]
     fits = p.fits()
     kv = dict(mode=p.mode, devices=p.ranks, fsdp=str(p.fsdp).lower(), trees=p.trees, rollouts_per_tree=s.rollouts,
               positions_per_step=p.positions_per_step, replay_positions_per_step=p.replay_positions_per_step,
               positions_ratio=f"{s.total_positions / s.unique_positions:.3f}",
               peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
               naive_peak_gib=gib(p.peak("naive")), device_gib=gib(p.device_bytes),
-              fits="unknown" if fits is None else str(fits).lower())
+              fits="unknown" if fits is None else str(fits).lower(),
+              **({} if p.io is None else {"io_gib_per_step": gib(p.io.written + p.io.read),
+                                          "io_s_per_step": f"{p.io.seconds():.1f}",
+                                          "io_s_per_step_not_resident": f"{p.io.seconds(resident=False):.1f}"}))
     lines.append(" ".join(f"{k}={v}" for k, v in kv.items()))
     return "\n".join(lines)
+
+
+def format_io(io: StepIO) -> list[str]:
+    gbps = io.bandwidth / 1e9
+    return [
+        f"store I/O per step at {gbps:g} GB/s (storage.bandwidth_gbps), GiB",
+        f"  prefix K/V written by the caching pass, read by replay   {gib(io.prefix_kv):>8} x 2",
+        f"  logprobs and drafter hidden states, written and read     {gib(io.activations):>8} x 2",
+        f"  checkpoint (fp32 masters + AdamW) every {io.every} step(s)        {gib(io.checkpoint):>8} / {io.every}",
+        f"  total {gib(io.written + io.read)} GiB, {io.seconds():.1f} s a step (checkpoints written in the background)",
+        f"  stages that keep nothing (checkpoint.resident=false) also read {gib(io.model_loads)} GiB of models "
+        f"and write and read a checkpoint every step: {io.seconds(resident=False):.1f} s a step",
+    ]
 
 
 def advice(p: Plan) -> str:

@@ -7,11 +7,14 @@ Layout of a run's store (the run directory by default):
     step_0000/prompts.json          the sampled prompt batch
     step_0000/trees/shard_00.json   one rollout shard's trees (rollout.shards of them)
     step_0000/trees.json            rollout trees, all shards: tokens, behaviour logprobs, rewards, texts
-    step_0000/prefix_kv/...         cached K/V of every branching node (safetensors)
-    step_0000/activations/...       entry logprobs and last hidden states per tree
+    step_0000/prefix_kv/...         cached K/V of every branching node (safetensors); deleted
+                                    once the step's update is done (checkpoint.keep_step_data)
+    step_0000/activations/...       entry logprobs and last hidden states per tree; deleted
+                                    once the step's update and drafter are done
     step_0000/<stage>.done.json     a stage's manifest, written last: the stage is finished
     executions/step_0000/<stage>/   one small JSON per time a stage actually started work
-    checkpoints/policy/step_0000/   weights, optimizer state, RNG state after the step
+    checkpoints/policy/step_0000/   float32 master weights, AdamW, RNG state after the step, every
+                                    checkpoint.every steps; checkpoint.json (written last) = complete
     checkpoints/drafter/step_0000/  drafter weights, optimizer, sampler state (spot.json: resumable), hf/ export
 """
 

@@ -135,3 +135,32 @@ def test_an_accelerator_plan_counts_cascade_attention_where_cuda_has_a_kernel():
     on_cpu, on_cuda = (replay_peak(dims, torch.float64, shape, accelerator=a) for a in (False, True))
     assert on_cpu.cascade and not on_cuda.cascade
     assert on_cuda.rows < on_cpu.rows
+
+
+def test_plan_io_matches_what_a_step_writes(tiny_model_dir, tmp_path):
+    """The plan's bytes per step against a real step of the same config: the checkpoint
+    (float32 masters + AdamW moments) to the byte, the prefix K/V as an upper bound (a
+    rollout that ends early has no K/V below its end)."""
+    from lsreplay import checkpointing, stages
+    from lsreplay.config import load_config
+    from lsreplay.plan import load_plan_config, make_plan
+    from lsreplay.resident import RESIDENT
+    from lsreplay.run import Run
+
+    overrides = [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "steps=1", "data.size=8",
+                 "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
+                 "rollout.max_new_tokens=6", "data.max_prompt_tokens=160", "replay.join_below=0",
+                 "drafter.enabled=false", "checkpoint.every=4", "storage.bandwidth_gbps=0.5"]
+    run = Run(load_config(None, overrides))
+    run.save_or_check_config()
+    stages.sample_prompts(run, 0)
+    stages.generate_trees(run, 0)
+    kv_bytes = stages.cache_prefixes(run, 0)["kv_bytes"]
+    ckpt = stages.train_policy(run, 0)["checkpoint"]
+    checkpointing.WRITER.wait()
+    RESIDENT.release(run)
+    io = make_plan(*load_plan_config(None, overrides)).io
+    written = sum((tmp_path / ckpt / name).stat().st_size for name in ("model.safetensors", "optimizer.safetensors"))
+    assert io.checkpoint == pytest.approx(written, rel=0.01) and io.every == 4
+    assert kv_bytes <= io.prefix_kv <= 3 * kv_bytes
+    assert io.seconds() == pytest.approx((io.written + io.read) / 0.5e9)

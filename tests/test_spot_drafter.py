@@ -81,7 +81,7 @@ def test_rollouts_decode_the_tail_with_the_newest_finished_drafter(prefect_serve
     run_dir = tmp_path / "run"
     # Step 1's rollouts straggle, so step 0's drafter (at idle priority) gets CPU time to train.
     monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
-    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "3")
+    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "6")  # time for 2 steps at idle priority, on a busy machine too
     train(overrides=[*tiny(run_dir, tiny_model_dir, steps=3), "rollout.spec_threshold=4",
                      "rollout.max_new_tokens=12", "pool.slots=2"])
     assert manifest(run_dir, 0, "drafter")["steps_done"] == 2
