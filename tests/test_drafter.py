@@ -122,15 +122,18 @@ def test_distill_is_deterministic(setup):
     assert not all(torch.equal(first[k], other[k]) for k in first)
 
 
-def test_sequences_to_batch_shifts_pads_and_truncates():
+def test_sequences_to_batch_shifts_pads_and_keeps_the_end():
     tokens = [torch.arange(5), torch.arange(10, 13), torch.arange(20, 30)]
     sequences = [(t, t.float()[:, None].expand(-1, 4)) for t in tokens]
     batch = sequences_to_batch(sequences, max_len=6)
     assert batch["mask"].sum(1).tolist() == [4, 2, 6]
     assert batch["input_ids"][0, :4].tolist() == [1, 2, 3, 4]
     assert batch["hidden_states"][1, :2, 0].tolist() == [10.0, 11.0]
-    assert batch["target_hidden_next"][2, :, 0].tolist() == [21.0, 22.0, 23.0, 24.0, 25.0, 26.0]
     assert batch["position_ids"][1].tolist() == list(range(6))
+    # A path longer than max_len keeps its last pairs (the completion), at their real positions.
+    assert batch["target_hidden_next"][2, :, 0].tolist() == [24.0, 25.0, 26.0, 27.0, 28.0, 29.0]
+    assert batch["input_ids"][2].tolist() == [24, 25, 26, 27, 28, 29]
+    assert batch["position_ids"][2].tolist() == [3, 4, 5, 6, 7, 8]
 
 
 def test_config_dict_rebuilds_the_drafter(setup):

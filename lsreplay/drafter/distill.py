@@ -72,24 +72,28 @@ def distillation_loss(
 def sequences_to_batch(sequences: list[Sequence], max_len: int) -> dict[str, torch.Tensor]:
     """Right-padded training pairs for `distillation_loss(drafter, **batch)`.
 
-    Row i holds pairs t = 0..min(T_i - 1, max_len) - 1 of sequence i: input_ids x_{t+1},
-    hidden_states h_t, target_hidden_next h_{t+1}, position_ids t. A sequence longer than
-    max_len + 1 tokens keeps its first pairs, so positions stay the real ones.
+    Row i holds the last n_i = min(T_i - 1, max_len) pairs of sequence i, t = T_i - 1 - n_i ..
+    T_i - 2: input_ids x_{t+1}, hidden_states h_t, target_hidden_next h_{t+1}, position_ids t
+    (the real positions). The end, not the start: a rollout's path is its prompt then its
+    completion, and with a prompt longer than max_len the first pairs would be prompt only.
     """
     counts = [min(len(tokens) - 1, max_len) for tokens, _ in sequences]
     width, hidden0 = max(counts), sequences[0][1]
     shape = (len(sequences), width)
-    input_ids = torch.zeros(shape, dtype=torch.long, device=hidden0.device)
+    device = hidden0.device
+    input_ids = torch.zeros(shape, dtype=torch.long, device=device)
     hidden = hidden0.new_zeros(*shape, hidden0.shape[-1])
     target = torch.zeros_like(hidden)
-    mask = torch.zeros(shape, dtype=torch.bool, device=hidden0.device)
+    mask = torch.zeros(shape, dtype=torch.bool, device=device)
+    position_ids = torch.zeros(shape, dtype=torch.long, device=device)
     for row, ((tokens, features), n) in enumerate(zip(sequences, counts)):
-        input_ids[row, :n] = tokens[1 : n + 1]
-        hidden[row, :n] = features[:n]
-        target[row, :n] = features[1 : n + 1]
+        first = len(tokens) - 1 - n
+        input_ids[row, :n] = tokens[first + 1 : first + n + 1]
+        hidden[row, :n] = features[first : first + n]
+        target[row, :n] = features[first + 1 : first + n + 1]
         mask[row, :n] = True
-    # Padding gets positions too (continuing the count); causal attention keeps it out of valid rows.
-    position_ids = torch.arange(width, device=hidden0.device).expand(shape)
+        # Padding gets positions too (continuing the count); causal attention keeps it out of valid rows.
+        position_ids[row] = torch.arange(first, first + width, device=device)
     return {
         "input_ids": input_ids,
         "hidden_states": hidden,
