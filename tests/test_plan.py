@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lsreplay.plan import ModelDims, TreeShape, main, naive_peak, replay_peak
+from lsreplay.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.tree import RolloutTree
 
@@ -135,3 +135,12 @@ def test_an_accelerator_plan_counts_cascade_attention_where_cuda_has_a_kernel():
     on_cpu, on_cuda = (replay_peak(dims, torch.float64, shape, accelerator=a) for a in (False, True))
     assert on_cpu.cascade and not on_cuda.cascade
     assert on_cuda.rows < on_cpu.rows
+
+
+def test_the_plan_counts_the_kernels_of_the_pools_device_kind():
+    """pool.accelerator, not the device memory, says which attention kernels a plan counts:
+    float64 has a cascade kernel on CPU but none on CUDA."""
+    for accelerator, memory, cascade in (("cpu", 96, True), ("cuda", 0, False), ("cuda", 96, False)):
+        cfg, values = load_plan_config(PROD, ["model.dtype=float64", f"pool.accelerator={accelerator}",
+                                              f"pool.device_memory_gb={memory}"])
+        assert make_plan(cfg, values).replay.cascade is cascade, (accelerator, memory)
