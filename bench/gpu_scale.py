@@ -8,9 +8,12 @@ gradients in bfloat16 (no optimizer: this measures the backward). Per model:
 
 1. throughput: one G=16 tree (a long shared prompt P, 16 completions of S tokens); the
    per-rollout `naive_backward` and `replay_backward` given the K/V of the caching pass
-   (`capture_tree`, timed separately: the pipeline runs it anyway for old logprobs), after
-   a warm-up. Token positions/s counted per rollout (G x (P + S): what is trained) and as
-   computed. speedup = naive s / replay s; ideal = G(P+S) / (P+GS).
+   (`capture_tree`, timed separately: the pipeline runs it anyway for old logprobs), in
+   alternating order (--rounds rounds, after a warm-up round at the same shape; the fastest
+   round of each counts). Token positions/s counted per rollout (G x (P + S): what is
+   trained) and as computed. speedup = naive s / replay s; ideal = G(P+S) / (P+GS). Then
+   one more run of each, and their gradients compared (bench/side_by_side.py:
+   grad_rel = max |replay - naive| / max |naive| over all tensors, and the cosine).
 2. largest tree: grow P (doubling, then bisecting) until the backward runs out of device
    memory (torch.cuda.OutOfMemoryError, caught) -- replay on the G=16 tree, naive on one
    rollout of it (the naive backward runs rollouts one by one, so one rollout is its peak).
@@ -19,13 +22,15 @@ gradients in bfloat16 (no optimizer: this measures the backward). Per model:
    library's default, one root-to-leaf path's worth by its own estimate; 1 = one leaf per
    micro-batch).
 
-Next to each measured device peak it prints the planner's estimate (lsreplay.plan: weights
-+ bf16 grads + saved activations + workspace) and their ratio. Everything fits a time
+Next to each measured device peak it prints the planner's estimate (lsreplay.plan's run and
+workspace for the same tree with pool.accelerator=cuda, plus weights + bf16 grads) and their
+ratio. Everything fits a time
 budget (--budget-s, default 450 s: one H200 in 8 minutes with start-up); a search that runs
 out of time reports the largest size that trained so far and says so.
 
 The last line is key=value: per model `<key>_<model>` (speedup, ideal, replay_tok_s,
-naive_tok_s, max_positions_replay, max_positions_naive, max_ratio, ...) and wall_s.
+naive_tok_s, grad_rel, grad_cosine, max_positions_replay, max_positions_naive, max_ratio,
+...) and wall_s.
 With --smoke, "out of memory" is simulated by a cap on ActivationMeter's peak (CPU has
 no OOM to catch).
 """
@@ -34,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -44,24 +48,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from side_by_side import GiB, alternating, gradient_agreement, peak_measured, sync  # noqa: E402
+from synthetic import qwen_model, random_weights, tree_of_shape  # noqa: E402
 
-from lsreplay.plan import ModelDims, TreeShape, naive_peak, replay_peak, workspace_bytes  # noqa: E402
+from lsreplay.config import load_config  # noqa: E402
+from lsreplay.plan import ModelDims, RunPeak, TreeShape, make_plan, plan_values  # noqa: E402
 from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.capture import capture_tree  # noqa: E402
 from lsreplay.replay.memory import ActivationMeter  # noqa: E402
 from lsreplay.tree import RolloutTree  # noqa: E402
 
-GiB = 2**30
-QWEN = {
-    # Qwen2.5-1.5B and -7B dimensions (config.json of the released models)
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "smoke": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True),
-}
+MODELS = ("1.5b", "7b")
 
 
 @dataclass
@@ -82,44 +79,13 @@ SETTINGS = {
 }
 
 
-def make_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(**QWEN[name], max_position_embeddings=max_positions, rope_theta=1e6,
-                         attn_implementation="sdpa")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # initialise directly in bf16 on the device: no fp32 copy
-    try:
-        with device:
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(dtype).eval()  # eval: replay differentiates exactly the cached pass
-
-
 def make_tree(G: int, prompt: int, suffix: int, vocab: int, seed: int) -> RolloutTree:
-    rng = random.Random(seed)
-    firsts = rng.sample(range(vocab), G)
-    completions = [[f] + [rng.randrange(vocab) for _ in range(suffix - 1)] for f in firsts]
-    return RolloutTree.from_sequences([rng.randrange(vocab) for _ in range(prompt)], completions)
-
-
-def weights_for(tree: RolloutTree, seed: int) -> list:
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(len(c), generator=g, dtype=torch.float64) / 1000 for c in tree.completions]]
+    """A G-way tree: a prompt, then G completions of `suffix` tokens."""
+    return tree_of_shape(TreeShape(prompt, ((G, suffix),)), vocab, seed)
 
 
 def size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def free(model) -> None:
@@ -129,11 +95,22 @@ def free(model) -> None:
         torch.cuda.empty_cache()
 
 
-def planned_device_bytes(dims: ModelDims, dtype: torch.dtype, run) -> int:
+def planned_device_bytes(dims: ModelDims, dtype: torch.dtype, run: RunPeak, workspace: int) -> int:
     """What the planner expects the allocator to peak at here: weights + bf16 grads (no
     optimizer in this benchmark) + the run's held K/V and saved activations + workspace."""
     elt = torch.tensor([], dtype=dtype).element_size()
-    return 2 * dims.params() * elt + run.total + workspace_bytes(dims, elt, run)
+    return 2 * dims.params() * elt + run.total + workspace
+
+
+def plan_for(dims: ModelDims, s: Setting, device: torch.device):
+    """lsreplay.plan's plan of one G-way tree of `s` on one device of this kind (the
+    accelerator's attention kernels on CUDA), replay leaves batched as replay_backward
+    batches them here."""
+    cfg = load_config(None, ["model.dtype=bfloat16", f"data.max_prompt_tokens={s.prompt}", "data.prompts_per_step=1",
+                             f"rollout.branching=[{s.G}]", "rollout.segment_tokens=[]",
+                             f"rollout.max_new_tokens={s.suffix}", f"replay.budget_mb={(s.budget_bytes or 0) // 2**20}",
+                             "replay.join_below=0", f"pool.accelerator={device.type}", "pool.slots=1"])
+    return make_plan(cfg, plan_values(cfg), dims)
 
 
 class Budget:
@@ -145,13 +122,9 @@ class Budget:
 
 
 # -- 1. throughput ----------------------------------------------------------------------------
-def throughput(model, dims: ModelDims, s: Setting, device, dtype) -> dict:
+def throughput(model, dims: ModelDims, s: Setting, device, dtype, rounds: int) -> dict:
     tree = make_tree(s.G, s.prompt, s.suffix, dims.vocab, seed=1)
-    trees, weights = [tree], weights_for(tree, 1)
-    warm = make_tree(2, 64, 8, dims.vocab, seed=2)  # first-call costs off the clock
-    replay_backward(model, [warm], weights_for(warm, 2))
-    naive_backward(model, [warm], weights_for(warm, 2))
-    free(model)
+    trees, weights = [tree], random_weights(tree, 1)
 
     sync(device)
     t = time.perf_counter()
@@ -159,41 +132,43 @@ def throughput(model, dims: ModelDims, s: Setting, device, dtype) -> dict:
     sync(device)
     cache_s = time.perf_counter() - t
     prefix_kv = lambda i, node: acts[i].prefix_kv.get(node.id)  # noqa: E731
+    stats, peaks = {}, {"replay": [], "naive": []}
 
-    reset_peak(device)
-    sync(device)
-    t = time.perf_counter()
-    replay = replay_backward(model, trees, weights, prefix_kv=prefix_kv, meter=ActivationMeter(model),
-                             budget_bytes=s.budget_bytes)
-    sync(device)
-    replay_s = time.perf_counter() - t
-    replay_dev = replay.device_peak_bytes
+    def replay():
+        model.zero_grad(set_to_none=True)
+        stats["replay"] = replay_backward(model, trees, weights, prefix_kv=prefix_kv, meter=ActivationMeter(model),
+                                          budget_bytes=s.budget_bytes)
+
+    def naive():
+        model.zero_grad(set_to_none=True)
+        stats["naive"] = naive_backward(model, trees, weights, meter=ActivationMeter(model))
+
+    runs = {"replay": replay, "naive": naive}
+    seconds = alternating({k: (lambda k=k: peaks[k].append(peak_measured(device, runs[k]))) for k in runs},
+                          rounds, device)
+    replay()
+    replay_grads = [p.grad.clone() for p in model.parameters()]
+    naive()
+    agreement = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+    del replay_grads, acts
     free(model)
-    acts = None  # the cached prefix K/V: free it before the naive run
 
-    reset_peak(device)
-    sync(device)
-    t = time.perf_counter()
-    naive = naive_backward(model, trees, weights, meter=ActivationMeter(model))
-    sync(device)
-    naive_s = time.perf_counter() - t
-    naive_dev = naive.device_peak_bytes
-    free(model)
-
-    shape = TreeShape(s.prompt, ((s.G, s.suffix),))
-    plan_replay = planned_device_bytes(dims, dtype, replay_peak(dims, dtype, shape, s.budget_bytes))
-    plan_naive = planned_device_bytes(dims, dtype, naive_peak(dims, torch.tensor([], dtype=dtype).element_size(), shape))
+    naive_s, replay_s = min(seconds["naive"]), min(seconds["replay"])
     per_rollout = tree.total_positions
     out = dict(
         tree=f"G={s.G} P={s.prompt} S={s.suffix}", per_rollout_positions=per_rollout,
-        replay_positions=replay.positions, ideal=per_rollout / tree.unique_positions,
+        replay_positions=stats["replay"].positions, ideal=per_rollout / tree.unique_positions, rounds=rounds,
         naive_s=naive_s, replay_s=replay_s, cache_s=cache_s, speedup=naive_s / replay_s,
         naive_tok_s=per_rollout / naive_s, replay_tok_s=per_rollout / replay_s,
         replay_cache_tok_s=per_rollout / (replay_s + cache_s),
-        replay_computed_tok_s=replay.positions / replay_s,
-        replay_meter=replay.peak_activation_bytes, naive_meter=naive.peak_activation_bytes,
+        replay_computed_tok_s=stats["replay"].positions / replay_s,
+        replay_meter=stats["replay"].peak_activation_bytes, naive_meter=stats["naive"].peak_activation_bytes,
+        grad_rel=agreement["rel"], grad_cosine=agreement["cosine"],
     )
-    if replay_dev is not None:
+    if device.type == "cuda":
+        replay_dev, naive_dev, plan = max(peaks["replay"]), max(peaks["naive"]), plan_for(dims, s, device)
+        plan_replay = planned_device_bytes(dims, dtype, plan.replay, plan.replay_workspace)
+        plan_naive = planned_device_bytes(dims, dtype, plan.naive, plan.naive_workspace)
         out |= dict(replay_dev_gib=replay_dev / GiB, naive_dev_gib=naive_dev / GiB,
                     replay_plan_ratio=replay_dev / plan_replay, naive_plan_ratio=naive_dev / plan_naive)
     return out
@@ -204,9 +179,10 @@ def trains(model, dims: ModelDims, s: Setting, mode: str, prompt: int, dtype) ->
     """Does one backward at this prompt length fit? (measured peak or None)"""
     G = s.G if mode == "replay" else 1  # naive: one rollout is its whole peak
     tree = make_tree(G, prompt, s.suffix, dims.vocab, seed=prompt)
-    weights = weights_for(tree, prompt)
+    weights = random_weights(tree, prompt)
     device = next(model.parameters()).device
-    reset_peak(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     ok, peak = True, None
     try:
         meter = ActivationMeter(model)
@@ -276,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (smoke)")
     ap.add_argument("--replay-budget-mb", type=int, default=0,
                     help="replay's leaf micro-batch budget (replay.budget_mb); 0 = the library default")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of the throughput, after one warm-up round")
     args = ap.parse_args(argv)
 
     wall = time.perf_counter()
     budget = Budget(args.budget_s)
     names = ["smoke"] if args.smoke else args.models.split(",")
-    unknown = [n for n in names if n not in QWEN or n == "smoke" and not args.smoke]
+    unknown = [n for n in names if n not in MODELS and not args.smoke]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; choose from 1.5b, 7b")
     if args.smoke:
@@ -300,15 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         s = SETTINGS[name]
         s.budget_bytes = args.replay_budget_mb * 2**20 or None
         t0 = time.perf_counter()
-        model = make_model(name, device, dtype, max(s.max_prompt, s.prompt) + s.suffix + 64)
+        model = qwen_model(name, device, dtype, max(s.max_prompt, s.prompt) + s.suffix + 64)
         dims = ModelDims.from_hf(model.config)
         print(f"\n== Qwen2.5-{name} shape: {dims.params() / 1e9:.3f}B params, {str(dtype)[6:]}, sdpa "
               f"(built in {time.perf_counter() - t0:.1f}s)", flush=True)
-        r = throughput(model, dims, s, device, dtype)
-        print(f"throughput  {r['tree']}: naive {r['naive_s']:.2f}s, replay {r['replay_s']:.2f}s "
-              f"(+ caching pass {r['cache_s']:.2f}s); per-rollout tok/s naive {r['naive_tok_s']:.0f}, "
-              f"replay {r['replay_tok_s']:.0f} ({r['replay_cache_tok_s']:.0f} with the caching pass); "
-              f"speedup {r['speedup']:.2f} of ideal {r['ideal']:.2f}", flush=True)
+        r = throughput(model, dims, s, device, dtype, args.rounds)
+        print(f"throughput  {r['tree']}, fastest of {r['rounds']} alternating rounds: naive {r['naive_s']:.2f}s, "
+              f"replay {r['replay_s']:.2f}s (+ caching pass {r['cache_s']:.2f}s); per-rollout tok/s naive "
+              f"{r['naive_tok_s']:.0f}, replay {r['replay_tok_s']:.0f} ({r['replay_cache_tok_s']:.0f} with the "
+              f"caching pass); speedup {r['speedup']:.2f} of ideal {r['ideal']:.2f}", flush=True)
+        print(f"            gradients replay vs naive: rel {r['grad_rel']:.2e}, cosine {r['grad_cosine']:.6f}",
+              flush=True)
         if "replay_dev_gib" in r:
             print(f"            device peak replay {r['replay_dev_gib']:.1f} GiB (plan ratio "
                   f"{r['replay_plan_ratio']:.2f}), naive {r['naive_dev_gib']:.1f} GiB (plan ratio "
@@ -318,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         kv |= {f"speedup_{name}": f"{r['speedup']:.3f}", f"ideal_{name}": f"{r['ideal']:.3f}",
                f"efficiency_{name}": f"{r['speedup'] / r['ideal']:.3f}",
                f"replay_tok_s_{name}": f"{r['replay_tok_s']:.0f}", f"naive_tok_s_{name}": f"{r['naive_tok_s']:.0f}",
-               f"replay_cache_tok_s_{name}": f"{r['replay_cache_tok_s']:.0f}"}
+               f"replay_cache_tok_s_{name}": f"{r['replay_cache_tok_s']:.0f}",
+               f"grad_rel_{name}": f"{r['grad_rel']:.3e}", f"grad_cosine_{name}": f"{r['grad_cosine']:.6f}"}
         if "replay_plan_ratio" in r:
             kv |= {f"replay_plan_ratio_{name}": f"{r['replay_plan_ratio']:.3f}",
                    f"naive_plan_ratio_{name}": f"{r['naive_plan_ratio']:.3f}"}

@@ -3,7 +3,12 @@
 Prompts come from reasoning-gym's procedural generators, written once to a JSONL file
 (offline, seeded, idempotent) and read back with `datasets`. Rewards come from the same
 generator's own checker (`score_answer`), so a completion is scored exactly as
-reasoning-gym defines correctness for its task.
+reasoning-gym defines correctness for its task. A prompt file may also carry rows of the
+task `exact_answer` (its own verifiable answers): scored by exact match, without reasoning-gym.
+
+reasoning-gym is imported only where it is used (generating prompts, scoring its tasks):
+importing it imports every task's dependencies, which a machine that trains on a prompt
+file of exact_answer rows need not have.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import reasoning_gym
-from reasoning_gym.factory import DATASETS
 
 log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("question", "answer", "task")
+# The task of a prompt-file row scored without reasoning-gym: reward 1 when the completion's
+# final answer (extract_answer) is the row's answer, surrounding whitespace aside; else 0.
+EXACT_ANSWER = "exact_answer"
 
 ANSWER_INSTRUCTION = (
     "\n\nWork it out briefly, then end your reply with the final answer inside "
@@ -74,6 +80,8 @@ def _jsonable(obj):
 
 
 def _check_tasks(path: Path, tasks: list[str], task_args: dict[str, dict]) -> None:
+    from reasoning_gym.factory import DATASETS
+
     if not tasks:
         raise DatasetError(f"{path}: no tasks given; pass at least one reasoning-gym task name.")
     for name in list(tasks) + list(task_args):
@@ -90,6 +98,9 @@ def _check_tasks(path: Path, tasks: list[str], task_args: dict[str, dict]) -> No
 
 
 def _create(path: Path, name: str, size: int, seed: int, args: dict):
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
     try:
         return reasoning_gym.create_dataset(name, size=size, seed=seed, **args)
     except (TypeError, AssertionError, ValueError) as e:
@@ -265,6 +276,9 @@ def _checker(task: str, args_json: str):
     # size=1 keeps construction cheap (some generators precompute per-row state); the
     # seed does not affect checking. Four checkers (decimal_arithmetic, puzzle24,
     # polynomial_equations, time_intervals) read their config, hence args_json.
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
     if task not in DATASETS:
         raise DatasetError(f"prompt task {task!r} is not a reasoning-gym task; cannot score it.")
     return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(args_json))
@@ -274,7 +288,8 @@ _warned_tasks: set[str] = set()
 
 
 def score(prompt: Prompt, completion: str, task_args: dict | None = None) -> float:
-    """Reward in [0, 1] from reasoning-gym's own checker for `prompt.task`.
+    """Reward in [0, 1] from reasoning-gym's own checker for `prompt.task` (exact match
+    for EXACT_ANSWER rows).
 
     Pass the `task_args` the prompt was generated with when the task's checker depends
     on its config (see `_checker`); the others ignore it.
@@ -282,6 +297,8 @@ def score(prompt: Prompt, completion: str, task_args: dict | None = None) -> flo
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
+    if prompt.task == EXACT_ANSWER:
+        return float(answer.strip() == prompt.answer.strip())
     checker = _checker(prompt.task, json.dumps(task_args or {}, sort_keys=True))
     entry = {"question": prompt.question, "answer": prompt.answer, "metadata": prompt.metadata}
     try:

@@ -338,8 +338,14 @@ def load_plan_config(path: str | None, overrides: list[str] = ()) -> tuple:
     from lsreplay.config import load_config
 
     cfg = load_config(path, overrides)
-    return cfg, {"model.arch": dict(cfg.model.arch), "pool.device_memory_gb": cfg.pool.device_memory_gb,
-                 "pool.devices_per_step": cfg.pool.devices_per_step, "replay.fsdp": cfg.replay.fsdp}
+    return cfg, plan_values(cfg)
+
+
+def plan_values(cfg) -> dict:
+    """The fields of a run config the planner reads (make_plan's `values`)."""
+    return {"model.arch": dict(cfg.model.arch), "pool.device_memory_gb": cfg.pool.device_memory_gb,
+            "pool.devices_per_step": cfg.pool.devices_per_step, "replay.fsdp": cfg.replay.fsdp,
+            "pool.accelerator": cfg.pool.accelerator}
 
 
 def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
@@ -374,8 +380,8 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     shape = TreeShape.from_rollout(cfg.data.max_prompt_tokens, r.branching, r.segment_tokens, r.max_new_tokens)
     ranks, fsdp = values["pool.devices_per_step"], values["replay.fsdp"]
     budget = cfg.replay.budget_mb * 2**20 or None
-    # A plan given the device memory is for accelerators (it reserves a CUDA context too).
-    replay = replay_peak(dims, dtype, shape, budget, accelerator=bool(values["pool.device_memory_gb"]),
+    # Leaves attend to their prefix in place where the pool's device kind has a kernel.
+    replay = replay_peak(dims, dtype, shape, budget, accelerator=values["pool.accelerator"] == "cuda",
                          join_below=cfg.replay.join_below)
     naive = naive_peak(dims, elt, shape)
     return Plan(model=model_name, dims=dims, dtype=dtype_name, mode=cfg.replay.mode, ranks=ranks, fsdp=fsdp,

@@ -39,3 +39,23 @@ def test_rollout_bench_smoke():
     assert proc.returncode == 0, proc.stderr[-4000:]
     pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(pairs["stage_speedup"]) > 0 and float(pairs["accept_len"]) >= 1 and int(pairs["spec_rounds"]) > 0
+
+
+def test_gpu_smoke_on_cpu():
+    """bench/gpu_smoke.py --smoke: the GPU check's code with tiny sizes on the CPU, the real
+    SmolLM2 tokenizer: every stage ran where the pool put it, the resident policy and the
+    checkpoints held up, replay and naive gradients agree, the plan has an estimate."""
+    from lsreplay.config import ModelConfig
+    from lsreplay.models import resolve_model_dir
+
+    tokenizer = resolve_model_dir(ModelConfig())
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), "--smoke", "--tokenizer", str(tokenizer)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert list(kv) == ["gpu_ok", "grad_rel", "replay_speedup", "peak_gib", "plan_gib"]
+    assert kv["gpu_ok"] == "true" and float(kv["grad_rel"]) <= 3e-2
+    assert float(kv["replay_speedup"]) > 0 and float(kv["plan_gib"]) > 0
+    assert math.isnan(float(kv["peak_gib"]))  # no allocator peak on the CPU
+    flow = next(line for line in proc.stdout.splitlines() if line.strip().startswith("flow:"))
+    assert "=false" not in flow and "stages_on_device=true" in flow and "restart_weights_equal=true" in flow

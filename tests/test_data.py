@@ -1,6 +1,9 @@
 """Tests for lsreplay.data: prompt generation, loading, sampling and rewards."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,6 +105,24 @@ def test_score_uses_the_task_checker(prompt_file):
     assert score(p, f"<answer>{wrong}</answer>") < 1.0
     assert score(p, f"Adding it up, so the result is {p.answer}.") == 1.0
     assert score(p, "I do not know.") == 0.0
+
+
+def test_exact_answer_rows_are_scored_by_exact_match_without_reasoning_gym(tmp_path):
+    """A prompt file of exact_answer rows loads, samples and scores with reasoning-gym
+    unimportable (a machine without it, e.g. the GPU check's: bench/gpu_smoke.py)."""
+    path = tmp_path / "own.jsonl"
+    path.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "7", "task": "exact_answer"}) + "\n")
+    script = f"""
+import sys
+sys.modules["reasoning_gym"] = None  # any import of it fails
+from lsreplay.data import PromptSet, score
+p = PromptSet.from_file({str(path)!r}).sample(0, 1, 0)[0]
+print(score(p, "so <answer> 7 </answer>"), score(p, "<answer>8</answer>"), score(p, "it is 7"), score(p, "no idea"))
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["1.0", "0.0", "1.0", "0.0"]
 
 
 def test_score_gsm_symbolic(prompt_file):

@@ -15,6 +15,8 @@ def test_gpu_scale_smoke():
     kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(kv["speedup_smoke"]) > 0 and float(kv["ideal_smoke"]) == 3.0  # G=4, P=48, S=6
     assert float(kv["replay_tok_s_smoke"]) > 0 and float(kv["naive_tok_s_smoke"]) > 0
+    # replay and naive gradients agree to bf16 rounding (tests/test_mixed_precision.py's bound)
+    assert float(kv["grad_rel_smoke"]) < 3e-2 and float(kv["grad_cosine_smoke"]) > 0.999
     # the largest-tree search found a bound for both (the simulated cap) and a tree that trained
     assert kv["max_bounded_smoke"] == "true"
     assert int(kv["max_positions_replay_smoke"]) > 0 and int(kv["max_positions_naive_smoke"]) > 0

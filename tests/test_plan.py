@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lsreplay.plan import ModelDims, TreeShape, main, naive_peak, replay_peak
+from lsreplay.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.tree import RolloutTree
 
@@ -143,7 +143,6 @@ def test_plan_io_matches_what_a_step_writes(tiny_model_dir, tmp_path):
     rollout that ends early has no K/V below its end)."""
     from lsreplay import checkpointing, stages
     from lsreplay.config import load_config
-    from lsreplay.plan import load_plan_config, make_plan
     from lsreplay.resident import RESIDENT
     from lsreplay.run import Run
 
@@ -164,3 +163,12 @@ def test_plan_io_matches_what_a_step_writes(tiny_model_dir, tmp_path):
     assert io.checkpoint == pytest.approx(written, rel=0.01) and io.every == 4
     assert kv_bytes <= io.prefix_kv <= 3 * kv_bytes
     assert io.seconds() == pytest.approx((io.written + io.read) / 0.5e9)
+
+
+def test_the_plan_counts_the_kernels_of_the_pools_device_kind():
+    """pool.accelerator, not the device memory, says which attention kernels a plan counts:
+    float64 has a cascade kernel on CPU but none on CUDA."""
+    for accelerator, memory, cascade in (("cpu", 96, True), ("cuda", 0, False), ("cuda", 96, False)):
+        cfg, values = load_plan_config(PROD, ["model.dtype=float64", f"pool.accelerator={accelerator}",
+                                              f"pool.device_memory_gb={memory}"])
+        assert make_plan(cfg, values).replay.cascade is cascade, (accelerator, memory)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import transformers
 from transformers.masking_utils import create_causal_mask
 
+from lsreplay.hf_compat import with_cache
 from lsreplay.models import building_models
 
 log = logging.getLogger(__name__)
@@ -143,16 +144,16 @@ class Drafter(torch.nn.Module):
         # without HF reading them as packed sequences. A batch whose cache rows hold holes
         # (speculative decoding) passes the mask that hides them.
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-            position_ids=None if attention_mask is None else position_ids,
+            config=self.config, inputs_embeds=x, attention_mask=attention_mask,
+            position_ids=None if attention_mask is None else position_ids, **with_cache(cache),
         )
         return self.layer(
             x,
             attention_mask=mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=cache is not None,
             position_embeddings=self.rotary_emb(x, position_ids),
+            **with_cache(cache),
         )
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
+from lsreplay.hf_compat import with_cache
 from lsreplay.replay.attention_kernels import AttentionKernel, kernel_for, runs_on
 from lsreplay.replay.segments import PrefixKV, padded_batch
 
@@ -174,6 +175,6 @@ def forward_cascade(model: PreTrainedModel, segments: list[list[int]], start: in
     ids, positions = padded_batch(model, segments, start)
     cache = DynamicCache(config=model.config)
     with _attention_implementation(model, IMPLEMENTATION):
-        out = model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                               cascade_prefix=prefix_kv)
+        out = model.base_model(input_ids=ids, position_ids=positions, use_cache=True,
+                               cascade_prefix=prefix_kv, **with_cache(cache))
     return out.last_hidden_state, cache

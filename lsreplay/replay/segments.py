@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from lsreplay.hf_compat import with_cache
 from lsreplay.logits import float_logits
 
 # Per-layer keys and values of a run of positions: ([k_0, ..., k_L-1], [v_0, ..., v_L-1]),
@@ -58,7 +59,7 @@ def forward_segments(model: PreTrainedModel, segments: list[list[int]], start: i
         for layer, (k, v) in enumerate(zip(*past)):
             batch_shape = (len(segments), *k.shape[1:])
             cache.update(k.expand(batch_shape), v.expand(batch_shape), layer)
-    out = model.base_model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+    out = model.base_model(input_ids=ids, position_ids=positions, use_cache=True, **with_cache(cache))
     return out.last_hidden_state, cache
 
 

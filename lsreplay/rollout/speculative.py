@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from lsreplay.hf_compat import with_cache
 from lsreplay.logits import float_logits
 from lsreplay.rollout.sampling import SamplingParams, _truncate
 
@@ -303,7 +304,7 @@ class Speculator:
     def _target(self, ids, position_ids, attention_mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Features (A, n, d) and logits (A, n, V) of n new positions."""
         hidden = self.target.base_model(
-            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
+            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **with_cache(cache)
         ).last_hidden_state
         self.stats.target_forwards += 1
         return hidden, float_logits(self.target, hidden)
@@ -559,8 +560,8 @@ def greedy_generate(
     cache = DynamicCache(config=target.config)
     positions = _positions(mask)
     full_mask = None if bool(mask.all()) else mask
-    out = target(input_ids=ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True,
-                 logits_to_keep=1)
+    out = target(input_ids=ids, attention_mask=full_mask, position_ids=positions, use_cache=True,
+                 logits_to_keep=1, **with_cache(cache))
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     generated = []
     position = positions[:, -1]
@@ -574,6 +575,6 @@ def greedy_generate(
         position = position + 1
         if full_mask is not None:
             full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], dim=1)
-        out = target(input_ids=token[:, None], attention_mask=full_mask, position_ids=position[:, None], cache=cache,
-                     use_cache=True, logits_to_keep=1)
+        out = target(input_ids=token[:, None], attention_mask=full_mask, position_ids=position[:, None],
+                     use_cache=True, logits_to_keep=1, **with_cache(cache))
     return torch.stack(generated, dim=1)

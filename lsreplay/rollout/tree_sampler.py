@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from lsreplay.hf_compat import with_cache
 from lsreplay.logits import float_logits
 from lsreplay.rollout.sampling import SamplingParams, sample_next
 from lsreplay.rollout.speculative import (
@@ -181,7 +182,7 @@ class _Batch:
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
-                                       cache=self.cache, use_cache=True).last_hidden_state
+                                       use_cache=True, **with_cache(self.cache)).last_hidden_state
         self.logits = float_logits(self.model, hidden[:, -1])
         if self.speculation is not None:
             self.features = hidden if self.features is None else torch.cat([self.features, hidden], dim=1)

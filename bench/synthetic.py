@@ -1,0 +1,66 @@
+"""Synthetic inputs of real shapes for the GPU benchmarks: Qwen2.5-shaped models with random
+init, rollout trees of a given shape with random tokens, and random per-token weights."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lsreplay.plan import TreeShape
+from lsreplay.tree import RolloutTree
+
+QWEN = {
+    # Qwen2.5-0.5B, -1.5B and -7B dimensions (config.json of the released models)
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    # a tiny Qwen2 for the CPU smoke runs
+    "smoke": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True),
+}
+
+
+def qwen_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int,
+               seed: int = 0) -> Qwen2ForCausalLM:
+    """A Qwen2.5-`name`-shaped model with random init, built directly on `device` in `dtype`."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(**QWEN[name], max_position_embeddings=max_positions, rope_theta=1e6,
+                         attn_implementation="sdpa")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise directly in bf16 on the device: no fp32 copy
+    try:
+        with device:
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype).eval()  # eval: replay differentiates exactly the cached pass
+
+
+def tree_of_shape(shape: TreeShape, vocab: int, seed: int) -> RolloutTree:
+    """A tree of exactly `shape`: random tokens, siblings starting with distinct tokens (so
+    the trie branches where the shape does)."""
+    rng = random.Random(seed)
+
+    def grow(level: int) -> list[list[int]]:
+        if level == len(shape.levels):
+            return [[]]
+        branching, length = shape.levels[level]
+        out = []
+        for first in rng.sample(range(vocab), branching):
+            segment = [first] + [rng.randrange(vocab) for _ in range(length - 1)]
+            out += [segment + rest for rest in grow(level + 1)]
+        return out
+
+    return RolloutTree.from_sequences([rng.randrange(vocab) for _ in range(shape.prompt)], grow(0))
+
+
+def random_weights(tree: RolloutTree, seed: int, scale: float = 1e-3) -> list:
+    """Per-token weights of one tree's completions (replay_backward's `weights` for [tree]);
+    small, so that gradients summed over many tokens stay far from bf16's range limits."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(len(c), generator=g, dtype=torch.float64) * scale for c in tree.completions]]
