@@ -102,12 +102,6 @@ def complete_steps(run: Run) -> list[int]:
     return [s for s in steps if manifest(run, s) is not None]
 
 
-def newest_complete(run: Run, before: int | None = None) -> int | None:
-    """The newest step (below `before`, if given) with a complete policy checkpoint."""
-    steps = [s for s in complete_steps(run) if before is None or s < before]
-    return steps[-1] if steps else None
-
-
 def prune(run: Run) -> list[int]:
     """Delete policy checkpoints beyond the newest checkpoint.keep_last complete ones (and
     incomplete ones older than those); returns the steps deleted. Never the newest complete."""
