@@ -52,8 +52,9 @@ RUNS = {
 ROLLOUT_FILES = ("prompts.json", "prompts.done.json", "trees.json", "trees.done.json", "trees")
 
 
-def train(config: str, run_dir: Path, overrides: list[str]) -> list[dict]:
-    if cli.main(["train", config, f"run_dir={run_dir}", *overrides]) != 0:
+def train(config: str | None, run_dir: Path, overrides: list[str]) -> list[dict]:
+    """One `lsreplay train` flow run in `run_dir` (the schema defaults without `config`); its metrics."""
+    if cli.main(["train", *([config] if config else []), f"run_dir={run_dir}", *overrides]) != 0:
         raise SystemExit(f"the run in {run_dir} failed")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 

@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from side_by_side import GiB, alternating, gradient_agreement, peak_measured, sync  # noqa: E402
-from synthetic import qwen_model, random_weights, tree_of_shape  # noqa: E402
+from synthetic import qwen_model, random_weights  # noqa: E402
 
 from lsreplay.config import load_config  # noqa: E402
 from lsreplay.plan import ModelDims, RunPeak, TreeShape, make_plan, plan_values  # noqa: E402
@@ -81,7 +81,7 @@ SETTINGS = {
 
 def make_tree(G: int, prompt: int, suffix: int, vocab: int, seed: int) -> RolloutTree:
     """A G-way tree: a prompt, then G completions of `suffix` tokens."""
-    return tree_of_shape(TreeShape(prompt, ((G, suffix),)), vocab, seed)
+    return TreeShape(prompt, ((G, suffix),)).random_tree(vocab, seed)
 
 
 def size(n: float) -> str:

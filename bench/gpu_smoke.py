@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 
 import transformers  # noqa: E402
 from side_by_side import GiB, alternating, gradient_agreement, peak_measured  # noqa: E402
-from synthetic import QWEN, qwen_model, random_weights, tree_of_shape  # noqa: E402
+from synthetic import QWEN, qwen_model, random_weights  # noqa: E402
 
 from lsreplay import checkpointing, stages  # noqa: E402
 from lsreplay.config import ModelConfig, load_config  # noqa: E402
@@ -240,7 +240,7 @@ def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict
     model = qwen_model(name, device, torch.bfloat16, shape.prompt + shape.completion + 64)
     dims = ModelDims.from_hf(model.config)
     plan = make_plan(cfg, plan_values(cfg), dims, f"Qwen2.5-{name} shape")
-    tree, train = tree_of_shape(shape, dims.vocab, seed=1), TrainState(model, cfg.optim)
+    tree, train = shape.random_tree(dims.vocab, seed=1), TrainState(model, cfg.optim)
     weights, budget = random_weights(tree, seed=1), cfg.replay.budget_mb * 2**20 or None
     print(f"  Qwen2.5-{name} shape: {dims.params() / 1e6:.1f}M params, bf16; tree prompt {shape.prompt}, "
           f"levels {list(shape.levels)}: {tree.total_positions} per-rollout / {tree.unique_positions} unique positions",

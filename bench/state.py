@@ -25,7 +25,6 @@ resident run's state share of its policy stage, and what each run left on disk.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from statistics import mean
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lsreplay import cli  # noqa: E402
+from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
 from lsreplay.data import generate_prompt_file  # noqa: E402
 
 WORKLOAD = ["data.prompts_per_step=2", "rollout.branching=[8]", "rollout.segment_tokens=[]",
@@ -44,12 +43,6 @@ RUNS = {
                "checkpoint.keep_step_data=true"],
     "resident": [],
 }
-
-
-def train(run_dir: Path, overrides: list[str]) -> list[dict]:
-    if cli.main(["train", f"run_dir={run_dir}", *overrides]) != 0:
-        raise SystemExit(f"the run in {run_dir} failed")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
 def disk_bytes(folder: Path) -> int:
@@ -66,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     prompts = generate_prompt_file(out / "gsm_symbolic.jsonl", ["gsm_symbolic"], size=64, seed=0)
     common = [f"steps={args.steps}", f"data.path={prompts}", *WORKLOAD, *args.overrides]
-    metrics = {name: train(out / name, [*common, *overrides]) for name, overrides in RUNS.items()}
+    metrics = {name: train(None, out / name, [*common, *overrides]) for name, overrides in RUNS.items()}
     print("| run | step | step s | rollouts s | prefix cache s | policy s | backward s | state s | policy state s |")
     print("|---" * 9 + "|")
     keys = ("step_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "backward_seconds",

@@ -1,14 +1,11 @@
 """Synthetic inputs of real shapes for the GPU benchmarks: Qwen2.5-shaped models with random
-init, rollout trees of a given shape with random tokens, and random per-token weights."""
+init, and random per-token weights (trees of a given shape: TreeShape.random_tree)."""
 
 from __future__ import annotations
-
-import random
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lsreplay.plan import TreeShape
 from lsreplay.tree import RolloutTree
 
 QWEN = {
@@ -39,24 +36,6 @@ def qwen_model(name: str, device: torch.device, dtype: torch.dtype, max_position
     finally:
         torch.set_default_dtype(previous)
     return model.to(dtype).eval()  # eval: replay differentiates exactly the cached pass
-
-
-def tree_of_shape(shape: TreeShape, vocab: int, seed: int) -> RolloutTree:
-    """A tree of exactly `shape`: random tokens, siblings starting with distinct tokens (so
-    the trie branches where the shape does)."""
-    rng = random.Random(seed)
-
-    def grow(level: int) -> list[list[int]]:
-        if level == len(shape.levels):
-            return [[]]
-        branching, length = shape.levels[level]
-        out = []
-        for first in rng.sample(range(vocab), branching):
-            segment = [first] + [rng.randrange(vocab) for _ in range(length - 1)]
-            out += [segment + rest for rest in grow(level + 1)]
-        return out
-
-    return RolloutTree.from_sequences([rng.randrange(vocab) for _ in range(shape.prompt)], grow(0))
 
 
 def random_weights(tree: RolloutTree, seed: int, scale: float = 1e-3) -> list:

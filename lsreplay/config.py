@@ -183,11 +183,12 @@ class PoolConfig:
     device_memory_gb: float = 0.0
     # Data-parallel ranks of the policy update (whole trees per rank).
     devices_per_step: int = 1
-    # "thread": each stage's task runs in the flow's process; "ray": as a Ray task (pip install '.[ray]').
+    # "thread": every stage runs in the flow's process; "ray": each pool device's stages on a
+    # Ray actor of its own, which keeps its state (lsreplay.hosts; pip install '.[ray]').
     task_runner: str = "thread"
     # Ray cluster address for task_runner=ray: "ray://HEAD:10001", "auto", or "" (a new local Ray).
     ray_address: str = ""
-    # GPUs a stage asks Ray for per pool slot it holds (0 on CPU).
+    # GPUs a device's Ray host asks for (0 on CPU).
     ray_gpus: float = 0.0
 
 

@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from lsreplay.replay.attention_kernels import kernel_for
+from lsreplay.tree import RolloutTree
 from lsreplay.replay.view import joins
 from lsreplay.replay.memory import (
     ModelDims,
@@ -89,6 +91,23 @@ class TreeShape:
             else:
                 levels.append((b, s))
         return root, tuple(levels)
+
+    def random_tree(self, vocab: int, seed: int = 0) -> RolloutTree:
+        """A tree of exactly this shape (benchmarks, tests): random tokens, siblings starting
+        with distinct tokens, so that the trie branches where the shape does."""
+        rng = random.Random(seed)
+
+        def grow(level: int) -> list[list[int]]:
+            if level == len(self.levels):
+                return [[]]
+            branching, length = self.levels[level]
+            out = []
+            for first in rng.sample(range(vocab), branching):
+                segment = [first] + [rng.randrange(vocab) for _ in range(length - 1)]
+                out += [segment + rest for rest in grow(level + 1)]
+            return out
+
+        return RolloutTree.from_sequences([rng.randrange(vocab) for _ in range(self.prompt)], grow(0))
 
     @property
     def rollouts(self) -> int:

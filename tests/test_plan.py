@@ -4,7 +4,6 @@ the production config (fits 8 x 96 GiB with >= 2.1M positions per step) and refu
 
 from __future__ import annotations
 
-import random
 import re
 from pathlib import Path
 
@@ -14,28 +13,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from lsreplay.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
-from lsreplay.tree import RolloutTree
 
 PROD = str(Path(__file__).resolve().parents[1] / "configs" / "h20x8-qwen2.5-7b.yaml")
 SMALL = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
-
-
-def shaped_tree(shape: TreeShape, vocab: int, seed: int = 0) -> RolloutTree:
-    """A tree of exactly this shape: siblings start with distinct tokens."""
-    rng = random.Random(seed)
-
-    def grow(level: int) -> list[list[int]]:
-        if level == len(shape.levels):
-            return [[]]
-        branching, length = shape.levels[level]
-        out = []
-        for first in rng.sample(range(vocab), branching):
-            segment = [first] + [rng.randrange(vocab) for _ in range(length - 1)]
-            out += [segment + rest for rest in grow(level + 1)]
-        return out
-
-    return RolloutTree.from_sequences([rng.randrange(vocab) for _ in range(shape.prompt)], grow(0))
 
 
 
@@ -58,7 +39,7 @@ def test_activation_estimate_matches_meter(name):
     torch.manual_seed(0)
     config = config_cls(**dims, attn_implementation="sdpa", tie_word_embeddings=arch == "qwen2")
     model = model_cls(config).to(dtype).eval()
-    tree = shaped_tree(shape, dims["vocab_size"])
+    tree = shape.random_tree(dims["vocab_size"])
     assert (tree.total_positions, tree.unique_positions) == (shape.total_positions, shape.unique_positions)
     weights = [[torch.randn(len(c), dtype=torch.float64) for c in tree.completions]]
     replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model))

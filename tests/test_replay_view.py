@@ -6,7 +6,6 @@ follows the joined shape."""
 import pytest
 import torch
 from conftest import tiny_model
-from test_plan import shaped_tree
 from test_replay import grads_of, max_rel_diff, random_trees
 
 from lsreplay.plan import ModelDims, TreeShape, joined_levels, replay_peak
@@ -129,7 +128,7 @@ def test_plan_follows_the_joined_shape():
 def test_joined_replay_peak_is_what_the_plan_predicts():
     model = tiny_model("llama")
     shape = TreeShape(12, ((3, 4), (2, 6)))
-    tree = shaped_tree(shape, model.config.vocab_size)
+    tree = shape.random_tree(model.config.vocab_size)
     weights = [[torch.randn(len(c), dtype=torch.float64) for c in tree.completions]]
     stats = replay_backward(model, [tree], weights, budget_bytes=1 << 30, meter=ActivationMeter(model),
                             join_below=64)
