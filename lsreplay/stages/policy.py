@@ -91,7 +91,8 @@ def _stats_fields(stats) -> dict:
 def _clip_and_step(run: Run, step: int, model, optimizer, loss: float, sharded: bool = False) -> float:
     """Clip, check, AdamW step, check; raises NonFiniteLoss (nothing is committed then).
     sharded: every rank holds a shard (FSDP), so the checks agree over ranks."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.cfg.optim.grad_clip)
+    # grad_clip 0 means no clipping: clip_grad_norm_(..., 0) would scale every gradient to 0.
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), run.cfg.optim.grad_clip or math.inf)
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteLoss(f"step {step}: loss={loss} grad_norm={grad_norm}; the step was not committed "
