@@ -4,14 +4,8 @@ import json
 
 import pytest
 
-from lsreplay.data import (
-    DatasetError,
-    Prompt,
-    PromptSet,
-    extract_answer,
-    generate_prompt_file,
-    score,
-)
+from lsreplay.data import DatasetError, Prompt, PromptSet, generate_prompt_file
+from lsreplay.rewards import extract_answer, score
 
 TASKS = ["basic_arithmetic", "gsm_symbolic"]
 
