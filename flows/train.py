@@ -1,7 +1,10 @@
 r"""The training flow: the RL step loop, one task per stage.
 
-    prompts -> rollout shards -> trees -> prefix cache -> policy update
-                  \-> (slots freed) drafter distillation of the previous step
+    [eval] -> prompts -> rollout shards -> trees -> prefix cache -> policy update
+                            \-> (slots freed) drafter distillation of the previous step
+
+With eval.every > 0, the policy is evaluated on the held-out prompts before steps 0,
+eval.every, ... and after the last update (lsreplay.stages.evaluate).
 
 The drafter of step t trains on step t's hidden states during step t+1's rollouts, on
 the pool slots that finished shards free, until those rollouts end (TLT's spot training);
@@ -25,8 +28,9 @@ from prefect.futures import as_completed
 
 from flows import artifacts
 from lsreplay.config import Config, ConfigError, load_config
-from lsreplay.metrics import step_record
+from lsreplay.metrics import eval_record, step_record
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
+from lsreplay.stages import evaluated
 from tasks.pool import ensure_pool
 from tasks.stages import configured
 
@@ -64,8 +68,12 @@ def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
     progress(0.0)
     recomputes: Counter = Counter()
     step = 0
-    while step < cfg.steps:
+    while step <= cfg.steps:
         try:
+            if evaluated(cfg, step):  # the policy after `step` updates, on the held-out prompts
+                _evaluate(run, tasks, cfg, step, runner)
+            if step == cfg.steps:
+                break
             manifests = _step(run, tasks, cfg, step, runner)
         except InputCorrupt as e:
             recomputes[e.step, e.stage] += 1
@@ -88,8 +96,18 @@ def _run_steps(run, tasks: dict, runner, cfg: Config) -> list[dict]:
     return run.metrics()
 
 
+def _evaluate(run, tasks: dict, cfg: Config, step: int, runner) -> None:
+    manifest = _result(_submit(tasks["eval"], runner, cfg, "eval", step=step), "eval", step)
+    record = eval_record(step, manifest)
+    run.append_metrics(record)
+    get_run_logger().info("eval after %d updates: held-out accuracy %.3f [%.3f, %.3f] (greedy, %d prompts)",
+                          step, record["eval_accuracy"], record["eval_accuracy_lo"], record["eval_accuracy_hi"],
+                          record["eval_prompts"])
+    artifacts.metrics_table(run)
+
+
 # Stages that hold accelerator pool slots (tasks.stages._on_pool), and so Ray GPUs.
-ACCELERATOR_STAGES = ("trees", "prefixes", "policy", "drafter")
+ACCELERATOR_STAGES = ("trees", "prefixes", "policy", "drafter", "eval")
 
 
 def task_runner(cfg: Config):
