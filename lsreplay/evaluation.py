@@ -64,7 +64,8 @@ def score_answers(prompts: list[Prompt], greedy: list[str], sampled: list[list[s
     """One record per prompt: its greedy and sampled answers and their rewards."""
     records = []
     for prompt, best, samples in zip(prompts, greedy, sampled):
-        records.append({"prompt_index": prompt.index, "greedy": best, "greedy_reward": reward(prompt, best),
+        records.append({"prompt_index": prompt.index, "question": prompt.question, "answer": prompt.answer,
+                        "greedy": best, "greedy_reward": reward(prompt, best),
                         "samples": samples, "sample_rewards": [reward(prompt, s) for s in samples]})
     return records
 

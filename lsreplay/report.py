@@ -61,12 +61,13 @@ def curves(runs: dict[str, list[dict]]) -> dict[str, dict[str, list]]:
     return out
 
 
-def plot(data: dict[str, dict[str, list]], path: Path) -> None:
-    panels = [(k, t) for k, t in PANELS if k in data]
+def plot(data: dict[str, dict[str, list]], path: Path, keys: tuple[str, ...] | None = None) -> None:
+    """The panels of PANELS that have data (only those in `keys`, if given), runs overlaid."""
+    panels = [(k, t) for k, t in PANELS if k in data and (keys is None or k in keys)]
     # One colour per run in every panel, also where some runs have no points.
     names = list(dict.fromkeys(name for key, _ in panels for name in data[key]))
     colour = {name: f"C{i}" for i, name in enumerate(names)}
-    cols = 3
+    cols = min(3, len(panels))
     rows = max(1, -(-len(panels) // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels):
@@ -76,7 +77,7 @@ def plot(data: dict[str, dict[str, list]], path: Path) -> None:
             if all(len(p) == 4 for p in points):
                 ax.fill_between(steps, [p[2] for p in points], [p[3] for p in points], color=colour[name], alpha=0.15)
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel("updates done" if key.startswith("eval_") else "step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
