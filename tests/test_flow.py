@@ -6,25 +6,36 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from lsreplay.run import STAGES
+from flowrun import unique_pool
+
+from lsreplay.config import load_config
+from lsreplay.run import STAGES, Run
+
+POOL = unique_pool()  # the same for the run and its rerun
 
 
 def overrides(run_dir, model_dir):
     return [f"run_dir={run_dir}", f"model.path={model_dir}", "steps=2", "data.size=8",
             "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
             "rollout.max_new_tokens=8", "drafter.steps=2", "drafter.batch_size=2", "optim.lr=1e-3",
-            "algo.kl_coef=0.05", "eval.every=1", "eval.size=3", "eval.samples=2"]
+            "algo.kl_coef=0.05", "eval.every=1", "eval.size=3", "eval.samples=2", POOL]
 
 
 def step_files(run_dir):
     return {p: p.stat().st_mtime_ns for p in run_dir.glob("step_*/**/*") if p.is_file()}
 
 
-def test_flow_runs_every_stage_and_resumes(prefect_server, tiny_model_dir, tmp_path):
+def test_flow_runs_every_stage_and_resumes(prefect_server, tiny_model_dir, tmp_path, monkeypatch):
     from flows.train import train
 
     run_dir = tmp_path / "run"
+    # The evaluation is a retried task like the others: its first try after 1 update fails.
+    monkeypatch.setenv("LSREPLAY_FAULTS", "eval@1:fail")
+    monkeypatch.setenv("LSREPLAY_RETRY_DELAY", "0.05")
     metrics = train(overrides=overrides(run_dir, tiny_model_dir))
+    monkeypatch.delenv("LSREPLAY_FAULTS")
+    assert {k: v for k, v in Run(load_config(None, [f"run_dir={run_dir}"])).executions().items()
+            if k[1] == "eval"} == {(0, "eval"): 1, (1, "eval"): 2, (2, "eval"): 1}
     # Held-out evaluations after 0, 1 and 2 updates; the last line has the evaluation alone.
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all({"eval_accuracy", "eval_accuracy_lo", "eval_accuracy_hi", "eval_reward"} <= m.keys() for m in metrics)

@@ -16,6 +16,7 @@ from functools import partial
 
 from tqdm.auto import tqdm
 
+from lsreplay import faults
 from lsreplay.evaluation import answer, score_answers, summary
 from lsreplay.models import eos_ids, load_tokenizer
 from lsreplay.prompt_sets import heldout_prompts
@@ -59,5 +60,6 @@ def evaluate_policy(run: Run, step: int, devices: list[int] | None = None) -> di
     records = score_answers(prompts, [decode(c[0]) for c in greedy], [[decode(s) for s in c] for c in sampled],
                             reward)
     entry = run.store.write_json(run.key(step, "eval.json"), {"answers": records})
+    faults.hook(STAGE, step, "mid")  # answers written, no done marker
     return run.finish(step, STAGE, {"files": [entry], "devices": devices, "samples": samples,
                                     "seconds": time.perf_counter() - start, **summary(records)})
