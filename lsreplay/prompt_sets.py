@@ -86,7 +86,9 @@ def _distinct(prompts: PromptSet, order: Iterable[int], size: int) -> list[int]:
     questions = prompts.column("question")
     seen, rows = set(), []
     for i in order:
-        if questions[i] not in seen and len(rows) < size:
+        if len(rows) == size:
+            break
+        if questions[i] not in seen:
             seen.add(questions[i])
             rows.append(prompts.rows[i])
     return rows
@@ -109,4 +111,7 @@ def check_prompts(cfg: Config, render) -> None:
     for prompts in sets:
         lengths = [len(q or "") for q in prompts.column("question")]
         for i in sorted(range(len(prompts)), key=lambda i: -lengths[i])[:LONGEST_CHECKED]:
-            render(prompts[i])  # raises DatasetError, naming the prompt and the limit
+            try:
+                render(prompts[i])
+            except DatasetError as e:  # names the prompt and the limit; add the file
+                raise DatasetError(f"{prompts.path}: {e}") from None

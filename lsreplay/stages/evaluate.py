@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 
 from tqdm.auto import tqdm
 
@@ -51,14 +50,16 @@ def evaluate_policy(run: Run, step: int, devices: list[int] | None = None) -> di
     start = time.perf_counter()
     with tqdm(total=len(ids) * (1 + samples) * r.max_new_tokens, desc=f"step {step} eval", unit="tok",
               leave=False) as bar:
-        greedy = answer(model, ids, 1, SamplingParams(temperature=0.0), r.max_new_tokens, eos,
-                        [run.generator(step, STAGE, i) for i in range(len(ids))], rows, bar.update)
-        sampled = answer(model, ids, samples, SamplingParams(r.temperature, r.top_p, r.top_k), r.max_new_tokens,
-                         eos, [run.generator(step, STAGE, i) for i in range(len(ids))], rows,
-                         bar.update) if samples else [[] for _ in ids]
-    decode = partial(tokenizer.decode, skip_special_tokens=True)
-    records = score_answers(prompts, [decode(c[0]) for c in greedy], [[decode(s) for s in c] for c in sampled],
-                            reward)
+
+        def texts(count: int, params: SamplingParams) -> list[list[str]]:
+            """`count` answers per prompt, as text."""
+            generators = [run.generator(step, STAGE, i) for i in range(len(ids))]
+            completions = answer(model, ids, count, params, r.max_new_tokens, eos, generators, rows, bar.update)
+            return [[tokenizer.decode(c, skip_special_tokens=True) for c in cs] for cs in completions]
+
+        greedy = [t[0] for t in texts(1, SamplingParams(temperature=0.0))]
+        sampled = texts(samples, SamplingParams(r.temperature, r.top_p, r.top_k)) if samples else [[] for _ in ids]
+    records = score_answers(prompts, greedy, sampled, reward)
     entry = run.store.write_json(run.key(step, "eval.json"), {"answers": records})
     faults.hook(STAGE, step, "mid")  # answers written, no done marker
     return run.finish(step, STAGE, {"files": [entry], "devices": devices, "samples": samples,
