@@ -129,8 +129,9 @@ class EvalConfig:
     # Evaluate the policy on held-out prompts before step 0, every `every` steps, and after
     # the last update; 0 = never (and nothing is held out).
     every: int = 0
-    # Held-out prompts: from data (taken out of the rows training samples from), or the
-    # first `size` rows of `path` (same format and columns as data.path).
+    # Held-out prompts with distinct questions: taken out of the training source by a fixed
+    # seed (training never samples them), or the first ones of `path` (same format and
+    # columns as data.path).
     size: int = 64
     path: str = ""
     # Sampled answers per held-out prompt (at the rollout temperature, top_p, top_k) for the
