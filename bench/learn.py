@@ -12,13 +12,17 @@ directories under --out (same seed, so the same prompts each step and the same h
               per-rollout GRPO trainer does
 
 Each evaluates its policy after 0, eval.every, ..., steps updates on the held-out prompts
-(greedy accuracy with its 95% Wilson interval; lsreplay.stages.evaluate). Wall time to an
-accuracy is the training time until that policy existed: from step 0's first stage to the
-last update before it (evaluation time left out; both runs evaluate alike).
+(lsreplay.stages.evaluate). The accuracy this bench reports is the sampled one: the share
+of eval.samples answers per prompt at the rollout temperature that are correct (pass@1,
+what GRPO optimises), with its 95% interval over prompts; the greedy accuracy (Wilson
+interval) is printed next to it. Wall time to an accuracy is the training time until that
+policy existed: from step 0's first stage to the last update before it (evaluation time
+left out; both runs evaluate alike).
 
-Printed: each run's evaluations; on the replay run, how many held-out prompts went from
-wrong to right and back between the first and the last evaluation, with McNemar's exact
-p-value; last line `acc_start= acc_end= baseline_acc_end= wall_ratio=` (wall_ratio: the
+Printed: each run's evaluations; on the replay run, how many held-out prompts' greedy
+answers went from wrong to right and back between the first and the last evaluation, with
+McNemar's exact p-value, and the greedy figures; last line
+`acc_start= acc_end= baseline_acc_end= wall_ratio=` (sampled accuracy; wall_ratio: the
 baseline's wall time to its final accuracy over replay's). `lsreplay report` of both runs
 goes to --out/report; --plot also writes the held-out curves alone to that PNG.
 --smoke: a few prompts and one step, for the test suite.
@@ -79,14 +83,34 @@ def mcnemar(improved: int, worsened: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def interval(row: dict, key: str) -> str:
+    return f"{row[key]:.3f} [{row[key + '_lo']:.3f}, {row[key + '_hi']:.3f}]"
+
+
 def table(name: str, run_dir: Path, rows: list[dict]) -> list[str]:
-    lines = []
-    for r in evaluations(rows):
-        reward = f"  sampled reward {r['eval_reward']:.3f}" if "eval_reward" in r else ""
-        lines.append(f"{name:9s} after {r['step']:3d} updates  held-out accuracy {r['eval_accuracy']:.3f} "
-                     f"[{r['eval_accuracy_lo']:.3f}, {r['eval_accuracy_hi']:.3f}]{reward}  "
-                     f"train wall {wall_to(run_dir, r['step']):7.1f} s")
-    return lines
+    return [f"{name:9s} after {r['step']:3d} updates  held-out accuracy sampled {interval(r, 'eval_sample_accuracy')}"
+            f"  greedy {interval(r, 'eval_accuracy')}  train wall {wall_to(run_dir, r['step']):7.1f} s"
+            for r in evaluations(rows)]
+
+
+def summary(out: Path, metrics: dict[str, list[dict]]) -> list[str]:
+    """The paired greedy comparison and the greedy figures, then the key=value headline."""
+    replay, baseline = (evaluations(rows) for rows in metrics.values())
+    first, last = replay[0], replay[-1]
+    before, after = greedy_correct(out / "replay", first["step"]), greedy_correct(out / "replay", last["step"])
+    improved = sum(after[i] and not before[i] for i in before)
+    worsened = sum(before[i] and not after[i] for i in before)
+    replay_wall, baseline_wall = wall_to(out / "replay", last["step"]), wall_to(out / "baseline", baseline[-1]["step"])
+    paired = (f"replay, greedy answers between {first['step']} and {last['step']} updates: {improved} held-out "
+              f"prompts wrong -> right, {worsened} right -> wrong (McNemar p={mcnemar(improved, worsened):.2g}); "
+              f"greedy_acc_start={first['eval_accuracy']:.3f} greedy_acc_end={last['eval_accuracy']:.3f} "
+              f"baseline_greedy_acc_end={baseline[-1]['eval_accuracy']:.3f} "
+              f"acc_start_hi={first['eval_sample_accuracy_hi']:.3f} acc_end_lo={last['eval_sample_accuracy_lo']:.3f} "
+              f"replay_wall_s={replay_wall:.1f} baseline_wall_s={baseline_wall:.1f}")
+    headline = (f"acc_start={first['eval_sample_accuracy']:.3f} acc_end={last['eval_sample_accuracy']:.3f} "
+                f"baseline_acc_end={baseline[-1]['eval_sample_accuracy']:.3f} "
+                f"wall_ratio={baseline_wall / max(replay_wall, 1e-9):.3f}")
+    return [paired, headline]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,20 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(table(name, out / name, rows)))
     write_report([out / name for name in metrics], out / "report")
     if args.plot:
-        plot(curves(metrics), Path(args.plot), keys=("eval_accuracy", "eval_reward"))
+        plot(curves(metrics), Path(args.plot), keys=("eval_sample_accuracy", "eval_accuracy"))
 
-    replay, baseline = (evaluations(rows) for rows in metrics.values())
-    first, last = replay[0]["step"], replay[-1]["step"]
-    before, after = greedy_correct(out / "replay", first), greedy_correct(out / "replay", last)
-    improved = sum(after[i] and not before[i] for i in before)
-    worsened = sum(before[i] and not after[i] for i in before)
-    print(f"replay, held-out prompts between {first} and {last} updates: {improved} wrong -> right, {worsened} "
-          f"right -> wrong, McNemar p={mcnemar(improved, worsened):.2g}; acc_start_hi={replay[0]['eval_accuracy_hi']:.3f} "
-          f"acc_end_lo={replay[-1]['eval_accuracy_lo']:.3f} replay_wall_s={wall_to(out / 'replay', last):.1f} "
-          f"baseline_wall_s={wall_to(out / 'baseline', baseline[-1]['step']):.1f}")
-    wall_ratio = wall_to(out / "baseline", baseline[-1]["step"]) / max(wall_to(out / "replay", last), 1e-9)
-    print(f"acc_start={replay[0]['eval_accuracy']:.3f} acc_end={replay[-1]['eval_accuracy']:.3f} "
-          f"baseline_acc_end={baseline[-1]['eval_accuracy']:.3f} wall_ratio={wall_ratio:.3f}")
+    print("\n".join(summary(out, metrics)))
     return 0
 
 

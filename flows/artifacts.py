@@ -31,7 +31,8 @@ from lsreplay.run import Run
 
 log = logging.getLogger(__name__)
 
-TABLE_COLUMNS = ("step", "eval_accuracy", "eval_accuracy_lo", "eval_accuracy_hi", "eval_reward", "reward_mean",
+TABLE_COLUMNS = ("step", "eval_accuracy", "eval_accuracy_lo", "eval_accuracy_hi", "eval_sample_accuracy",
+                 "eval_reward", "reward_mean",
                  "loss", "kl", "grad_norm", "positions_ratio", "completion_tokens",
                  "rollout_tokens_per_s", "train_positions_per_s", "drafter_loss", "drafter_top1_accept",
                  "prompts_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "drafter_seconds")

@@ -3,9 +3,10 @@ prompt, scored by the run's reward, summed up with 95% confidence intervals.
 
 - accuracy: the share of prompts whose greedy answer is correct (reward >= 1), with the
   Wilson score interval of that binomial proportion over the prompts;
-- reward: the mean reward of the sampled answers. A prompt's answers are not independent
-  draws (an easy prompt gets many right), so the interval is over prompts: the normal
-  interval of the mean of the per-prompt mean rewards.
+- sample_accuracy and reward: the share of sampled answers that are correct (pass@1 at the
+  rollout temperature, what GRPO optimises) and their mean reward. A prompt's answers are
+  not independent draws (an easy prompt gets many right), so their intervals are over
+  prompts: the normal interval of the mean of the per-prompt means.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def summary(records: list[dict]) -> dict:
     out = {"prompts": n, "accuracy": correct / n, "greedy_reward": statistics.fmean(r["greedy_reward"] for r in records)}
     out["accuracy_lo"], out["accuracy_hi"] = wilson_interval(correct, n)
     if records[0]["sample_rewards"]:
-        per_prompt = [statistics.fmean(r["sample_rewards"]) for r in records]
-        rewards = [x for r in records for x in r["sample_rewards"]]
-        out["reward"] = statistics.fmean(per_prompt)
-        out["reward_lo"], out["reward_hi"] = mean_interval(per_prompt)
-        out["sample_accuracy"] = sum(x >= CORRECT for x in rewards) / len(rewards)
+        rewards = [r["sample_rewards"] for r in records]
+        for key, per_prompt in (("reward", [statistics.fmean(x) for x in rewards]),
+                                ("sample_accuracy", [statistics.fmean(v >= CORRECT for v in x) for x in rewards])):
+            out[key] = statistics.fmean(per_prompt)
+            out[f"{key}_lo"], out[f"{key}_hi"] = mean_interval(per_prompt)
     return out

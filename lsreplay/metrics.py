@@ -43,8 +43,8 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
 
 
 # The evaluation stage's figures, as they appear in a step's record (eval_accuracy, ...).
-EVAL_KEYS = ("accuracy", "accuracy_lo", "accuracy_hi", "greedy_reward", "reward", "reward_lo", "reward_hi",
-             "sample_accuracy", "prompts", "samples", "seconds")
+EVAL_KEYS = ("accuracy", "accuracy_lo", "accuracy_hi", "greedy_reward", "sample_accuracy", "sample_accuracy_lo",
+             "sample_accuracy_hi", "reward", "reward_lo", "reward_hi", "prompts", "samples", "seconds")
 
 
 def eval_record(step: int, manifest: dict) -> dict:

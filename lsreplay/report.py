@@ -19,8 +19,9 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # (metric key in metrics.jsonl, panel title). Missing keys are skipped per run.
 PANELS = [
-    ("eval_accuracy", "held-out accuracy (greedy, 95% CI)"),
-    ("eval_reward", "held-out reward (sampled, 95% CI)"),
+    ("eval_accuracy", "held-out accuracy, greedy (95% CI)"),
+    ("eval_sample_accuracy", "held-out accuracy, sampled (95% CI)"),
+    ("eval_reward", "held-out reward, sampled (95% CI)"),
     ("reward_mean", "reward (mean over rollouts)"),
     ("loss", "loss"),
     ("kl", "KL to reference"),

@@ -87,6 +87,8 @@ def test_eval_stage_answers_with_the_policy_after_step_updates(run):
     assert manifest["accuracy"] == correct / 6 and manifest["prompts"] == 6
     assert (manifest["accuracy_lo"], manifest["accuracy_hi"]) == wilson_interval(correct, 6)
     assert manifest["reward"] == pytest.approx(sum(sum(a["sample_rewards"]) for a in answers) / 18)
+    assert manifest["sample_accuracy"] == pytest.approx(sum(x >= 1 for a in answers for x in a["sample_rewards"]) / 18)
+    assert manifest["sample_accuracy_lo"] <= manifest["sample_accuracy"] <= manifest["sample_accuracy_hi"]
     assert stages.evaluate_policy(run, 0) == manifest and run.executions() == {(0, "eval"): 1}
 
     for stage in (stages.sample_prompts, stages.generate_trees, stages.cache_prefixes, stages.train_policy):
