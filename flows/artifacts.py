@@ -32,8 +32,7 @@ from lsreplay.run import Run
 log = logging.getLogger(__name__)
 
 TABLE_COLUMNS = ("step", "eval_accuracy", "eval_accuracy_lo", "eval_accuracy_hi", "eval_sample_accuracy",
-                 "eval_reward", "reward_mean",
-                 "loss", "kl", "grad_norm", "positions_ratio", "completion_tokens",
+                 "eval_reward", "reward_mean", "loss", "kl", "grad_norm", "positions_ratio", "completion_tokens",
                  "rollout_tokens_per_s", "train_positions_per_s", "drafter_loss", "drafter_top1_accept",
                  "prompts_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "drafter_seconds")
 
@@ -132,8 +131,10 @@ def summary(run: Run) -> UUID | None:
 def _eval_line(row: dict) -> str:
     if "eval_accuracy" not in row:
         return ""
-    return (f"Held-out accuracy after {row['step']} updates: {row['eval_accuracy']:.3f} (95% CI "
-            f"{row['eval_accuracy_lo']:.3f}-{row['eval_accuracy_hi']:.3f}, greedy, {row['eval_prompts']} prompts)\n\n")
+    sampled = (f"; sampled {row['eval_sample_accuracy']:.3f} (95% CI {row['eval_sample_accuracy_lo']:.3f}-"
+               f"{row['eval_sample_accuracy_hi']:.3f})" if "eval_sample_accuracy" in row else "")
+    return (f"Held-out accuracy after {row['step']} updates, {row['eval_prompts']} prompts: greedy "
+            f"{row['eval_accuracy']:.3f} (95% CI {row['eval_accuracy_lo']:.3f}-{row['eval_accuracy_hi']:.3f}){sampled}\n\n")
 
 
 def _fmt(v) -> str:

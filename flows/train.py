@@ -100,8 +100,10 @@ def _evaluate(run, tasks: dict, cfg: Config, step: int, runner) -> None:
     manifest = _result(_submit(tasks["eval"], runner, cfg, "eval", step=step), "eval", step)
     record = eval_record(step, manifest)
     run.append_metrics(record)
-    get_run_logger().info("eval after %d updates: held-out accuracy %.3f [%.3f, %.3f] (greedy, %d prompts)",
-                          step, record["eval_accuracy"], record["eval_accuracy_lo"], record["eval_accuracy_hi"],
+    sampled = (f", sampled {record['eval_sample_accuracy']:.3f} [{record['eval_sample_accuracy_lo']:.3f}, "
+               f"{record['eval_sample_accuracy_hi']:.3f}]" if "eval_sample_accuracy" in record else "")
+    get_run_logger().info("eval after %d updates: held-out accuracy greedy %.3f [%.3f, %.3f]%s (%d prompts)", step,
+                          record["eval_accuracy"], record["eval_accuracy_lo"], record["eval_accuracy_hi"], sampled,
                           record["eval_prompts"])
     artifacts.metrics_table(run)
 
