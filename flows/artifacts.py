@@ -1,9 +1,10 @@
 """What a training flow shows in the Prefect UI (Artifacts tab of the flow run):
 
-- `lsreplay-<run>-metrics`: a table, one row per finished step (updated after every step)
+- `lsreplay-<run>-metrics`: a table, one row per finished step (updated after every step
+  and every held-out evaluation)
 - a progress bar of finished steps, and one per step's rollout stage
-- `lsreplay-<run>-summary`: a markdown summary at the end, with the reward and loss curves
-  as an embedded PNG (also written to the run's store as curves.png)
+- `lsreplay-<run>-summary`: a markdown summary at the end, with the held-out accuracy, reward
+  and loss curves as an embedded PNG (also written to the run's store as curves.png)
 
 Artifacts are a view: a failure to create one is logged and never fails the run.
 """
@@ -30,8 +31,9 @@ from lsreplay.run import Run
 
 log = logging.getLogger(__name__)
 
-TABLE_COLUMNS = ("step", "reward_mean", "loss", "kl", "grad_norm", "leaves_per_tree", "effective_group_size",
-                 "positions_ratio", "completion_tokens",
+TABLE_COLUMNS = ("step", "eval_accuracy", "eval_accuracy_lo", "eval_accuracy_hi", "eval_sample_accuracy",
+                 "eval_reward", "reward_mean", "loss", "kl", "grad_norm", "leaves_per_tree", "effective_group_size",
+                 "positions_ratio", "completion_tokens", "state_seconds",
                  "rollout_tokens_per_s", "train_positions_per_s", "drafter_loss", "drafter_top1_accept",
                  "prompts_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "drafter_seconds")
 
@@ -106,20 +108,34 @@ def summary(run: Run) -> UUID | None:
     png = _safely("curves", curves_png, run_slug(run), metrics)
     if png is not None:
         _safely("curves.png", run.store.write_bytes, "curves.png", png)
-    last = metrics[-1]
-    rows = "\n".join(f"| {k} | {_fmt(last[k])} |" for k in TABLE_COLUMNS if k in last and k != "step")
+    # The last step that trained; the newest evaluation (after the last update) has a line of its own.
+    trained = [m for m in metrics if "loss" in m]
+    if not trained:
+        return None
+    last = trained[-1]
+    rows = "\n".join(f"| {k} | {_fmt(last[k])} |" for k in TABLE_COLUMNS
+                     if k in last and k != "step" and not k.startswith("eval_"))
     image = f"![reward and loss curves](data:image/png;base64,{base64.b64encode(png).decode()})\n" if png else ""
     last_ckpt = run.checkpoint("policy", last["step"])
     markdown = (
         f"# lsreplay run `{run.store.uri}`\n\n"
-        f"{len(metrics)} steps finished; config hash `{run.config_hash}`.\n\n"
+        f"{len(trained)} steps finished; config hash `{run.config_hash}`.\n\n"
         f"Policy checkpoint: `{run.store.url(last_ckpt)}`  \n"
         f"Drafter checkpoint: `{run.store.url(run.checkpoint('drafter', last['step']))}`  \n"
         f"Metrics: `{run.store.url('metrics.jsonl')}`, curves: `{run.store.url('curves.png')}`\n\n"
         f"{image}\n"
-        f"## Step {last['step']}\n\n| metric | value |\n|---|---|\n{rows}\n")
+        f"## Step {last['step']}\n\n{_eval_line(metrics[-1])}| metric | value |\n|---|---|\n{rows}\n")
     return _safely("summary", create_markdown_artifact, markdown, key=f"lsreplay-{run_slug(run)}-summary",
                    description=f"Summary of {run.store.uri}")
+
+
+def _eval_line(row: dict) -> str:
+    if "eval_accuracy" not in row:
+        return ""
+    sampled = (f"; sampled {row['eval_sample_accuracy']:.3f} (95% CI {row['eval_sample_accuracy_lo']:.3f}-"
+               f"{row['eval_sample_accuracy_hi']:.3f})" if "eval_sample_accuracy" in row else "")
+    return (f"Held-out accuracy after {row['step']} updates, {row['eval_prompts']} prompts: greedy "
+            f"{row['eval_accuracy']:.3f} (95% CI {row['eval_accuracy_lo']:.3f}-{row['eval_accuracy_hi']:.3f}){sampled}\n\n")
 
 
 def _fmt(v) -> str:

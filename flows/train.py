@@ -1,7 +1,10 @@
 r"""The training flow: the RL step loop, one task per stage.
 
-    prompts -> rollout shards -> trees -> prefix cache -> policy update
-                  \-> (slots freed) drafter distillation of the previous step
+    [eval] -> prompts -> rollout shards -> trees -> prefix cache -> policy update
+                            \-> (slots freed) drafter distillation of the previous step
+
+With eval.every > 0, the policy is evaluated on the held-out prompts before steps 0,
+eval.every, ... and after the last update (lsreplay.stages.evaluate).
 
 The drafter of step t trains on step t's hidden states during step t+1's rollouts, on
 the pool slots that finished shards free, until those rollouts end (TLT's spot training);
@@ -27,9 +30,10 @@ from flows import artifacts
 from lsreplay import checkpointing
 from lsreplay.config import Config, ConfigError, load_config
 from lsreplay.hosts import release_hosts
-from lsreplay.metrics import step_record
+from lsreplay.metrics import eval_record, step_record
 from lsreplay.resident import RESIDENT, StateLost
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
+from lsreplay.stages import evaluated
 from lsreplay.stages.prefixes import release_prefixes
 from tasks.pool import ensure_pool
 from tasks.stages import configured
@@ -75,8 +79,12 @@ def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
     progress(0.0)
     recomputes: Counter = Counter()
     step = 0
-    while step < cfg.steps:
+    while step <= cfg.steps:
         try:
+            if evaluated(cfg, step):  # the policy after `step` updates, on the held-out prompts
+                _evaluate(run, tasks, cfg, step)
+            if step == cfg.steps:
+                break
             manifests = _step(run, tasks, cfg, step)
         except InputCorrupt as e:
             _count(recomputes, (e.step, e.stage), e)
@@ -109,6 +117,18 @@ def _count(recomputes: Counter, where: tuple[int, str], error: Exception) -> Non
         get_run_logger().error("stage %s of step %d failed: its input is unusable again after %d recomputes",
                                stage, step, MAX_RECOMPUTES)
         raise StageFailed(stage, step, f"its input keeps coming out unusable: {error}") from error
+
+
+def _evaluate(run, tasks: dict, cfg: Config, step: int) -> None:
+    manifest = _result(tasks["eval"].submit(cfg=cfg, step=step), "eval", step)
+    record = eval_record(step, manifest)
+    run.append_metrics(record)
+    sampled = (f", sampled {record['eval_sample_accuracy']:.3f} [{record['eval_sample_accuracy_lo']:.3f}, "
+               f"{record['eval_sample_accuracy_hi']:.3f}]" if "eval_sample_accuracy" in record else "")
+    get_run_logger().info("eval after %d updates: held-out accuracy greedy %.3f [%.3f, %.3f]%s (%d prompts)", step,
+                          record["eval_accuracy"], record["eval_accuracy_lo"], record["eval_accuracy_hi"], sampled,
+                          record["eval_prompts"])
+    artifacts.metrics_table(run)
 
 
 @contextmanager

@@ -62,7 +62,7 @@ def _run_flow(cfg, force: bool, **flow_args) -> int:
     from flows.train import train
 
     metrics = train(force=force, **flow_args)
-    print(f"finished {len(metrics)} steps; metrics in the run directory's metrics.jsonl")
+    print(f"finished {sum('loss' in m for m in metrics)} steps; metrics in the run directory's metrics.jsonl")
     return 0
 
 

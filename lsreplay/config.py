@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from lsreplay.algos.grpo import LOSS_AGGS
@@ -41,11 +41,27 @@ class ModelConfig:
 
 
 @dataclass
+class ColumnsConfig:
+    # The names of the prompt file's columns that hold each field.
+    question: str = "question"
+    # The reference answer and the reasoning-gym task name: needed by the default reward
+    # (reasoning-gym's checkers); a reward.function may do without them.
+    answer: str = "answer"
+    task: str = "task"
+
+
+@dataclass
 class DataConfig:
-    # A JSONL/Parquet file with question/answer/task columns; empty = generate `size`
-    # prompts offline with reasoning-gym from `tasks` into .cache/prompts.
+    # Your prompts: a .jsonl/.json/.parquet file, or a folder written by `datasets`'
+    # save_to_disk; empty = generate `size` prompts offline with reasoning-gym from
+    # `tasks` into .cache/prompts.
     path: str = ""
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    # The split to read from a save_to_disk folder that holds a DatasetDict.
+    split: str = "train"
     tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic"])
+    # Generator arguments per task. Entries for tasks not in `tasks` are ignored, so the
+    # defaults never stand in the way of other tasks; giving the whole dict replaces it.
     task_args: dict = field(default_factory=lambda: {
         "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}})
     size: int = 256
@@ -103,7 +119,32 @@ class OptimConfig:
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
+    # Max global gradient norm; 0 = no clipping.
     grad_clip: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    # "module:function" called as function(prompt, completion) -> float, where prompt is the
+    # prompt record (a dict: question, answer, task, metadata, index) and completion the
+    # answer's text; used for training and evaluation. Empty = reasoning-gym's checker of
+    # each prompt's task. An answer counts as correct in evaluation when its reward >= 1.
+    function: str = ""
+
+
+@dataclass
+class EvalConfig:
+    # Evaluate the policy on held-out prompts before step 0, every `every` steps, and after
+    # the last update; 0 = never (and nothing is held out).
+    every: int = 0
+    # Held-out prompts with distinct questions: taken out of the training source by a fixed
+    # seed (training never samples them), or the first ones of `path` (same format and
+    # columns as data.path).
+    size: int = 64
+    path: str = ""
+    # Sampled answers per held-out prompt (at the rollout temperature, top_p, top_k) for the
+    # mean reward; 0 = greedy answers only.
+    samples: int = 4
 
 
 @dataclass
@@ -207,6 +248,8 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -226,11 +269,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            layer = OmegaConf.load(path)
+            merged = _merge(merged, layer, _given_whole(layer))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value (e.g. steps=2)")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            key = item.partition("=")[0].strip()
+            layer = OmegaConf.from_dotlist([item])
+            given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
+                isinstance(OmegaConf.select(layer, key), DictConfig)
+            merged = _merge(merged, layer, [key] if given_whole else [])
         cfg = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         raise ConfigError(_unknown_key_message(e)) from None
@@ -242,9 +290,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
+def _free_dicts(cls=Config, prefix: str = "") -> list[str]:
+    """Dotted keys of the schema's free-form dict fields (data.task_args, model.arch)."""
+    out = []
+    for f in fields(cls):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        if is_dataclass(default):
+            out += _free_dicts(type(default), f"{prefix}{f.name}.")
+        elif isinstance(default, dict):
+            out.append(prefix + f.name)
+    return out
+
+
+# A YAML file or an override that gives one of these (or an entry of one, `key={...}`) as a
+# whole mapping replaces what was there: merging would keep the defaults' entries, and a
+# config could never clear them. A dotted key (data.task_args.chain_sum.min_terms=3) edits.
+FREE_DICTS = tuple(_free_dicts())
+
+
+def _given_whole(layer) -> list[str]:
+    return [k for k in FREE_DICTS if OmegaConf.select(layer, k) is not None]
+
+
+def _merge(merged, layer, replaced: list[str]):
+    for key in replaced:
+        OmegaConf.update(merged, key, {}, merge=False)
+    return OmegaConf.merge(merged, layer)
+
+
 def from_dict(d: dict) -> Config:
     """Rebuild a Config from `to_dict` output (e.g. passed through a Prefect flow)."""
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), d))
+    layer = OmegaConf.create(d)
+    cfg = OmegaConf.to_object(_merge(OmegaConf.structured(Config), layer, _given_whole(layer)))
     validate(cfg)
     return cfg
 
@@ -271,61 +348,106 @@ def validate(cfg: Config) -> None:
     _check(cfg.threads >= 0, "threads", "must be >= 0 (0 = this machine's count, recorded with the run)",
            cfg.threads)
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"one of {', '.join(DTYPES)}", cfg.model.dtype)
-    _check(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1", cfg.data.prompts_per_step)
-    _check(cfg.data.size >= cfg.data.prompts_per_step or bool(cfg.data.path), "data.size",
-           "must be >= data.prompts_per_step", cfg.data.size)
-    _check(len(cfg.data.tasks) >= 1 or bool(cfg.data.path), "data.tasks", "at least one reasoning-gym task", cfg.data.tasks)
+    _validate_data(cfg)
+    _validate_rollout(cfg)
+    _validate_learning(cfg)
+    _check(cfg.drafter.steps >= 1, "drafter.steps", "must be >= 1", cfg.drafter.steps)
+    _check(cfg.drafter.checkpoint_every >= 1, "drafter.checkpoint_every", "must be >= 1",
+           cfg.drafter.checkpoint_every)
+    _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
+    _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
+    _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)
+    _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
+    _validate_state(cfg)
+    _validate_pool(cfg)
+    _check(cfg.storage.bandwidth_gbps > 0, "storage.bandwidth_gbps", "a number > 0", cfg.storage.bandwidth_gbps)
+    uri = cfg.storage.uri
+    _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
+           "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)
+
+
+def _validate_data(cfg: Config) -> None:
+    d, e = cfg.data, cfg.eval
+    _check(d.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1", d.prompts_per_step)
+    # Held out from the generated prompts, the eval set leaves the rest to training.
+    held_out = e.size if e.every > 0 and not e.path else 0
+    _check(d.size >= d.prompts_per_step + held_out or bool(d.path), "data.size",
+           "must be >= data.prompts_per_step" + (f" + eval.size = {d.prompts_per_step + held_out}" if held_out else ""),
+           d.size)
+    _check(len(d.tasks) >= 1 or bool(d.path), "data.tasks", "at least one reasoning-gym task", d.tasks)
+    for name in ("question", "answer", "task"):
+        _check(bool(getattr(d.columns, name)), f"data.columns.{name}", "a column name", getattr(d.columns, name))
+    _check(e.every >= 0, "eval.every", "must be >= 0 (0 = no evaluation)", e.every)
+    _check(e.size >= 1, "eval.size", "must be >= 1 held-out prompt", e.size)
+    _check(e.samples >= 0, "eval.samples", "must be >= 0 (0 = greedy answers only)", e.samples)
+    module, _, function = cfg.reward.function.partition(":")
+    _check(cfg.reward.function == "" or (module and function), "reward.function",
+           "empty (reasoning-gym's checkers) or module:function, e.g. my_rewards:exact_match", cfg.reward.function)
+
+
+def _validate_rollout(cfg: Config) -> None:
     r = cfg.rollout
     _check(len(r.branching) >= 1 and all(b >= 1 for b in r.branching), "rollout.branching",
            "a non-empty list of fan-outs >= 1", r.branching)
+    # GRPO learns from the differences between a prompt's rollouts: with one rollout, or
+    # identical ones, every advantage is 0 and a run would train for hours and change nothing.
+    _check(math.prod(r.branching) >= 2, "rollout.branching", "at least 2 rollouts per prompt (the product of "
+           "the fan-outs): GRPO's advantages compare a prompt's rollouts, so one alone trains nothing", r.branching)
     _check(len(r.segment_tokens) == len(r.branching) - 1, "rollout.segment_tokens",
            f"exactly len(rollout.branching) - 1 = {len(r.branching) - 1} values", r.segment_tokens)
     _check(all(s >= 1 for s in r.segment_tokens) and sum(r.segment_tokens) < r.max_new_tokens,
            "rollout.segment_tokens", "values >= 1 summing to less than rollout.max_new_tokens", r.segment_tokens)
-    _check(r.temperature >= 0, "rollout.temperature", "must be >= 0 (0 = greedy)", r.temperature)
+    _check(r.temperature > 0, "rollout.temperature", "must be > 0: greedy rollouts of a prompt are all the same "
+           "answer, so GRPO's advantages are all 0 and nothing trains", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
+    _check(r.top_k == 0 or r.top_k >= 2, "rollout.top_k", "0 (no cut) or >= 2: top_k = 1 is greedy, so a "
+           "prompt's rollouts are all the same and nothing trains", r.top_k)
     _check(1 <= r.shards <= cfg.data.prompts_per_step, "rollout.shards",
            f"between 1 and data.prompts_per_step = {cfg.data.prompts_per_step}", r.shards)
     _check(r.spec_threshold >= 0, "rollout.spec_threshold", "must be >= 0 (0 = no speculative decoding)",
            r.spec_threshold)
     _check(len(r.draft_lens) >= 1 and min(r.draft_lens) >= 0 and len(set(r.draft_lens)) == len(r.draft_lens),
            "rollout.draft_lens", "distinct draft lengths >= 0", r.draft_lens)
-    _check(cfg.drafter.steps >= 1, "drafter.steps", "must be >= 1", cfg.drafter.steps)
-    _check(cfg.drafter.checkpoint_every >= 1, "drafter.checkpoint_every", "must be >= 1",
-           cfg.drafter.checkpoint_every)
-    _check(cfg.algo.name in ("grpo",), "algo.name", "grpo", cfg.algo.name)
-    _check(cfg.algo.tree_baseline in TREE_BASELINES, "algo.tree_baseline", " or ".join(TREE_BASELINES),
-           cfg.algo.tree_baseline)
-    _check(cfg.algo.tree_baseline == "group" or r.branching[0] >= 2, "algo.tree_baseline",
+
+
+def _validate_learning(cfg: Config) -> None:
+    a, o = cfg.algo, cfg.optim
+    _check(a.name in ("grpo",), "algo.name", "grpo", a.name)
+    _check(a.tree_baseline in TREE_BASELINES, "algo.tree_baseline", " or ".join(TREE_BASELINES), a.tree_baseline)
+    _check(a.tree_baseline == "group" or cfg.rollout.branching[0] >= 2, "algo.tree_baseline",
            "independent needs rollout.branching[0] >= 2 (leaves of different first-level subtrees to compare "
-           "with); set rollout.branching[0] >= 2 or algo.tree_baseline=group", cfg.algo.tree_baseline)
-    _check(cfg.algo.loss_agg in LOSS_AGGS, "algo.loss_agg", " or ".join(LOSS_AGGS), cfg.algo.loss_agg)
-    _check(cfg.algo.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS),
-           cfg.algo.kl_estimator)
-    _check(cfg.algo.kl_coef >= 0, "algo.kl_coef", "must be >= 0", cfg.algo.kl_coef)
-    _check(0 < cfg.optim.lr < math.inf, "optim.lr", "a finite number > 0", cfg.optim.lr)
-    _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
-    _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
-    _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)
-    _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
+           "with); set rollout.branching[0] >= 2 or algo.tree_baseline=group", a.tree_baseline)
+    _check(a.loss_agg in LOSS_AGGS, "algo.loss_agg", " or ".join(LOSS_AGGS), a.loss_agg)
+    _check(a.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS), a.kl_estimator)
+    _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0", a.kl_coef)
+    _check(a.clip_eps > 0, "algo.clip_eps", "must be > 0 (the ratio's clip range, e.g. 0.2)", a.clip_eps)
+    _check(0 < o.lr < math.inf, "optim.lr", "a finite number > 0", o.lr)
+    _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)", o.grad_clip)
+    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
+    for key, beta in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        _check(0 <= beta < 1, key, "in [0, 1): AdamW's moment decay (1 makes its bias correction divide by zero)", beta)
+    _check(0 < cfg.drafter.lr < math.inf, "drafter.lr", "a finite number > 0", cfg.drafter.lr)
+    _check(cfg.drafter.batch_size >= 1, "drafter.batch_size", "must be >= 1", cfg.drafter.batch_size)
+
+
+def _validate_state(cfg: Config) -> None:
     c = cfg.checkpoint
     _check(c.every >= 1, "checkpoint.every", "must be >= 1", c.every)
     _check(c.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 = keep all)", c.keep_last)
     _check(c.resident or c.every == 1, "checkpoint.resident",
            "true unless checkpoint.every = 1 (a stage that keeps nothing loads the previous step's checkpoint)",
            c.resident)
-    _check(cfg.pool.slots >= 1, "pool.slots", "must be >= 1", cfg.pool.slots)
-    _check(cfg.pool.task_runner in ("thread", "ray"), "pool.task_runner", "thread or ray", cfg.pool.task_runner)
-    _check(cfg.pool.accelerator in ACCELERATORS, "pool.accelerator", " or ".join(ACCELERATORS), cfg.pool.accelerator)
-    _check(cfg.pool.ray_gpus >= 0, "pool.ray_gpus", "must be >= 0", cfg.pool.ray_gpus)
-    _check(cfg.pool.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)",
-           cfg.pool.device_memory_gb)
-    _check(1 <= cfg.pool.devices_per_step <= cfg.pool.slots, "pool.devices_per_step",
-           f"between 1 and pool.slots = {cfg.pool.slots}", cfg.pool.devices_per_step)
-    _check(cfg.storage.bandwidth_gbps > 0, "storage.bandwidth_gbps", "a number > 0", cfg.storage.bandwidth_gbps)
-    uri = cfg.storage.uri
-    _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
-           "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)
+
+
+def _validate_pool(cfg: Config) -> None:
+    p = cfg.pool
+    _check(p.slots >= 1, "pool.slots", "must be >= 1", p.slots)
+    _check(p.task_runner in ("thread", "ray"), "pool.task_runner", "thread or ray", p.task_runner)
+    _check(p.accelerator in ACCELERATORS, "pool.accelerator", " or ".join(ACCELERATORS), p.accelerator)
+    _check(p.ray_gpus >= 0, "pool.ray_gpus", "must be >= 0", p.ray_gpus)
+    _check(p.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)", p.device_memory_gb)
+    _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",
+           p.devices_per_step)
 
 
 def to_dict(cfg: Config, redact: bool = True) -> dict:

@@ -1,24 +1,17 @@
-"""Prompt sources and verifiable rewards.
+"""Prompt sources: reasoning-gym's procedural generators, or your own file.
 
-Prompts come from reasoning-gym's procedural generators, written once to a JSONL file
-(offline, seeded, idempotent) and read back with `datasets`. Rewards come from the same
-generator's own checker (`score_answer`), so a completion is scored exactly as
-reasoning-gym defines correctness for its task. A prompt file may also carry rows of the
-task `exact_answer` (its own verifiable answers): scored by exact match, without reasoning-gym.
-
-reasoning-gym is imported only where it is used (generating prompts, scoring its tasks):
-importing it imports every task's dependencies, which a machine that trains on a prompt
-file of exact_answer rows need not have.
+Generated prompts are written once to a JSONL file (offline, seeded, idempotent). Every
+prompt file, generated or yours (JSONL, Parquet, or a folder `datasets` wrote with
+save_to_disk), is read with `datasets`, its columns named by `data.columns`. How an answer
+is scored lives in lsreplay.rewards.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import json
 import logging
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from difflib import get_close_matches
@@ -30,9 +23,6 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("question", "answer", "task")
-# The task of a prompt-file row scored without reasoning-gym: reward 1 when the completion's
-# final answer (extract_answer) is the row's answer, surrounding whitespace aside; else 0.
-EXACT_ANSWER = "exact_answer"
 
 ANSWER_INSTRUCTION = (
     "\n\nWork it out briefly, then end your reply with the final answer inside "
@@ -48,11 +38,13 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    index: int  # row index in the prompt set
-    task: str  # reasoning-gym dataset name, e.g. "basic_arithmetic"
+    index: int  # row number in the prompt file
+    task: str  # reasoning-gym dataset name, e.g. "basic_arithmetic" ("" if the file has no task column)
     question: str
     answer: str
-    metadata: dict  # the reasoning-gym entry's metadata (its checker may need it)
+    # The reasoning-gym entry's metadata (its checker may need it); for your own file, its
+    # metadata column and every column data.columns does not map.
+    metadata: dict
 
 
 # ---------------------------------------------------------------- generation
@@ -79,34 +71,43 @@ def _jsonable(obj):
     return str(obj)
 
 
-def _check_tasks(path: Path, tasks: list[str], task_args: dict[str, dict]) -> None:
+def reasoning_gym_tasks() -> dict:
+    """reasoning-gym's task registry. Imported where it is used (generating prompts, scoring
+    its tasks): importing reasoning-gym imports every task's dependencies, which a machine
+    that trains on a prompt file of its own need not have (the GPU check's has not)."""
     from reasoning_gym.factory import DATASETS
 
-    if not tasks:
-        raise DatasetError(f"{path}: no tasks given; pass at least one reasoning-gym task name.")
-    for name in list(tasks) + list(task_args):
-        if name not in DATASETS:
-            close = get_close_matches(name, DATASETS, n=3) or sorted(DATASETS)[:5]
-            raise DatasetError(
-                f"{path}: unknown reasoning-gym task {name!r}; valid names include "
-                f"{', '.join(close)} ({len(DATASETS)} in all, see reasoning_gym.factory.DATASETS)."
-            )
-    # A task_args entry for a task that is not generated is almost surely a typo.
-    stray = sorted(set(task_args) - set(tasks))
-    if stray:
-        raise DatasetError(f"{path}: task_args given for {stray}, which are not in tasks {tasks}.")
+    return DATASETS
+
+
+def task_args_for(tasks: list[str], task_args: dict[str, dict]) -> dict[str, dict]:
+    """The generator arguments of `tasks`: entries for other reasoning-gym tasks are left out
+    (a default keyed to one task never stands in the way of another); a name that is no
+    reasoning-gym task at all is a typo and an error."""
+    known = reasoning_gym_tasks()
+    for key, names in (("data.tasks", tasks), ("data.task_args", task_args)):
+        for name in names:
+            if name not in known:
+                close = get_close_matches(name, known, n=3) or sorted(known)[:5]
+                raise DatasetError(
+                    f"{key}: unknown reasoning-gym task {name!r}; valid names include "
+                    f"{', '.join(close)} ({len(known)} in all, see reasoning_gym.factory.DATASETS)."
+                )
+    ignored = sorted(set(task_args) - set(tasks))
+    if ignored:
+        log.info("data.task_args for %s ignored: not in data.tasks %s", ignored, list(tasks))
+    return {name: dict(task_args[name]) for name in tasks if name in task_args}
 
 
 def _create(path: Path, name: str, size: int, seed: int, args: dict):
     import reasoning_gym
-    from reasoning_gym.factory import DATASETS
 
     try:
         return reasoning_gym.create_dataset(name, size=size, seed=seed, **args)
     except (TypeError, AssertionError, ValueError) as e:
-        fields = sorted(DATASETS[name][1].__dataclass_fields__)
+        fields = sorted(reasoning_gym_tasks()[name][1].__dataclass_fields__)
         raise DatasetError(
-            f"{path}: task_args {args} rejected by reasoning-gym task {name!r} ({e}); "
+            f"{path}: data.task_args.{name} = {args} rejected by reasoning-gym task {name!r} ({e}); "
             f"its config fields are {fields}."
         ) from e
 
@@ -155,10 +156,11 @@ def generate_prompt_file(
     A sidecar `<path>.meta.json` records the request; a call matching it does nothing.
     """
     path = Path(path)
-    task_args = task_args or {}
     if size < 1:
         raise DatasetError(f"{path}: size must be at least 1, got {size}.")
-    _check_tasks(path, tasks, task_args)
+    if not tasks:
+        raise DatasetError(f"{path}: no tasks given; pass at least one reasoning-gym task name.")
+    task_args = task_args_for(tasks, task_args or {})
     sidecar = Path(f"{path}.meta.json")
     # The generator version is recorded too: a new release may generate other rows.
     request = _jsonable({
@@ -182,16 +184,19 @@ def generate_prompt_file(
 # ---------------------------------------------------------------- loading
 
 
-def _load(path: Path) -> datasets.Dataset:
+def _load(path: Path, split: str) -> datasets.Dataset:
+    if path.is_dir():
+        return _load_saved(path, split)
     if not path.is_file():
         raise DatasetError(
-            f"{path}: prompt file not found; create it with generate_prompt_file() "
-            "or point the config at an existing .jsonl/.parquet file."
+            f"{path}: prompt file not found; create it with generate_prompt_file() or point the config "
+            "at an existing .jsonl/.parquet file or a folder written by datasets' save_to_disk."
         )
     loader = _LOADERS.get(path.suffix.lower())
     if loader is None:
         raise DatasetError(
-            f"{path}: unsupported suffix {path.suffix!r}; use one of {sorted(_LOADERS)}."
+            f"{path}: unsupported suffix {path.suffix!r}; use one of {sorted(_LOADERS)}, "
+            "or a folder written by datasets' save_to_disk."
         )
     try:
         return datasets.load_dataset(loader, data_files=str(path), split="train")
@@ -201,6 +206,19 @@ def _load(path: Path) -> datasets.Dataset:
         ) from e
 
 
+def _load_saved(path: Path, split: str) -> datasets.Dataset:
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DatasetError(f"{path}: a folder, but not one datasets' save_to_disk wrote ({e}); "
+                           "give a .jsonl/.parquet file or such a folder.") from e
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise DatasetError(f"{path}: no split {split!r}; it holds {sorted(saved)}: set data.split to one of them.")
+        saved = saved[split]
+    return saved
+
+
 def _metadata(value) -> dict:
     if value is None:
         return {}
@@ -208,40 +226,65 @@ def _metadata(value) -> dict:
 
 
 class PromptSet:
-    """An indexable, seed-deterministically sampled set of prompts."""
+    """Prompts of one file (or some of its rows), indexable and seed-deterministically
+    sampled. `columns` maps each field (question, answer, task) to the file's column that
+    holds it; the row's other columns join its `metadata`, where a reward function finds them."""
 
-    def __init__(self, table: datasets.Dataset, path: Path):
-        self._table = table
-        self.path = path
+    def __init__(self, table: datasets.Dataset, path: Path, columns: dict[str, str], rows: list[int] | None = None):
+        self._table, self.path, self.columns = table, path, columns
+        self.rows = list(range(len(table))) if rows is None else list(rows)  # the file's row numbers
 
     @classmethod
-    def from_file(cls, path: str | Path, required=REQUIRED_FIELDS) -> "PromptSet":
+    def from_file(cls, path: str | Path, columns: dict[str, str] | None = None, required=REQUIRED_FIELDS,
+                  split: str = "train") -> "PromptSet":
         path = Path(path)
-        table = _load(path)
+        columns = {field: field for field in REQUIRED_FIELDS} | dict(columns or {})
+        table = _load(path, split)
         for field in required:
-            if field not in table.column_names:
+            column = columns[field]
+            if column not in table.column_names:
                 raise DatasetError(
-                    f"{path}: required field {field!r} is missing; the file has fields "
-                    f"{table.column_names}. Add {field!r} to every row or regenerate the file."
+                    f"{path}: required field {field!r} is missing (column {column!r}); the file has fields "
+                    f"{table.column_names}. Add {column!r} to every row, or name the column that holds it "
+                    f"with data.columns.{field}=NAME."
                 )
+        kind = getattr(table.features.get(columns["question"]), "dtype", None)
+        if kind not in (None, "string", "large_string"):
+            raise DatasetError(f"{path}: column {columns['question']!r} holds {kind}, not text; the question "
+                               "must be the prompt's text (data.columns.question names its column).")
         if len(table) == 0:
             raise DatasetError(f"{path}: the file has no rows; regenerate it or use another file.")
-        return cls(table, path)
+        return cls(table, path, columns)
+
+    def select(self, rows: list[int]) -> "PromptSet":
+        """The prompts of these rows of the file."""
+        return PromptSet(self._table, self.path, self.columns, rows)
+
+    def column(self, field: str) -> list:
+        """One field of every prompt of the set, in order."""
+        name = self.columns[field]
+        if name not in self._table.column_names:
+            return [None] * len(self)
+        values = list(self._table[name])
+        return [values[r] for r in self.rows]
 
     def __len__(self) -> int:
-        return len(self._table)
+        return len(self.rows)
 
     def __getitem__(self, i: int) -> Prompt:
         if not -len(self) <= i < len(self):
             raise IndexError(f"prompt index {i} out of range: {self.path} has {len(self)} prompts")
-        i %= len(self)
-        row = self._table[i]
+        index = self.rows[i]
+        row = self._table[index]
+        mapped = set(self.columns.values()) | {"metadata"}
+        extra = {k: v for k, v in row.items() if k not in mapped}
+        answer = row.get(self.columns["answer"])
         return Prompt(
-            index=i,
-            task=row.get("task") or "",
-            question=row["question"],
-            answer="" if row.get("answer") is None else str(row["answer"]),
-            metadata=_metadata(row.get("metadata")),
+            index=index,
+            task=row.get(self.columns["task"]) or "",
+            question=row[self.columns["question"]],
+            answer="" if answer is None else str(answer),
+            metadata={**_jsonable(extra), **_metadata(row.get("metadata"))},
         )
 
     def sample(self, step: int, batch_size: int, seed: int) -> list[Prompt]:
@@ -250,64 +293,3 @@ class PromptSet:
         rng = np.random.default_rng([seed, step])
         picks = rng.choice(len(self), size=batch_size, replace=batch_size > len(self))
         return [self[int(i)] for i in picks]
-
-
-# ---------------------------------------------------------------- rewards
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-# A number, allowing thousands separators; a minus counts only when it is not the
-# subtraction in "3-4" (no digit right before it).
-_NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-
-
-def extract_answer(completion: str) -> str | None:
-    """The final answer in a completion: the last non-empty <answer> tag, else the last
-    number (so a small model that ends with "= 12" still gets scored), else None."""
-    tagged = [m.strip() for m in _ANSWER_TAG.findall(completion)]
-    tagged = [t for t in tagged if t]
-    if tagged:
-        return tagged[-1]
-    numbers = _NUMBER.findall(completion)
-    return numbers[-1].replace(",", "") if numbers else None
-
-
-@functools.lru_cache(maxsize=None)
-def _checker(task: str, args_json: str):
-    # size=1 keeps construction cheap (some generators precompute per-row state); the
-    # seed does not affect checking. Four checkers (decimal_arithmetic, puzzle24,
-    # polynomial_equations, time_intervals) read their config, hence args_json.
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
-
-    if task not in DATASETS:
-        raise DatasetError(f"prompt task {task!r} is not a reasoning-gym task; cannot score it.")
-    return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(args_json))
-
-
-_warned_tasks: set[str] = set()
-
-
-def score(prompt: Prompt, completion: str, task_args: dict | None = None) -> float:
-    """Reward in [0, 1] from reasoning-gym's own checker for `prompt.task` (exact match
-    for EXACT_ANSWER rows).
-
-    Pass the `task_args` the prompt was generated with when the task's checker depends
-    on its config (see `_checker`); the others ignore it.
-    """
-    answer = extract_answer(completion)
-    if answer is None:
-        return 0.0
-    if prompt.task == EXACT_ANSWER:
-        return float(answer.strip() == prompt.answer.strip())
-    checker = _checker(prompt.task, json.dumps(task_args or {}, sort_keys=True))
-    entry = {"question": prompt.question, "answer": prompt.answer, "metadata": prompt.metadata}
-    try:
-        reward = float(checker.score_answer(answer=answer, entry=entry))
-    except Exception:
-        # Some checkers raise on malformed model output instead of returning 0; a bad
-        # completion must not stop training. Warn once per task so real bugs still show.
-        if prompt.task not in _warned_tasks:
-            _warned_tasks.add(prompt.task)
-            log.warning("checker for %s raised on an answer; scoring 0", prompt.task, exc_info=True)
-        return 0.0
-    return min(1.0, max(0.0, reward))

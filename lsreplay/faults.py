@@ -12,11 +12,12 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     policy[@STEP]:nan        make the policy loss NaN (the step must not be committed)
     storage:fail[*N]         the next N store writes raise a transient ConnectionError
 
-STAGE is one of lsreplay.run.STAGES, or `checkpoint` (the policy checkpoint's write, in
-the background: `checkpoint@1:kill` kills the process after the weights file of step 1's
-checkpoint is written, before it is complete); without @STEP a fault applies at every step. Counts
-are per process. Stages call `hook(stage, step, point)` at "start" and "mid"; the store
-calls `storage_write(key)`. Unset, every hook returns at once.
+STAGE is one of lsreplay.run.STAGES, `eval` (the held-out evaluation), or `checkpoint`
+(the policy checkpoint's write, in the background: `checkpoint@1:kill` kills the process
+after the weights file of step 1's checkpoint is written, before it is complete); without
+@STEP a fault applies at every step. Counts are per process. Stages call `hook(stage,
+step, point)` at "start" and "mid"; the store calls `storage_write(key)`. Unset, every
+hook returns at once.
 
     LSREPLAY_FAULTS="trees@1:kill" lsreplay train ...
     LSREPLAY_FAULTS="prefixes@0:fail*2,storage:fail*3" lsreplay train ...
@@ -70,9 +71,9 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: cannot parse {item!r}; expected STAGE[@STEP]:ACTION[*N], "
                              "e.g. trees@1:kill or storage:fail*3")
         target, action = m["target"], m["action"]
-        if target not in (*STAGES, "storage", "checkpoint"):
+        if target not in (*STAGES, "eval", "checkpoint", "storage"):
             raise ValueError(f"{ENV}: unknown target {target!r} in {item!r}; "
-                             f"one of {', '.join(STAGES)}, checkpoint, storage")
+                             f"one of {', '.join(STAGES)}, eval, checkpoint, storage")
         if action not in ACTIONS:
             raise ValueError(f"{ENV}: unknown action {action!r} in {item!r}; one of {', '.join(ACTIONS)}")
         if target == "storage" and (action != "fail" or m["step"]):

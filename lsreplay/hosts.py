@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "lsreplay"
 STAGE_FUNCTIONS = {"prompts": stages.sample_prompts, "trees": stages.generate_tree_shard,
                    "collect-trees": stages.collect_trees, "prefixes": stages.cache_prefixes,
-                   "policy": stages.train_policy, "drafter": stages.distill_drafter}
+                   "policy": stages.train_policy, "drafter": stages.distill_drafter, "eval": stages.evaluate_policy}
 
 
 class DeviceHost:

@@ -52,3 +52,13 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
         if d["steps_done"]:  # a session that trained no step has no figures
             record.update(drafter_loss=d["drafter_loss"], drafter_top1_accept=d["drafter_top1_accept"])
     return record
+
+
+# The evaluation stage's figures, as they appear in a step's record (eval_accuracy, ...).
+EVAL_KEYS = ("accuracy", "accuracy_lo", "accuracy_hi", "greedy_reward", "sample_accuracy", "sample_accuracy_lo",
+             "sample_accuracy_hi", "reward", "reward_lo", "reward_hi", "prompts", "samples", "seconds")
+
+
+def eval_record(step: int, manifest: dict) -> dict:
+    """The held-out evaluation of the policy after `step` updates, for that step's record."""
+    return {"step": step, **{f"eval_{k}": manifest[k] for k in EVAL_KEYS if k in manifest}}

@@ -19,6 +19,9 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # (metric key in metrics.jsonl, panel title). Missing keys are skipped per run.
 PANELS = [
+    ("eval_accuracy", "held-out accuracy, greedy (95% CI)"),
+    ("eval_sample_accuracy", "held-out accuracy, sampled (95% CI)"),
+    ("eval_reward", "held-out reward, sampled (95% CI)"),
     ("reward_mean", "reward (mean over the G samples)"),
     ("loss", "loss"),
     ("kl", "KL to reference"),
@@ -42,35 +45,42 @@ def with_derived(rows: list[dict]) -> list[dict]:
     """Copies of metrics rows plus the columns the report plots but runs do not log."""
     rows = [dict(r) for r in rows]
     for r in rows:
-        r["positions_saved"] = r.get("per_rollout_positions", 0) - r.get("positions", 0)
+        if "positions" in r:  # a line of evaluation alone (after the last update) has none
+            r["positions_saved"] = r.get("per_rollout_positions", 0) - r["positions"]
     return rows
 
 
 def curves(runs: dict[str, list[dict]]) -> dict[str, dict[str, list]]:
-    """Per panel, per run: the steps and values plotted."""
+    """Per panel, per run: the points plotted, [step, value], or [step, value, low, high]
+    for a metric logged with its confidence interval (key_lo, key_hi). The held-out
+    evaluation's step is the number of updates the policy had."""
     out: dict[str, dict[str, list]] = {}
     for key, _ in PANELS:
         for name, rows in runs.items():
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            points = [[r["step"], r[key], *[r[f"{key}_{end}"] for end in ("lo", "hi") if f"{key}_{end}" in r]]
+                      for r in rows if r.get(key) is not None]
             if points:
-                out.setdefault(key, {})[name] = [list(p) for p in points]
+                out.setdefault(key, {})[name] = points
     return out
 
 
-def plot(data: dict[str, dict[str, list]], path: Path) -> None:
-    panels = [(k, t) for k, t in PANELS if k in data]
+def plot(data: dict[str, dict[str, list]], path: Path, keys: tuple[str, ...] | None = None) -> None:
+    """The panels of PANELS that have data (only those in `keys`, if given), runs overlaid."""
+    panels = [(k, t) for k, t in PANELS if k in data and (keys is None or k in keys)]
     # One colour per run in every panel, also where some runs have no points.
     names = list(dict.fromkeys(name for key, _ in panels for name in data[key]))
     colour = {name: f"C{i}" for i, name in enumerate(names)}
-    cols = 3
+    cols = min(3, len(panels))
     rows = max(1, -(-len(panels) // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels):
         for name, points in data[key].items():
-            steps, values = zip(*points)
+            steps, values = [p[0] for p in points], [p[1] for p in points]
             ax.plot(steps, values, marker="o", label=name, color=colour[name])
+            if all(len(p) == 4 for p in points):
+                ax.fill_between(steps, [p[2] for p in points], [p[3] for p in points], color=colour[name], alpha=0.15)
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel("updates done" if key.startswith("eval_") else "step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
@@ -83,15 +93,19 @@ def plot(data: dict[str, dict[str, list]], path: Path) -> None:
 
 
 def markdown(runs: dict[str, list[dict]]) -> str:
-    lines = ["# lsreplay report", "", "![curves](curves.png)", ""]
+    lines = ["# lsreplay report", "", "![curves](curves.png)", "",
+             "Held-out accuracy on a row is that of the policy after `step` updates (the policy that "
+             "acts in that step), greedy answers, with its 95% Wilson interval.", ""]
     for name, rows in runs.items():
         lines += [f"## {name}", "",
-                  "| step | reward | loss | leaves / G (effective) per tree | positions (replay / per-rollout) "
-                  "| step s | drafter top-1 |", "|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| step | held-out accuracy | reward | loss | leaves / G (effective) per tree "
+                  "| positions (replay / per-rollout) | step s | state s | drafter top-1 |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
-            lines.append(f"| {r['step']} | {r.get('reward_mean', float('nan')):.3f} | {r.get('loss', float('nan')):.4g} "
-                         f"| {_tree_shape(r)} | {r.get('positions', 0)} / {r.get('per_rollout_positions', 0)} "
-                         f"| {r['step_seconds']:.1f} | {r.get('drafter_top1_accept', float('nan')):.3f} |")
+            lines.append(f"| {r['step']} | {_accuracy(r)} | {_num(r, 'reward_mean', '.3f')} | {_num(r, 'loss', '.4g')} "
+                         f"| {_tree_shape(r)} | {r.get('positions', '-')} / {r.get('per_rollout_positions', '-')} "
+                         f"| {_num(r, 'step_seconds', '.1f')} | {_num(r, 'state_seconds', '.1f')} "
+                         f"| {_num(r, 'drafter_top1_accept', '.3f')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -102,6 +116,16 @@ def _tree_shape(row: dict) -> str:
     if "group_size" not in row:
         return "-"
     return f"{row['leaves_per_tree']:.2f} / {row['group_size']:g} ({row['effective_group_size']:.2f})"
+
+
+def _num(row: dict, key: str, fmt: str) -> str:
+    return format(row[key], fmt) if key in row else "-"
+
+
+def _accuracy(row: dict) -> str:
+    if "eval_accuracy" not in row:
+        return "-"
+    return f"{row['eval_accuracy']:.3f} [{row['eval_accuracy_lo']:.3f}, {row['eval_accuracy_hi']:.3f}]"
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:

@@ -237,13 +237,15 @@ class Run:
         return manifest
 
     def append_metrics(self, record: dict) -> None:
-        """Rewrite metrics.jsonl with `record` replacing any earlier line of its step."""
+        """Rewrite metrics.jsonl with `record` merged into the line of its step (a step's
+        evaluation and its training figures are recorded apart)."""
         try:
             lines = self.store.read_bytes("metrics.jsonl").decode().splitlines()
         except MissingEntry:
             lines = []
         rows = [json.loads(x) for x in lines if x.strip()]
-        rows = [r for r in rows if r.get("step") != record["step"]] + [record]
+        earlier = next((r for r in rows if r.get("step") == record["step"]), {})
+        rows = [r for r in rows if r.get("step") != record["step"]] + [{**earlier, **record}]
         rows.sort(key=lambda r: r["step"])
         self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
@@ -256,19 +258,24 @@ class Run:
 
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
-    run, the model folder and the prompt file are there. Raises ConfigError, StorageError,
-    ModelError or DatasetError with a message that says what to do. Returns the run with
-    its thread count pinned (`Run.with_pinned_threads`)."""
-    from lsreplay.data import PromptSet
-    from lsreplay.models import resolve_model_dir
+    run, the model folder is there, the reward function imports, and the prompts load,
+    split into training and held-out sets, can be scored and fit their token limit
+    (lsreplay.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
+    DatasetError with a message that says what to do. Returns the run with its thread count
+    pinned (`Run.with_pinned_threads`)."""
+    from lsreplay.models import load_tokenizer, resolve_model_dir
+    from lsreplay.prompt_sets import check_prompts
+    from lsreplay.rewards import Reward
+    from lsreplay.stages.trees import render_prompt
 
     run = Run(cfg)
     run.check_config(force)
     if cfg.pool.task_runner == "thread":  # under Ray the devices are the workers', checked there
         check_accelerator(cfg.pool)
     resolve_model_dir(cfg.model)
-    if cfg.data.path:
-        PromptSet.from_file(cfg.data.path)
+    Reward(cfg)  # reward.function imports and takes (prompt, completion)
+    tokenizer, d = load_tokenizer(cfg.model), cfg.data
+    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, d.system_prompt, d.max_prompt_tokens))
     return run.with_pinned_threads()
 
 

@@ -95,9 +95,15 @@ def distill_drafter(cfg: Config, step: int) -> dict:
     return _on_pool("drafter", "drafter", cfg, step)
 
 
-# The tasks by stage name (lsreplay.run.STAGES); "trees" is its shards, then their collection.
+@task(name="evaluate", **OPTIONS)
+def evaluate_policy(cfg: Config, step: int) -> dict:
+    return _on_pool("eval", "eval", cfg, step)
+
+
+# The tasks by stage name (lsreplay.run.STAGES, and "eval"); "trees" is its shards, then their collection.
 STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_tree_shard, "collect-trees": collect_trees,
-               "prefixes": cache_prefixes, "policy": train_policy, "drafter": distill_drafter}
+               "prefixes": cache_prefixes, "policy": train_policy, "drafter": distill_drafter,
+               "eval": evaluate_policy}
 
 
 def configured() -> dict:

@@ -56,6 +56,48 @@ def test_missing_dataset_file_and_field(tmp_path, tiny_model_dir, capsys):
     assert "required field 'answer' is missing" in err and "Add 'answer' to every row" in err
 
 
+@pytest.mark.parametrize("overrides", [["data.tasks=[gsm_symbolic]"], ["CONFIG", "data.tasks=[basic_arithmetic]"]])
+def test_task_args_of_tasks_not_asked_for_do_not_stop_a_run(overrides, tmp_path, tiny_model_dir):
+    """The default data.task_args belong to tasks these runs leave out: ignored, so the run
+    passes every check made before Prefect starts."""
+    from lsreplay.config import load_config
+    from lsreplay.prompt_sets import training_prompts
+    from lsreplay.run import preflight
+
+    config = str(LSREPLAY.parent / "configs/default.yaml") if overrides[0] == "CONFIG" else None
+    cfg = load_config(config, [*overrides[1 if config else 0:], f"run_dir={tmp_path / 'run'}",
+                               f"model.path={tiny_model_dir}", "data.size=16"])
+    preflight(cfg)
+    assert set(training_prompts(cfg).column("task")) == set(cfg.data.tasks)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.task_args={basic_arithmetic: {digits: 3}}"],
+     "data.task_args.basic_arithmetic = {'digits': 3} rejected by reasoning-gym task 'basic_arithmetic'"),
+    (["data.tasks=[gsm_symbolik]"], "data.tasks: unknown reasoning-gym task 'gsm_symbolik'; valid names include "
+                                    "gsm_symbolic"),
+    (["reward.function=no_such_module_15:score"], "reward.function='no_such_module_15:score': no module named"),
+    (["eval.every=1", "eval.size=300", "data.size=304", "data.max_prompt_tokens=1024"],
+     "distinct questions, fewer than eval.size=300; lower eval.size, or raise data.size"),
+    (["data.max_prompt_tokens=40"], "tokens, more than data.max_prompt_tokens=40; raise the limit"),
+])
+def test_data_problems_stop_before_prefect_starts(overrides, message, tmp_path, tiny_model_dir, capsys):
+    """One line, exit status 2, and nothing written to the run directory."""
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", *overrides]) == 2
+    err = error(capsys)
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_own_tasks_need_own_reward(tmp_path, tiny_model_dir, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1), "task": "sums"}) + "\n"
+                            for i in range(4)))
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", f"data.path={rows}"]) == 2
+    assert "tasks ['sums'] are not reasoning-gym tasks, so the default reward cannot score them; give " \
+           "reward.function=module:function" in error(capsys)
+
+
 def test_unreachable_storage_endpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # the S3 client's own retries: not needed here
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")

@@ -1,8 +1,10 @@
 """The benchmarks run end to end (--smoke) and end with their key=value summary line."""
 
 import math
+import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +61,23 @@ def test_gpu_smoke_on_cpu():
     assert math.isnan(float(kv["peak_gib"]))  # no allocator peak on the CPU
     flow = next(line for line in proc.stdout.splitlines() if line.strip().startswith("flow:"))
     assert "=false" not in flow and "stages_on_device=true" in flow and "restart_weights_equal=true" in flow
+
+
+def test_learn_bench_smoke(prefect_server, tiny_model_dir, tmp_path):
+    """bench/learn.py --smoke: both flow runs evaluate before and after their update, the
+    curves are drawn, and the last line carries the four figures."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    plot = tmp_path / "learn.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--smoke", "--out", str(tmp_path / "runs"),
+                           "--plot", str(plot), f"model.path={tiny_model_dir}", f"pool.name=learn-{uuid.uuid4().hex[:8]}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    pairs = dict(item.split("=", 1) for item in lines[-1].split())
+    assert list(pairs) == ["acc_start", "acc_end", "baseline_acc_end", "wall_ratio"]
+    assert all(0 <= float(pairs[k]) <= 1 for k in ("acc_start", "acc_end", "baseline_acc_end"))
+    assert float(pairs["wall_ratio"]) > 0
+    assert sum("held-out accuracy" in line for line in lines) == 4  # two runs, before and after the update
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "runs/report/curves.png").is_file()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lsreplay.config import ConfigError, load_config, result_hash, to_dict, to_yaml
+from lsreplay.config import ConfigError, from_dict, load_config, result_hash, to_dict, to_yaml
 
 
 @pytest.mark.parametrize("override, message", [
@@ -18,6 +18,15 @@ from lsreplay.config import ConfigError, load_config, result_hash, to_dict, to_y
     ("replay.kv_offload=disk", "store or host"),
     ("pool.devices_per_step=3", "between 1 and pool.slots = 1"),
     ("steps", "is not key=value"),
+    # Settings that would train for hours and change nothing are errors.
+    ("rollout.branching=[1]", "at least 2 rollouts per prompt"),
+    ("rollout.temperature=0", "GRPO's advantages are all 0 and nothing trains"),
+    ("rollout.top_k=1", "top_k = 1 is greedy"),
+    ("optim.beta2=1", "in [0, 1)"),
+    ("optim.grad_clip=-1", "must be >= 0 (0 = no clipping)"),
+    ("algo.clip_eps=0", "must be > 0"),
+    ("reward.function=my_rewards", "module:function"),
+    ("eval.samples=-1", "eval.samples"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
@@ -45,3 +54,28 @@ def test_random_init_model_of_a_given_shape():
                              "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 100}"])
     model = load_model(cfg.model)
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == 100
+
+
+def test_held_out_prompts_must_leave_enough_to_train_on():
+    with pytest.raises(ConfigError, match="data.prompts_per_step \\+ eval.size = 68"):
+        load_config(None, ["eval.every=1", "data.size=60"])
+    assert load_config(None, ["eval.every=1", "data.size=68"]).eval.size == 64
+    assert load_config(None, ["eval.every=0", "data.size=8"]).data.size == 8  # nothing held out
+
+
+def test_a_dict_given_whole_replaces_the_default(tmp_path):
+    """Merging would keep the defaults' entries; a config must be able to clear them.
+    A dotted key edits one entry."""
+    default = load_config(None, []).data.task_args
+    assert set(default) == {"basic_arithmetic"}
+    assert load_config(None, ["data.task_args={}"]).data.task_args == {}
+    assert load_config(None, ["data.task_args={chain_sum: {min_terms: 3}}"]).data.task_args == {
+        "chain_sum": {"min_terms": 3}}
+    edited = load_config(None, ["data.task_args.basic_arithmetic.max_terms=3"]).data.task_args
+    assert edited["basic_arithmetic"] == {**default["basic_arithmetic"], "max_terms": 3}
+    assert load_config(None, ["data.task_args.basic_arithmetic={}"]).data.task_args == {"basic_arithmetic": {}}
+    config = tmp_path / "gsm.yaml"
+    config.write_text("data:\n  tasks: [gsm_symbolic]\n  task_args: {}\n")
+    assert load_config(config, []).data.task_args == {}
+    cfg = load_config(config, [])
+    assert from_dict(to_dict(cfg)).data.task_args == {}  # through a Prefect flow's parameters

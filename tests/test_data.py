@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lsreplay.data import (
-    DatasetError,
-    Prompt,
-    PromptSet,
-    extract_answer,
-    generate_prompt_file,
-    score,
-)
+from lsreplay.data import DatasetError, Prompt, PromptSet, generate_prompt_file
+from lsreplay.rewards import extract_answer, score
 
 TASKS = ["basic_arithmetic", "gsm_symbolic"]
 
@@ -115,7 +109,8 @@ def test_exact_answer_rows_are_scored_by_exact_match_without_reasoning_gym(tmp_p
     script = f"""
 import sys
 sys.modules["reasoning_gym"] = None  # any import of it fails
-from lsreplay.data import PromptSet, score
+from lsreplay.data import PromptSet
+from lsreplay.rewards import score
 p = PromptSet.from_file({str(path)!r}).sample(0, 1, 0)[0]
 print(score(p, "so <answer> 7 </answer>"), score(p, "<answer>8</answer>"), score(p, "it is 7"), score(p, "no idea"))
 """
@@ -136,3 +131,59 @@ def test_extract_answer():
     assert extract_answer("x = 3-4 = -1.5") == "-1.5"
     assert extract_answer("total 1,234 apples") == "1234"
     assert extract_answer("no digits here") is None
+
+
+def test_task_args_of_tasks_not_generated_are_ignored(tmp_path):
+    """A default keyed to basic_arithmetic must not stop a run of other tasks; a name that
+    is no reasoning-gym task at all is still a typo."""
+    path = generate_prompt_file(tmp_path / "p.jsonl", ["chain_sum"], 4, 0, {"basic_arithmetic": {"min_terms": 2}})
+    assert {json.loads(line)["task"] for line in path.read_text().splitlines()} == {"chain_sum"}
+    with pytest.raises(DatasetError, match="data.task_args: unknown reasoning-gym task 'chain_summ'"):
+        generate_prompt_file(tmp_path / "q.jsonl", ["chain_sum"], 4, 0, {"chain_summ": {}})
+
+
+def _own_rows(n: int = 6) -> list[dict]:
+    return [{"prompt": f"What is {i} + {i}?", "solution": 2 * i, "difficulty": i % 3} for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "save_to_disk", "save_to_disk-dict"])
+def test_own_data_in_any_format_with_named_columns(kind, tmp_path):
+    """JSONL, Parquet or a save_to_disk folder (a Dataset, or a DatasetDict split), columns
+    named by data.columns; the other columns reach the reward function through metadata."""
+    import datasets
+
+    table = datasets.Dataset.from_list(_own_rows())
+    path = tmp_path / "own"
+    if kind == "jsonl":
+        path = path.with_suffix(".jsonl")
+        path.write_text("".join(json.dumps(r) + "\n" for r in _own_rows()))
+    elif kind == "parquet":
+        path = path.with_suffix(".parquet")
+        table.to_parquet(str(path))
+    elif kind == "save_to_disk":
+        table.save_to_disk(str(path))
+    else:
+        datasets.DatasetDict({"train": table.select(range(2)), "test": table}).save_to_disk(str(path))
+    columns = {"question": "prompt", "answer": "solution", "task": "task"}
+    prompts = PromptSet.from_file(path, columns=columns, required=("question", "answer"), split="test")
+    assert len(prompts) == 6
+    p = prompts[3]
+    assert (p.index, p.question, p.answer, p.task, p.metadata) == (3, "What is 3 + 3?", "6", "", {"difficulty": 0})
+
+
+def test_missing_split_and_unmapped_column_say_what_to_set(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(_own_rows())}).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(DatasetError, match=r"no split 'train'; it holds \['validation'\]: set data.split"):
+        PromptSet.from_file(tmp_path / "d")
+    with pytest.raises(DatasetError, match="required field 'question' is missing .column 'question'.*"
+                                           "data.columns.question=NAME"):
+        PromptSet.from_file(tmp_path / "d", split="validation")
+
+
+def test_select_keeps_the_file_row_numbers(prompt_file):
+    prompts = PromptSet.from_file(prompt_file).select([3, 7, 11])
+    assert [prompts[i].index for i in range(3)] == [3, 7, 11]
+    assert prompts.column("question") == [PromptSet.from_file(prompt_file)[i].question for i in (3, 7, 11)]
+    assert {p.index for p in prompts.sample(step=0, batch_size=3, seed=0)} == {3, 7, 11}

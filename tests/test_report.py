@@ -31,3 +31,17 @@ def test_report_overlays_runs_and_keeps_the_data(tmp_path):
     assert data["step_seconds"]["baseline"][0] == [0, 3.0]
     assert set(data) >= {"loss", "kl", "drafter_top1_accept", "leaves_per_tree"}
     assert data["effective_group_size"] == {"baseline": [[i, 4.57] for i in range(3)]}
+
+
+def test_report_shows_heldout_accuracy_with_its_interval(tmp_path):
+    """Evaluations after 0, 1 and 2 updates; the last line holds the evaluation alone."""
+    fake_run(tmp_path / "run", [0.1, 0.2])
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()] + [{"step": 2}]
+    for r, acc in zip(rows, [0.5, 0.6, 0.75]):
+        r.update(eval_accuracy=acc, eval_accuracy_lo=acc - 0.1, eval_accuracy_hi=acc + 0.1)
+    (tmp_path / "run/metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = write_report([tmp_path / "run"], tmp_path / "out").read_text()
+    assert "| 2 | 0.750 [0.650, 0.850] | - | - |" in md
+    data = json.loads((tmp_path / "out/curves.json").read_text())
+    assert data["eval_accuracy"]["run"] == [[0, 0.5, 0.4, 0.6], [1, 0.6, 0.5, 0.7], [2, 0.75, 0.65, 0.85]]
+    assert [p[0] for p in data["positions_saved"]["run"]] == [0, 1]  # no point for the evaluation alone

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay import faults
-from lsreplay.data import ANSWER_INSTRUCTION, Prompt, score
+from lsreplay.data import ANSWER_INSTRUCTION, DatasetError, Prompt
 from lsreplay.drafter.model import Drafter
 from lsreplay.models import eos_ids, load_tokenizer
+from lsreplay.rewards import Reward
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
@@ -27,8 +28,8 @@ def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) > max_tokens:
-        raise ValueError(f"prompt {prompt.index} has {len(ids)} tokens, more than data.max_prompt_tokens="
-                         f"{max_tokens}; raise the limit or use shorter prompts")
+        raise DatasetError(f"prompt {prompt.index} has {len(ids)} tokens, more than data.max_prompt_tokens="
+                           f"{max_tokens}; raise the limit or use shorter prompts")
     return ids
 
 
@@ -59,7 +60,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     indices = list(range(shard, len(stored["prompts"]), r.shards))
     prompts = [Prompt(**stored["prompts"][i]) for i in indices]
     device, clock = run.device(devices), StateClock()
-    model, tokenizer = clock(policy_before, run, step, device), load_tokenizer(cfg.model)
+    model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg)
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
     start = time.perf_counter()
@@ -79,8 +80,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
-    records = [tree_record(tokenizer, prompt, tree, dict(cfg.data.task_args).get(prompt.task))
-               for prompt, tree in zip(prompts, trees)]
+    records = [tree_record(tokenizer, prompt, tree, reward) for prompt, tree in zip(prompts, trees)]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
     # Every decode step's decision (plain or speculative, draft length, live sequences, time).
@@ -135,13 +135,13 @@ def collect_trees(run: Run, step: int) -> dict:
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
-def tree_record(tokenizer, prompt: Prompt, tree, task_args: dict | None) -> dict:
+def tree_record(tokenizer, prompt: Prompt, tree, reward: Reward) -> dict:
     """What the store keeps of one tree: tokens, behaviour logprobs, texts, rewards, and
     the samples each leaf stands for (its count, and its path through the branch points)."""
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions]
     return {"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
             "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts,
-            "rewards": [score(prompt, t, task_args) for t in texts], "counts": tree.counts, "paths": tree.paths}
+            "rewards": [reward(prompt, t) for t in texts], "counts": tree.counts, "paths": tree.paths}
 
 
 def group_stats(records: list[dict]) -> dict:

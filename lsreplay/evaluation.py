@@ -1,0 +1,86 @@
+"""Held-out evaluation of a policy: one greedy answer and `samples` sampled answers per
+prompt, scored by the run's reward, summed up with 95% confidence intervals.
+
+- accuracy: the share of prompts whose greedy answer is correct (reward >= 1), with the
+  Wilson score interval of that binomial proportion over the prompts;
+- sample_accuracy and reward: the share of sampled answers that are correct (pass@1 at the
+  rollout temperature, what GRPO optimises) and their mean reward. A prompt's answers are
+  not independent draws (an easy prompt gets many right), so their intervals are over
+  prompts: the normal interval of the mean of the per-prompt means.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from lsreplay.data import Prompt
+from lsreplay.rewards import CORRECT
+from lsreplay.rollout.sampling import SamplingParams
+from lsreplay.rollout.tree_sampler import sample_trees
+
+Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (sound near 0 and 1, unlike p +- z·se)."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float]:
+    """mean +- z · standard error, within the values' range (0 wide for fewer than two values)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, mean
+    half = z * statistics.stdev(values) / math.sqrt(len(values))
+    return max(min(values), mean - half), min(max(values), mean + half)
+
+
+def answer(model, prompt_ids: list[list[int]], answers: int, params: SamplingParams, max_new_tokens: int,
+           eos: list[int], generators: list[torch.Generator], rows: int,
+           progress: Callable[[int], None] | None = None) -> list[list[list[int]]]:
+    """`answers` completions of each prompt (token ids), prompts batched so that a batch
+    decodes at most `rows` sequences (at least one prompt)."""
+    per_batch = max(1, rows // answers)
+    out = []
+    for start in range(0, len(prompt_ids), per_batch):
+        batch = slice(start, start + per_batch)
+        trees, _ = sample_trees(model, prompt_ids[batch], [answers], [], max_new_tokens, params, eos,
+                                generators[batch], progress)
+        out += [t.completions for t in trees]
+    return out
+
+
+def score_answers(prompts: list[Prompt], greedy: list[str], sampled: list[list[str]],
+                  reward: Callable[[Prompt, str], float]) -> list[dict]:
+    """One record per prompt: its greedy and sampled answers and their rewards."""
+    records = []
+    for prompt, best, samples in zip(prompts, greedy, sampled):
+        records.append({"prompt_index": prompt.index, "question": prompt.question, "answer": prompt.answer,
+                        "greedy": best, "greedy_reward": reward(prompt, best),
+                        "samples": samples, "sample_rewards": [reward(prompt, s) for s in samples]})
+    return records
+
+
+def summary(records: list[dict]) -> dict:
+    """Accuracy of the greedy answers and mean reward of the sampled ones, with intervals."""
+    n = len(records)
+    correct = sum(r["greedy_reward"] >= CORRECT for r in records)
+    out = {"prompts": n, "accuracy": correct / n, "greedy_reward": statistics.fmean(r["greedy_reward"] for r in records)}
+    out["accuracy_lo"], out["accuracy_hi"] = wilson_interval(correct, n)
+    if records[0]["sample_rewards"]:
+        rewards = [r["sample_rewards"] for r in records]
+        for key, per_prompt in (("reward", [statistics.fmean(x) for x in rewards]),
+                                ("sample_accuracy", [statistics.fmean(v >= CORRECT for v in x) for x in rewards])):
+            out[key] = statistics.fmean(per_prompt)
+            out[f"{key}_lo"], out[f"{key}_hi"] = mean_interval(per_prompt)
+    return out

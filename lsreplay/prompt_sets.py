@@ -1,0 +1,117 @@
+"""Which prompts a run trains on, and which it holds out for evaluation.
+
+With evaluation on (eval.every > 0), the held-out set is `eval.size` prompts with distinct
+questions: the first such rows of `eval.path`, or rows of the training source chosen by a
+fixed seed, so every run of a config evaluates the same prompts and two runs' curves
+compare point for point. Training never samples a held-out question: rows whose question
+equals one are left out of the training set. With evaluation off, training samples every row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from lsreplay.config import Config
+from lsreplay.data import REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, task_args_for
+from lsreplay.rewards import scorable_tasks
+
+# The held-out rows depend on the prompt file only, never on the run's seed.
+HELDOUT_SEED = 15
+# Prompts rendered before the run starts, the longest questions first: tokens follow
+# characters closely enough that a prompt over data.max_prompt_tokens is among them.
+LONGEST_CHECKED = 16
+
+
+def prompt_file(cfg: Config) -> Path:
+    """The configured prompt file (or folder), or one generated offline with reasoning-gym."""
+    d = cfg.data
+    if d.path:
+        return Path(d.path)
+    task_args = task_args_for(list(d.tasks), dict(d.task_args))
+    spec = json.dumps([d.tasks, d.size, cfg.seed, task_args], sort_keys=True)
+    name = hashlib.sha256(spec.encode()).hexdigest()[:12]
+    return generate_prompt_file(Path(".cache/prompts") / f"{name}.jsonl", list(d.tasks), d.size, cfg.seed, task_args)
+
+
+def _open(cfg: Config, path: str | Path, columns: dict | None) -> PromptSet:
+    # reasoning-gym's checkers need each row's answer and task; your own reward.function may not.
+    required = ("question",) if cfg.reward.function else REQUIRED_FIELDS
+    return PromptSet.from_file(path, columns=columns, required=required, split=cfg.data.split)
+
+
+def source_prompts(cfg: Config) -> PromptSet:
+    """Every row of the training source (generated files use the standard column names)."""
+    return _open(cfg, prompt_file(cfg), asdict(cfg.data.columns) if cfg.data.path else None)
+
+
+def heldout_prompts(cfg: Config, source: PromptSet | None = None) -> PromptSet | None:
+    """The fixed held-out set; None when evaluation is off."""
+    e = cfg.eval
+    if e.every == 0:
+        return None
+    if e.path:
+        heldout = _open(cfg, e.path, asdict(cfg.data.columns))
+        rows, fix = _distinct(heldout, range(len(heldout)), e.size), "lower eval.size"
+    else:
+        heldout = source or source_prompts(cfg)
+        rows = sorted(_distinct(heldout, np.random.default_rng(HELDOUT_SEED).permutation(len(heldout)), e.size))
+        fix = "lower eval.size, or raise data.size"
+    if len(rows) < e.size:
+        raise DatasetError(f"{heldout.path}: {len(rows)} distinct questions, fewer than eval.size={e.size}; {fix}.")
+    return heldout.select(rows)
+
+
+def training_prompts(cfg: Config) -> PromptSet:
+    """The rows training samples from: the source less every held-out question."""
+    source = source_prompts(cfg)
+    heldout = heldout_prompts(cfg, source)
+    if heldout is None:
+        return source
+    held = set(heldout.column("question"))
+    rows = [r for r, q in zip(source.rows, source.column("question")) if q not in held]
+    if not rows:
+        raise DatasetError(f"{source.path}: every question is held out for evaluation (eval.size={cfg.eval.size}), "
+                           "none is left to train on; lower eval.size, add rows, or give eval.path.")
+    return source.select(rows)
+
+
+def _distinct(prompts: PromptSet, order: Iterable[int], size: int) -> list[int]:
+    """The file rows of the first `size` prompts in `order` whose questions were not seen before."""
+    questions = prompts.column("question")
+    seen, rows = set(), []
+    for i in order:
+        if len(rows) == size:
+            break
+        if questions[i] not in seen:
+            seen.add(questions[i])
+            rows.append(prompts.rows[i])
+    return rows
+
+
+def check_prompts(cfg: Config, render) -> None:
+    """Every data problem a config can show, before any work: the source loads (generated
+    first if need be), the held-out set and the training set are there, every task the
+    default reward must score is a reasoning-gym task, and the longest prompts fit
+    data.max_prompt_tokens once `render`ed (render(prompt) -> token ids)."""
+    training = training_prompts(cfg)
+    sets = [training] + [s for s in [heldout_prompts(cfg)] if s is not None]
+    if not cfg.reward.function:
+        for prompts in sets:
+            unknown = sorted({str(t) for t in prompts.column("task")} - scorable_tasks())
+            if unknown:
+                raise DatasetError(f"{prompts.path}: tasks {unknown[:5]} are not reasoning-gym tasks, so the default "
+                                   "reward cannot score them; give reward.function=module:function, or fix "
+                                   f"the column data.columns.task={cfg.data.columns.task!r} names.")
+    for prompts in sets:
+        lengths = [len(q or "") for q in prompts.column("question")]
+        for i in sorted(range(len(prompts)), key=lambda i: -lengths[i])[:LONGEST_CHECKED]:
+            try:
+                render(prompts[i])
+            except DatasetError as e:  # names the prompt and the limit; add the file
+                raise DatasetError(f"{prompts.path}: {e}") from None
