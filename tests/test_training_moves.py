@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from lsreplay import stages
+from lsreplay import checkpointing, stages
 from lsreplay.config import load_config
 from lsreplay.run import preflight
 
@@ -29,6 +29,7 @@ def test_a_step_without_clipping_moves_the_weights(tiny_model_dir, tmp_path, mon
     for stage in (stages.sample_prompts, stages.generate_trees, stages.cache_prefixes):
         stage(run, 0)
     policy = stages.train_policy(run, 0)
+    checkpointing.WRITER.wait()  # written in the background
     before = load_file(str(tiny_model_dir / "model.safetensors"))
     after = load_file(str(tmp_path / "run/checkpoints/policy/step_0000/model.safetensors"))
     moved = max((after[k] - before[k]).abs().max().item() for k in before)
