@@ -24,6 +24,7 @@ import torch
 
 from lsreplay import faults
 from lsreplay.checkpoint import save_optimizer, save_rng, save_weights
+from lsreplay.devices import idle_priority
 from lsreplay.run import Run
 from lsreplay.storage import CorruptEntry, MissingEntry
 from lsreplay.train_state import TrainState
@@ -139,6 +140,11 @@ class Writer:
         self._queue.join()
 
     def _loop(self) -> None:
+        # Writing is CPU work (serialising, hashing) next to the run's own: on a CPU pool the
+        # next step's rollouts would lose more than the write takes (their threads wait for
+        # the slowest); at idle priority it fills the gaps. If it falls behind, `submit`
+        # waits, and the step's pause gives it the cores.
+        idle_priority()
         while True:
             run, snap = self._queue.get()
             try:

@@ -131,6 +131,13 @@ def _try_lock(name: str) -> int | None:
         return None
 
 
+def idle_priority() -> None:
+    """Put the calling thread (and the OpenMP threads it starts) under Linux's SCHED_IDLE: it
+    runs only when no normal thread wants the core. For good: an unprivileged thread may not
+    leave SCHED_IDLE."""
+    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+
+
 def on_idle_cpu(fn: Callable[[], T]) -> T:
     """fn() run on a new thread under Linux's SCHED_IDLE policy; its result or error.
 
@@ -144,7 +151,7 @@ def on_idle_cpu(fn: Callable[[], T]) -> T:
 
     def target() -> None:
         try:
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+            idle_priority()
             out["value"] = fn()
         except BaseException as e:  # handed to the caller's thread
             out["error"] = e
