@@ -105,6 +105,9 @@ def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
         step += 1
         progress(step / cfg.steps)
     checkpointing.WRITER.wait()
+    if checkpointing.manifest(run, cfg.steps - 1) is None:  # the run's result must be in the store
+        raise StageFailed("policy", cfg.steps - 1, "its checkpoint could not be written: "
+                          + "; ".join(checkpointing.WRITER.failures[-3:]))
     artifacts.summary(run)
     return run.metrics()
 

@@ -13,6 +13,7 @@ optimizer.safetensors, optimizer.json, rng.safetensors, meta.json, checkpoint.js
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import posixpath
 import queue
@@ -133,7 +134,9 @@ class Writer:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
                 self._thread.start()
-        self._queue.put((run, snap))
+        # Written in the submitter's context: its log lines go where the submitter's go (the
+        # policy task's, in the Prefect UI).
+        self._queue.put((run, snap, contextvars.copy_context()))
 
     def wait(self) -> None:
         """Block until every submitted checkpoint is written (or failed: see `failures`)."""
@@ -146,17 +149,21 @@ class Writer:
         # waits, and the step's pause gives it the cores.
         idle_priority()
         while True:
-            run, snap = self._queue.get()
+            run, snap, context = self._queue.get()
             try:
-                record = write(run, snap)
-                deleted = prune(run)
-                log.info("policy checkpoint of step %d written in %.1f s in the background%s", snap.step,
-                         record["write_seconds"], f"; deleted those of steps {deleted}" if deleted else "")
-            except Exception as e:  # the run goes on: the state is resident; resume uses an older one
-                self.failures.append(f"step {snap.step}: {type(e).__name__}: {e}")
-                log.error("policy checkpoint of step %d failed: %s: %s", snap.step, type(e).__name__, e)
+                context.run(self._write, run, snap)
             finally:
                 self._queue.task_done()
+
+    def _write(self, run: Run, snap: Snapshot) -> None:
+        try:
+            record = write(run, snap)
+            deleted = prune(run)
+            log.info("policy checkpoint of step %d written in %.1f s in the background%s", snap.step,
+                     record["write_seconds"], f"; deleted those of steps {deleted}" if deleted else "")
+        except Exception as e:  # the run goes on: the state is resident; resume uses an older one
+            self.failures.append(f"step {snap.step}: {type(e).__name__}: {e}")
+            log.error("policy checkpoint of step %d failed: %s: %s", snap.step, type(e).__name__, e)
 
 
 WRITER = Writer()
