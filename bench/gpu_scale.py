@@ -8,7 +8,7 @@ gradients in bfloat16 (no optimizer: this measures the backward). Per model:
 
 1. throughput: one G=16 tree (a long shared prompt P, 16 completions of S tokens); the
    per-rollout `naive_backward` and `replay_backward` given the K/V of the caching pass
-   (`capture_tree`, timed separately: the pipeline runs it anyway for old logprobs), in
+   (`capture_tree`, timed separately: the pipeline runs it anyway for the K/V), in
    alternating order (--rounds rounds, after a warm-up round at the same shape; the fastest
    round of each counts). Token positions/s counted per rollout (G x (P + S): what is
    trained) and as computed. speedup = naive s / replay s; ideal = G(P+S) / (P+GS). Then

@@ -7,7 +7,7 @@ G completions of S tokens after a shared prompt of P tokens, and a two-level tre
 completions first share a middle segment. Per shape it times, on the same model and
 weights (random per token), the per-rollout `naive_backward` and `replay_backward` given
 the K/V cached by the no-grad caching pass (`capture_tree`, timed separately: the
-pipeline runs it anyway for old logprobs), interleaved and repeated (min of the repeats),
+pipeline runs it anyway for the K/V), interleaved and repeated (min of the repeats),
 after a warm-up. It reports the positions each runs, the ActivationMeter peak of each
 (saved-for-backward + held K/V), and the max relative gradient difference.
 

@@ -9,6 +9,8 @@ file, and a resume starts from the newest complete checkpoint (lsreplay.resume).
 
 Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights),
 optimizer.safetensors, optimizer.json, rng.safetensors, meta.json, checkpoint.json}.
+Drafter checkpoints older than the one a resume from the oldest kept policy checkpoint
+would load go with it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 COMPLETE = "checkpoint.json"
 POLICY = "checkpoints/policy"
+DRAFTER = "checkpoints/drafter"
 
 
 def due(run: Run, step: int) -> bool:
@@ -106,17 +109,33 @@ def complete_steps(run: Run) -> list[int]:
 
 def prune(run: Run) -> list[int]:
     """Delete policy checkpoints beyond the newest checkpoint.keep_last complete ones (and
-    incomplete ones older than those); returns the steps deleted. Never the newest complete."""
+    incomplete ones older than those), and the drafters nothing after them can load; returns
+    the policy steps deleted. Never the newest complete."""
     keep = run.cfg.checkpoint.keep_last
     complete = complete_steps(run)
     if keep == 0 or len(complete) <= keep:
         return []
     oldest_kept = complete[-keep]
-    present = {int(posixpath.basename(posixpath.dirname(k)).removeprefix("step_")) for k in run.store.list(POLICY)}
-    deleted = sorted(s for s in present if s < oldest_kept)
+    deleted = sorted(s for s in _steps(run, POLICY) if s < oldest_kept)
     for step in deleted:
         run.store.delete_prefix(run.checkpoint("policy", step))
+    _prune_drafters(run, oldest_kept)
     return deleted
+
+
+def _prune_drafters(run: Run, oldest_kept: int) -> None:
+    """A policy checkpoint of step s means every drafter up to step s - 1 finished, so a
+    resume from `oldest_kept` or later loads (for rollouts, or to warm-start the next
+    drafter) the newest trained drafter before it or a newer one: delete the older ones."""
+    steps = _steps(run, DRAFTER)
+    trained = [s for s in steps if s < oldest_kept and (done := run.done(s, "drafter")) and done.get("checkpoint")]
+    for step in (s for s in steps if trained and s < max(trained)):
+        run.release(step, "drafter", run.checkpoint("drafter", step), "checkpoint")
+
+
+def _steps(run: Run, folder: str) -> set[int]:
+    """The steps that have files under `folder` (checkpoints/<kind>)."""
+    return {int(k[len(folder) + 1:].split("/")[0].removeprefix("step_")) for k in run.store.list(folder)}
 
 
 class Writer:

@@ -255,7 +255,7 @@ class StepIO:
     """What a step moves through the store (bytes, the whole run's, not per device)."""
 
     prefix_kv: int  # the caching pass writes the branching spans' K/V, the backward reads them
-    activations: int  # entry logprobs, and hidden states for the drafter: written, read once or twice
+    activations: int  # entry logprobs for KL, hidden states for the drafter: written, read once or twice
     checkpoint: int  # float32 masters, AdamW moments: one checkpoint
     every: int  # steps per checkpoint
     model_loads: int  # what stages that keep nothing read instead (checkpoint.resident=false)
@@ -278,8 +278,8 @@ class StepIO:
 
 
 def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
-    """Bytes per step: K/V of the branching spans replay reads (after joining), every
-    entry's logprob and, with the drafter, every position's hidden state; a checkpoint per
+    """Bytes per step: K/V of the branching spans replay reads (after joining), with a KL
+    penalty every entry's logprobs, with the drafter every position's hidden state; a checkpoint per
     checkpoint.every steps; and, for stages that keep nothing, the models they load (each
     rollout shard and the caching pass the weights, the update the masters and moments)."""
     elt, n = ELT[cfg.model.dtype], dims.params()
@@ -291,12 +291,14 @@ def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
         branching_positions += nodes * seg
     trees = cfg.data.prompts_per_step
     kv = trees * branching_positions * kv_bytes_per_position(dims, elt) if cfg.replay.mode == "replay" else 0
-    entries = shape.unique_positions - shape.prompt
+    # The caching pass scores entries only for the KL term (the policy's and the reference's
+    # logprobs), and keeps hidden states only for the drafter.
+    logprobs = (shape.unique_positions - shape.prompt) * 2 * 8 if cfg.algo.kl_coef > 0 else 0
     hidden = shape.unique_positions * dims.hidden * elt if cfg.drafter.enabled else 0
     master = 8 if cfg.model.dtype == "float64" else 4
     checkpoint = 3 * n * master  # masters + two AdamW moments
     loads = (cfg.rollout.shards + 1 + (cfg.algo.kl_coef > 0)) * n * master
-    return StepIO(kv, trees * (entries * 8 + hidden), checkpoint, cfg.checkpoint.every, loads,
+    return StepIO(kv, trees * (logprobs + hidden), checkpoint, cfg.checkpoint.every, loads,
                   cfg.storage.bandwidth_gbps * 1e9)
 
 
@@ -465,7 +467,7 @@ def format_io(io: StepIO) -> list[str]:
     return [
         f"store I/O per step at {gbps:g} GB/s (storage.bandwidth_gbps), GiB",
         f"  prefix K/V written by the caching pass, read by replay   {gib(io.prefix_kv):>8} x 2",
-        f"  logprobs and drafter hidden states, written and read     {gib(io.activations):>8} x 2",
+        f"  KL logprobs and drafter hidden states, written and read  {gib(io.activations):>8} x 2",
         f"  checkpoint (fp32 masters + AdamW) every {io.every} step(s)        {gib(io.checkpoint):>8} / {io.every}",
         f"  total {gib(io.written + io.read)} GiB, {io.seconds():.1f} s a step (checkpoints written in the background)",
         f"  stages that keep nothing (checkpoint.resident=false) also read {gib(io.model_loads)} GiB of models "

@@ -168,6 +168,18 @@ class Run:
             return None
         return manifest
 
+    def release(self, step: int, stage: str, folder: str, name: str) -> None:
+        """Delete the stage's outputs under `folder` that nothing of the run reads again. Its
+        done marker is rewritten first, without those files and naming them (`name`) as
+        released, so the stage still counts as finished; a later read of them finds them
+        missing (InputCorrupt), and the stage is recomputed."""
+        manifest = self.done(step, stage)
+        if manifest is not None and name not in manifest.get("released", []):
+            kept = [e for e in manifest["files"] if not e["key"].startswith(folder + "/")]
+            self.store.write_json(self.key(step, f"{stage}.done.json"),
+                                  {**manifest, "files": kept, "released": [*manifest.get("released", []), name]})
+        self.store.delete_prefix(folder)
+
     def manifest(self, step: int, stage: str) -> dict:
         """The manifest of a stage whose outputs this stage needs; InputCorrupt if unusable."""
         if done := self.done(step, stage):

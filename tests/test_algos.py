@@ -16,6 +16,7 @@ from lsreplay.algos.kl import kl_loss, kl_per_token, reference_logprobs, with_kl
 from lsreplay.algos.backward import capture_logprobs, naive_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.ppo import PPOBatch, ppo_loss, ppo_update
 from lsreplay.algos.weights import loss_and_weights
+from lsreplay.replay.capture import capture_tree
 from lsreplay.tree import RolloutTree
 
 
@@ -117,6 +118,32 @@ def test_a_leaf_with_count_n_counts_as_n_identical_completions():
         group_advantages(rewards, counts=[1, 0, 2])
     with pytest.raises(ValueError, match="counts"):
         aggregate([torch.ones(2)], "token-mean", counts=[1, 1])
+
+
+def test_grpo_at_ratio_one_needs_no_old_logprobs():
+    """One update per batch evaluates the loss where the ratio is 1: the loss and every
+    token's weight are the same whatever the old logprobs are, so the caching pass does not
+    score them without a KL term; unscored, it still caches the same prefix K/V."""
+    model, trees = tiny_llama(), small_trees()
+    scored = [capture_tree(model, t, keep_hidden=False) for t in trees]
+    unscored = [capture_tree(model, t, keep_hidden=False, score=False) for t in trees]
+    for a, b in zip(scored, unscored):
+        assert b.entry_logprobs is None and a.prefix_kv.keys() == b.prefix_kv.keys()
+        assert all(torch.equal(x, y) for n in a.prefix_kv for half in (0, 1)
+                   for x, y in zip(a.prefix_kv[n][half], b.prefix_kv[n][half]))
+    old = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, scored)]
+    zeros = [[torch.zeros_like(x) for x in row] for row in old]
+    advantages = [group_advantages(torch.arange(len(t.completions), dtype=torch.float64)) for t in trees]
+    counts = [[1 + j % 2 for j in range(len(t.completions))] for t in trees]
+
+    def at(logprobs, agg):
+        batch = GRPOBatch(advantages=advantages, old_logprobs=logprobs, loss_agg=agg, max_tokens=8, counts=counts)
+        return loss_and_weights(lambda lp: grpo_loss(lp, batch), logprobs)
+
+    for agg in LOSS_AGGS:
+        (loss, weights), (zeros_loss, zeros_weights) = at(old, agg), at(zeros, agg)
+        assert loss == zeros_loss, agg
+        assert all(torch.equal(x, y) for r, z in zip(weights, zeros_weights) for x, y in zip(r, z)), agg
 
 
 def test_independent_baseline_leaves_out_the_leafs_own_subtree():

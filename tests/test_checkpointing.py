@@ -61,3 +61,28 @@ def test_schedule_bounded_storage_and_resume_from_the_newest_checkpoint(prefect_
     assert ran(cut)[3, "policy"] == 2
     assert checkpoints(cut) == ["step_0003"]
     assert digests(cut, "checkpoints") == digests(ref, "checkpoints")
+
+
+def test_pruning_keeps_the_drafters_a_resume_can_load(tmp_path):
+    """Drafters trained at steps 0, 2 and 4 (none at 1 and 3), policy checkpoints after
+    steps 2, 3 and 4, keep_last=2: the oldest kept is step 3's, and a resume from it loads
+    drafter 2 at the oldest (the newest trained before it), so only drafter 0 is deleted.
+    Its stage stays finished, naming the checkpoint released."""
+    import torch
+    from conftest import tiny_model
+
+    from lsreplay import checkpointing
+    from lsreplay.train_state import TrainState
+
+    run = Run(load_config(None, [f"run_dir={tmp_path}", "checkpoint.keep_last=2"]))
+    train = TrainState(tiny_model(dtype=torch.float32), run.cfg.optim)
+    for step in range(5):
+        prefix = run.checkpoint("drafter", step) if step % 2 == 0 else None
+        files = [run.store.write_tensors(f"{prefix}/model.safetensors", {"w": torch.zeros(2)})] if prefix else []
+        run.finish(step, "drafter", {"files": files, "checkpoint": prefix})
+        if step >= 2:
+            checkpointing.write(run, checkpointing.snapshot(run, step, train))
+            checkpointing.prune(run)
+    assert checkpoints(tmp_path) == ["step_0003", "step_0004"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints/drafter").iterdir()) == ["step_0002", "step_0004"]
+    assert run.done(0, "drafter")["released"] == ["checkpoint"] and run.done(2, "drafter")["files"]

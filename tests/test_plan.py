@@ -135,14 +135,16 @@ def test_plan_io_matches_what_a_step_writes(tiny_model_dir, tmp_path):
     run.save_or_check_config()
     stages.sample_prompts(run, 0)
     stages.generate_trees(run, 0)
-    kv_bytes = stages.cache_prefixes(run, 0)["kv_bytes"]
+    prefixes = stages.cache_prefixes(run, 0)
+    kv_bytes = prefixes["kv_bytes"]
+    assert prefixes["activations"] == []  # no KL term, no drafter: nothing scored, nothing kept
     ckpt = stages.train_policy(run, 0)["checkpoint"]
     checkpointing.WRITER.wait()
     RESIDENT.release(run)
     io = make_plan(*load_plan_config(None, overrides)).io
     written = sum((tmp_path / ckpt / name).stat().st_size for name in ("model.safetensors", "optimizer.safetensors"))
     assert io.checkpoint == pytest.approx(written, rel=0.01) and io.every == 4
-    assert kv_bytes <= io.prefix_kv <= 3 * kv_bytes
+    assert kv_bytes <= io.prefix_kv <= 3 * kv_bytes and io.activations == 0
     assert io.seconds() == pytest.approx((io.written + io.read) / 0.5e9)
 
 

@@ -1,8 +1,9 @@
 """The caching pass: one no-grad forward over a rollout tree.
 
 It visits every trie position once and records what the later stages need: the K/V of
-every branching node (replayed by the backward), the logprob of every entry (old
-logprobs for the loss) and the last hidden state of every position (drafter training).
+every branching node (replayed by the backward), the logprob of every entry (for the KL
+term) and the last hidden state of every position (drafter training). A pass that needs
+neither logprobs nor hidden states visits only the branching nodes.
 It computes each node exactly as the replay backward recomputes it, so the cached K/V
 are bit-identical to what the backward would produce itself.
 """
@@ -22,7 +23,7 @@ from lsreplay.tree import Node, RolloutTree
 @dataclass
 class TreeActivations:
     prefix_kv: dict[int, PrefixKV] = field(default_factory=dict)  # branching nodes only
-    entry_logprobs: torch.Tensor | None = None  # (num_entries,)
+    entry_logprobs: torch.Tensor | None = None  # (num_entries,); None: not scored
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node id -> (len, d)
     ref_entry_logprobs: torch.Tensor | None = None  # the reference model's, when a KL penalty needs them
 
@@ -39,12 +40,13 @@ class TreeActivations:
 
 @torch.no_grad()
 def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = True,
-                 leaf_batch: int = 16) -> TreeActivations:
-    acts = TreeActivations(entry_logprobs=torch.zeros(tree.num_entries, dtype=torch.float64))
+                 leaf_batch: int = 16, score: bool = True) -> TreeActivations:
+    """score: record every entry's logprob; keep_hidden: every position's last hidden state."""
+    acts = TreeActivations(entry_logprobs=torch.zeros(tree.num_entries, dtype=torch.float64) if score else None)
 
     def record(nodes: list[Node], hidden: torch.Tensor) -> None:
         for row, n in enumerate(nodes):
-            if n.entry_ids:
+            if score and n.entry_ids:
                 lp = target_logprobs(model, hidden[row], n.entry_pos, n.entry_targets)
                 acts.entry_logprobs[n.entry_ids] = lp.double().cpu()
             if keep_hidden:
@@ -59,7 +61,7 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
         del cache  # the concatenated past is no longer needed
         acts.prefix_kv[node.id] = kv
         below = ancestors + [kv]
-        leaves = [tree.nodes[c] for c in node.children if tree.nodes[c].is_leaf]
+        leaves = [tree.nodes[c] for c in node.children if tree.nodes[c].is_leaf] if score or keep_hidden else []
         for i in range(0, len(leaves), leaf_batch):
             batch = leaves[i : i + leaf_batch]
             hidden, _ = forward_segments(model, [n.tokens for n in batch], batch[0].start, concat_kv(below))

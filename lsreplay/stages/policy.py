@@ -25,9 +25,13 @@ class NonFiniteLoss(FloatingPointError):
 
 
 def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
-    """Loss value and dL/dlogp per completion token, at the caching pass's logprobs."""
+    """Loss value and dL/dlogp per completion token, at ratio 1: one update per batch starts
+    from the parameters the caching pass scored with. So old logprobs are the caching pass's
+    where the KL term needs their values, and zeros (any value gives the same loss and
+    weights) where it did not score them."""
     acts = [load_activations(run, step, i, prefixes) for i in range(len(trees))]
-    old = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
+    old = [t.completion_values(torch.zeros(t.num_entries, dtype=torch.float64) if a.entry_logprobs is None
+                               else a.entry_logprobs) for t, a in zip(trees, acts)]
     algo, max_tokens = run.cfg.algo, run.cfg.rollout.max_new_tokens
     counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
     advantages = [group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards, counts=n,

@@ -1,7 +1,14 @@
 """Stage 3: the caching pass. One no-grad forward per tree records the K/V of every
-branching node (for replay), every entry's logprob (old logprobs) and every position's
-last hidden state (drafter data), each tensor file with its sha256 in the manifest. The
-per-rollout baseline instead runs every rollout's full sequence for the logprobs."""
+branching node (for replay), every entry's logprob where the KL term reads them, and every
+position's last hidden state where the drafter trains, each tensor file with its sha256 in
+the manifest. The per-rollout baseline instead runs every rollout's full sequence for the
+logprobs.
+
+The policy's own logprobs are scored only for the KL term: with one GRPO update per batch,
+the update starts from the parameters that would score them, so the ratio is exactly 1
+and neither the loss nor its per-token weights depend on their values (TRL skips this
+pass for the same reason). Without KL and drafter, the pass visits the branching nodes
+only, and the per-rollout baseline has nothing to compute."""
 
 from __future__ import annotations
 
@@ -42,18 +49,21 @@ def tensors_kv(tensors: dict[str, torch.Tensor]) -> PrefixKV:
 
 
 def activation_tensors(acts: TreeActivations) -> dict[str, torch.Tensor]:
-    out = {"entry_logprobs": acts.entry_logprobs, **{f"hidden.{n}": h for n, h in acts.hidden.items()}}
-    if acts.ref_entry_logprobs is not None:
-        out["ref_entry_logprobs"] = acts.ref_entry_logprobs
-    return out
+    logprobs = {"entry_logprobs": acts.entry_logprobs, "ref_entry_logprobs": acts.ref_entry_logprobs}
+    return {**{k: v for k, v in logprobs.items() if v is not None},
+            **{f"hidden.{n}": h for n, h in acts.hidden.items()}}
 
 
 def load_activations(run: Run, step: int, tree: int, manifest: dict) -> TreeActivations:
+    """What the caching pass kept of tree `tree`: nothing (an empty TreeActivations) when
+    neither the KL term nor the drafter reads it."""
+    if not manifest["activations"]:
+        return TreeActivations()
     entry = manifest["activations"][tree]
     with run.reading(step, "prefixes"):
         tensors = run.store.read_tensors(entry["key"], sha256=entry["sha256"])
     hidden = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("hidden.")}
-    return TreeActivations(entry_logprobs=tensors["entry_logprobs"], hidden=hidden,
+    return TreeActivations(entry_logprobs=tensors.get("entry_logprobs"), hidden=hidden,
                            ref_entry_logprobs=tensors.get("ref_entry_logprobs"))
 
 
@@ -86,15 +96,15 @@ class StoredPrefixKV:
         return [k.to(self.device) for k in keys], [v.to(self.device) for v in values]
 
 
-def _capture(run: Run, model, tree, keep_hidden: bool) -> TreeActivations:
+def _capture(run: Run, model, tree, score: bool, keep_hidden: bool) -> TreeActivations:
     """Branch replay's pass over the tree; the per-rollout baseline (replay.mode=naive), as a
     per-rollout trainer does, scores every rollout's full sequence (the drafter's hidden
     states, if it is on, still come from a tree pass)."""
     if run.cfg.replay.mode == "replay":
-        return capture_tree(model, tree, keep_hidden=keep_hidden)
-    acts = capture_rollouts(model, tree)
+        return capture_tree(model, tree, keep_hidden=keep_hidden, score=score)
+    acts = capture_rollouts(model, tree) if score else TreeActivations()
     if keep_hidden:
-        acts.hidden = capture_tree(model, tree).hidden
+        acts.hidden = capture_tree(model, tree, score=False).hidden
     return acts
 
 
@@ -110,13 +120,13 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
     # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
     reference = clock(RESIDENT.reference, run, device) if run.cfg.algo.kl_coef > 0 else None
     # Only replay reads the K/V back (those of the branching spans of its view), only the
-    # drafter the hidden states.
-    store_kv, keep_hidden = run.cfg.replay.mode == "replay", run.cfg.drafter.enabled
+    # KL term the logprobs, only the drafter the hidden states.
+    store_kv, score, keep_hidden = run.cfg.replay.mode == "replay", reference is not None, run.cfg.drafter.enabled
     files, kv_entries, act_entries, start = [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
-        acts = _capture(run, model, tree, keep_hidden)
+        acts = _capture(run, model, tree, score, keep_hidden)
         if reference is not None:
-            acts.ref_entry_logprobs = _capture(run, reference, tree, keep_hidden=False).entry_logprobs
+            acts.ref_entry_logprobs = _capture(run, reference, tree, True, keep_hidden=False).entry_logprobs
         nodes = {}
         read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below)) if store_kv else set()
         for node_id in sorted(read):
@@ -124,10 +134,11 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
             nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
             if run.cfg.replay.kv_offload == "host":
                 HOST_KV[nodes[str(node_id)]["sha256"]] = kv
-        act_entry = run.store.write_tensors(activations_key(run, step, i), activation_tensors(acts))
         kv_entries.append(nodes)
-        act_entries.append(act_entry)
-        files += [*nodes.values(), act_entry]
+        files += nodes.values()
+        if score or keep_hidden:
+            act_entries.append(run.store.write_tensors(activations_key(run, step, i), activation_tensors(acts)))
+            files.append(act_entries[-1])
         if i == 0:
             faults.hook("prefixes", step, "mid")  # some of the step's K/V written, no done marker
     return run.finish(step, "prefixes", {
@@ -139,14 +150,7 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
 
 def release_prefixes(run: Run, step: int, part: str) -> None:
     """Delete the step's `part` ("prefix_kv" or "activations") once nothing of the run reads
-    it again, unless checkpoint.keep_step_data. The done marker is rewritten first, without
-    those files and naming them `released`, so the stage still counts as finished; a later
-    read of them (a recomputed update) finds them missing and recomputes the stage."""
-    if run.cfg.checkpoint.keep_step_data or (manifest := run.done(step, "prefixes")) is None:
-        return
-    folder = run.key(step, part)
-    if part not in manifest.get("released", []):
-        kept = [e for e in manifest["files"] if not e["key"].startswith(folder + "/")]
-        run.store.write_json(run.key(step, "prefixes.done.json"),
-                             {**manifest, "files": kept, "released": [*manifest.get("released", []), part]})
-    run.store.delete_prefix(folder)
+    it again, unless checkpoint.keep_step_data (Run.release: a recomputed update that needs
+    them recomputes the caching pass)."""
+    if not run.cfg.checkpoint.keep_step_data:
+        run.release(step, "prefixes", run.key(step, part), part)
