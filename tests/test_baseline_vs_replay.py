@@ -22,7 +22,8 @@ def run_at(run_dir, model_dir, mode):
     run = Run(load_config(None, [
         f"run_dir={run_dir}", f"model.path={model_dir}", "model.dtype=float64", "steps=2", "data.size=8",
         "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
-        "rollout.max_new_tokens=6", "optim.lr=1e-3", "drafter.enabled=false", f"replay.mode={mode}"]))
+        "rollout.max_new_tokens=6", "optim.lr=1e-3", "drafter.enabled=false", f"replay.mode={mode}",
+        "reward.function=varied_rewards:code_parity"]))
     run.save_or_check_config()
     return run
 

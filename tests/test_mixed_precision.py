@@ -27,7 +27,7 @@ def config(run_dir, model_dir, dtype: str):
     return load_config(None, [f"run_dir={run_dir}", f"model.path={model_dir}", f"model.dtype={dtype}", "steps=1",
                               "data.size=8", "data.prompts_per_step=2", "rollout.branching=[2,2]",
                               "rollout.segment_tokens=[3]", "rollout.max_new_tokens=6", "optim.lr=1e-6",
-                              "drafter.enabled=false"])
+                              "drafter.enabled=false", "reward.function=varied_rewards:code_parity"])
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,13 @@ from lsreplay import checkpointing, stages
 from lsreplay.config import load_config
 from lsreplay.run import preflight
 
-DIGIT_SUM = '''
-def digit_sum_even(prompt, completion):
-    return float(sum(int(c) for c in completion if c.isdigit()) % 2 == 0)
-'''
 
-
-def test_a_step_without_clipping_moves_the_weights(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_step_without_clipping_moves_the_weights(tiny_model_dir, tmp_path):
     # A reward that differs between a random model's rollouts, so every advantage is not 0.
-    (tmp_path / "digit_rewards_15.py").write_text(DIGIT_SUM)
-    monkeypatch.chdir(tmp_path)
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", "data.size=8",
                              "data.prompts_per_step=2", "rollout.branching=[4]", "rollout.segment_tokens=[]",
                              "rollout.max_new_tokens=6", "drafter.enabled=false", "optim.lr=1e-3",
-                             "optim.grad_clip=0", "reward.function=digit_rewards_15:digit_sum_even"])
+                             "optim.grad_clip=0", "reward.function=varied_rewards:code_parity"])
     run = preflight(cfg)
     for stage in (stages.sample_prompts, stages.generate_trees, stages.cache_prefixes):
         stage(run, 0)

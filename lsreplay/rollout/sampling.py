@@ -46,9 +46,21 @@ def sample_next(
         tokens = logits.argmax(dim=-1)
     else:
         scaled = _truncate(logits.float() / params.temperature, params)
-        probs = torch.softmax(scaled, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = draw(torch.softmax(scaled, dim=-1), generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
+    """One draw per row of probs (R, V), by inverse CDF in float64.
+
+    Exact like torch.multinomial, which on a CPU costs about 1.3 ms per row over a 49k
+    vocabulary (some 25x this; 9% of a 16-row rollout stage of SmolLM2-135M).
+    """
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    # The first token whose cdf exceeds u * total has probability > 0; the clamp only
+    # guards the rounding of u * total up to the total itself.
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def _truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

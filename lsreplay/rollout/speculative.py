@@ -56,7 +56,7 @@ from transformers import DynamicCache
 
 from lsreplay.hf_compat import with_cache
 from lsreplay.logits import float_logits
-from lsreplay.rollout.sampling import SamplingParams, _truncate
+from lsreplay.rollout.sampling import SamplingParams, _truncate, draw
 
 log = logging.getLogger(__name__)
 
@@ -101,19 +101,6 @@ class SpecStats:
 # ---------------------------------------------------------------- acceptance rules
 
 
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
-    """One draw per row of probs (R, V), by inverse CDF in float64.
-
-    Exact like torch.multinomial, which on a CPU costs about 1.3 ms per row over a 49k
-    vocabulary (some 25x this): a speculative round samples k+1 times per row.
-    """
-    cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
-    # The first token whose cdf exceeds u * total has probability > 0; the clamp only
-    # guards the rounding of u * total up to the total itself.
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
-
-
 def _accept_greedy(logits: torch.Tensor, drafts: torch.LongTensor) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Accepted count a (A,) and the next token (A,) from target logits (A, k+1, V) and drafts (A, k)."""
     best = logits.argmax(-1)
@@ -141,7 +128,7 @@ def _accept_sampled(
     total = residual.sum(-1, keepdim=True)
     # total is 0 only when p == q, where rejection has probability 0; fall back to p for rounding.
     residual = torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p_at)
-    return accepted, _sample(residual, generator)
+    return accepted, draw(residual, generator)
 
 
 # ---------------------------------------------------------------- inputs and outputs
@@ -279,7 +266,7 @@ class Speculator:
     def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
         if self.params.temperature == 0:
             return logits.argmax(-1)
-        return _sample(self._probs(logits), self.generator)
+        return draw(self._probs(logits), self.generator)
 
     def _draft_token(self, features: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """One draft token per row (full-vocabulary ids) and q over the full vocabulary (None if greedy)."""
@@ -291,7 +278,7 @@ class Speculator:
             token, q = logits.argmax(-1), None
         else:
             q = self._probs(logits)
-            token = _sample(q, self.generator)
+            token = draw(q, self.generator)
         if self.vocab is not None:
             token = self.vocab[token]
             if q is not None:
