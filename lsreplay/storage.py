@@ -113,20 +113,29 @@ class Store:
         return self._call(key, op)
 
     def write_bytes(self, key: str, data: bytes) -> dict:
+        return self._write(key, [data])
+
+    def _write(self, key: str, pieces: list) -> dict:
+        """Write the concatenation of `pieces` (bytes-like) as entry `key`. A local file is
+        written piece by piece from them, hashed as it goes: both release the GIL, so a
+        background writer never holds it through a copy of a large file."""
         path = self._path(key)
+        digest, size = hashlib.sha256(), sum(memoryview(p).nbytes for p in pieces)
 
         def op() -> None:
             faults.storage_write(key)
             if self._local:
-                _write_local_atomic(path, data)
+                _write_local_atomic(path, pieces)
             else:
                 # An object store publishes an object only once its upload completes.
-                self._fs.pipe_file(path, data)
+                self._fs.pipe_file(path, b"".join(pieces))
 
         self._call(key, op)
+        for piece in pieces:
+            digest.update(piece)
         key = _check_key(key)
-        log.debug("wrote %s (%d bytes)", self.url(key), len(data))
-        return {"key": key, "uri": self.url(key), "sha256": _sha256(data), "bytes": len(data)}
+        log.debug("wrote %s (%d bytes)", self.url(key), size)
+        return {"key": key, "uri": self.url(key), "sha256": digest.hexdigest(), "bytes": size}
 
     def read_bytes(self, key: str, sha256: str | None = None) -> bytes:
         path = self._path(key)
@@ -163,7 +172,7 @@ class Store:
     def write_tensors(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
     ) -> dict:
-        return self.write_bytes(key, safetensors.torch.save(_standalone(tensors), metadata))
+        return self._write(key, _safetensors_pieces(_standalone(tensors), metadata))
 
     def read_tensors(self, key: str, sha256: str | None = None) -> dict[str, torch.Tensor]:
         data = self.read_bytes(key, sha256)
@@ -289,7 +298,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_local_atomic(path: str, data: bytes) -> None:
+def _write_local_atomic(path: str, pieces: list) -> None:
     """Write to a temporary file beside the target, flush it to disk, then rename over the
     target: a rename within one directory is atomic, so readers never see a partial file."""
     folder, name = os.path.split(path)
@@ -297,7 +306,8 @@ def _write_local_atomic(path: str, data: bytes) -> None:
     tmp = os.path.join(folder, f"{name}{_TMP_MARK}{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for piece in pieces:
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -311,6 +321,31 @@ def _write_local_atomic(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _safetensors_pieces(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> list:
+    """A safetensors file as pieces: its header, then every tensor's own memory (no copy).
+    As safetensors itself does, the widest dtypes come first, so that every tensor starts at
+    a multiple of its item size (the header is padded to 8 bytes)."""
+    if any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+        return [safetensors.torch.save(tensors, metadata)]
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text,
+            *(tensors[name].reshape(-1).view(torch.uint8).numpy() for name in order)]
 
 
 def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,8 @@
 """Tests for lsreplay.storage: round trips on a local directory and on S3, atomic writes,
 corruption and absence detection, and errors for an unreachable endpoint."""
 
+import hashlib
+import json
 import os
 import time
 
@@ -44,12 +46,18 @@ def test_tensors_round_trip(store):
         "ids": torch.tensor([1, -2, 3], dtype=torch.int64),
         "mask": torch.tensor([True, False]),
         "scalar": torch.tensor(7.0),
+        "empty": torch.zeros(0, 3, dtype=torch.float64),
     }
     entry = store.write_tensors("t.safetensors", tensors, metadata={"step": "3"})
     loaded = store.read_tensors("t.safetensors", entry["sha256"])
     assert loaded.keys() == tensors.keys()
     for name, t in tensors.items():
         assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    # Written piece by piece from the tensors' memory (read back above by safetensors), with
+    # the metadata in its header; the entry's sha256 and size are the file's.
+    data = store.read_bytes("t.safetensors")
+    assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) == entry["bytes"]
+    assert json.loads(data[8:8 + int.from_bytes(data[:8], "little")])["__metadata__"] == {"step": "3"}
 
 
 def test_list_and_delete(store):
