@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lsreplay import cli  # noqa: E402
-from lsreplay.report import write_report  # noqa: E402
+from lsreplay.report import read_metrics, write_report  # noqa: E402
 
 RUNS = {
     "A-baseline": ["replay.mode=naive", "rollout.spec_threshold=0", "drafter.enabled=false"],
@@ -56,7 +56,7 @@ def train(config: str | None, run_dir: Path, overrides: list[str]) -> list[dict]
     """One `lsreplay train` flow run in `run_dir` (the schema defaults without `config`); its metrics."""
     if cli.main(["train", *([config] if config else []), f"run_dir={run_dir}", *overrides]) != 0:
         raise SystemExit(f"the run in {run_dir} failed")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return read_metrics(run_dir)
 
 
 def give_rollouts(source: Path, target: Path, steps: int) -> None:

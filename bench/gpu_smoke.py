@@ -81,7 +81,7 @@ from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
 from lsreplay.resident import RESIDENT  # noqa: E402
 from lsreplay.run import preflight  # noqa: E402
-from lsreplay.stages.prefixes import release_prefixes  # noqa: E402
+from lsreplay.stages.prefixes import release_read  # noqa: E402
 from lsreplay.train_state import TrainState  # noqa: E402
 
 PRODUCTION = ROOT / "configs" / "h20x8-qwen2.5-7b.yaml"
@@ -159,17 +159,16 @@ def run_steps(run) -> list[dict]:
         m = {"prompts": stages.sample_prompts(run, step)}
         if step > 0:
             steps[-1]["drafter"] = stages.distill_drafter(run, step - 1, devices=SLOT)
+            release_read(run, step - 1, "drafter")
         m["trees-shard"] = stages.generate_tree_shard(run, step, 0, devices=SLOT)
         m["trees"] = stages.collect_trees(run, step)
-        if step > 0:
-            release_prefixes(run, step - 1, "activations")
         m["prefixes"] = stages.cache_prefixes(run, step, devices=SLOT)
         m["policy"] = stages.train_policy(run, step, devices=SLOT)
-        release_prefixes(run, step, "prefix_kv")
+        release_read(run, step, "policy")
         run.append_metrics(step_record(step, m))
         steps.append(m)
     steps[-1]["drafter"] = stages.distill_drafter(run, run.cfg.steps - 1, devices=SLOT)
-    release_prefixes(run, run.cfg.steps - 1, "activations")
+    release_read(run, run.cfg.steps - 1, "drafter")
     return steps
 
 

@@ -30,7 +30,6 @@ resident), the resident run's state share of its policy stage, and what each run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -43,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
 from lsreplay.data import generate_prompt_file  # noqa: E402
+from lsreplay.report import read_metrics  # noqa: E402
 
 WORKLOAD = ["data.prompts_per_step=2", "rollout.branching=[8]", "rollout.segment_tokens=[]",
             "rollout.max_new_tokens=128", "model.dtype=float32", "drafter.enabled=false", "rollout.spec_threshold=0"]
@@ -67,7 +67,7 @@ def train_before(rev: str, run_dir: Path, overrides: list[str]) -> list[dict]:
                f"model.cache_dir={REPO / '.cache/models'}", *overrides]
     if subprocess.run(command, cwd=source, env={**os.environ, "PYTHONPATH": str(source)}).returncode != 0:
         raise SystemExit(f"the run of commit {rev} in {run_dir} failed")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return read_metrics(run_dir)
 
 
 def disk_bytes(folder: Path) -> int:

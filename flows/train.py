@@ -34,7 +34,7 @@ from lsreplay.metrics import eval_record, step_record
 from lsreplay.resident import RESIDENT, StateLost
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
 from lsreplay.stages import evaluated
-from lsreplay.stages.prefixes import release_prefixes
+from lsreplay.stages.prefixes import release_read
 from tasks.pool import ensure_pool
 from tasks.stages import configured
 
@@ -174,11 +174,10 @@ def _step(run, tasks: dict, cfg: Config, step: int) -> dict[str, dict]:
     manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step)}
     manifests["prefixes"] = stage("prefixes")
     manifests["policy"] = stage("policy")
-    release_prefixes(run, step, "prefix_kv")  # replay read them; nothing else will
+    release_read(run, step, "policy")
     if cfg.drafter.enabled and step == cfg.steps - 1:
         manifests["drafter"] = stage("drafter")
-    if not cfg.drafter.enabled or step == cfg.steps - 1:
-        release_prefixes(run, step, "activations")
+        release_read(run, step, "drafter")
     return manifests
 
 
@@ -202,7 +201,7 @@ def _rollouts(run, tasks: dict, cfg: Config, step: int) -> dict:
     if drafter is not None:
         previous = {name: run.done(step - 1, name) for name in STAGES if name != "drafter"}
         previous["drafter"] = _result(drafter, "drafter", step - 1)
-        release_prefixes(run, step - 1, "activations")  # the drafter's hidden states
+        release_read(run, step - 1, "drafter")
         if None not in previous.values():
             run.append_metrics(step_record(step - 1, previous))
     return trees

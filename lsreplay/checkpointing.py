@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import posixpath
 import queue
 import threading
 import time
@@ -100,23 +99,22 @@ def manifest(run: Run, step: int) -> dict | None:
     return {"prefix": prefix, "files": record["files"]}
 
 
-def complete_steps(run: Run) -> list[int]:
-    """Steps with a complete policy checkpoint, oldest first."""
-    steps = sorted({int(posixpath.basename(posixpath.dirname(k)).removeprefix("step_"))
-                    for k in run.store.list(POLICY) if posixpath.basename(k) == COMPLETE})
-    return [s for s in steps if manifest(run, s) is not None]
+def complete_steps(run: Run, steps: set[int] | None = None) -> list[int]:
+    """Steps with a complete policy checkpoint, oldest first (of `steps`, the steps that
+    have policy checkpoint files, if already listed)."""
+    return [s for s in sorted(_steps(run, POLICY) if steps is None else steps) if manifest(run, s) is not None]
 
 
 def prune(run: Run) -> list[int]:
     """Delete policy checkpoints beyond the newest checkpoint.keep_last complete ones (and
     incomplete ones older than those), and the drafters nothing after them can load; returns
     the policy steps deleted. Never the newest complete."""
-    keep = run.cfg.checkpoint.keep_last
-    complete = complete_steps(run)
+    keep, present = run.cfg.checkpoint.keep_last, _steps(run, POLICY)
+    complete = complete_steps(run, present)
     if keep == 0 or len(complete) <= keep:
         return []
     oldest_kept = complete[-keep]
-    deleted = sorted(s for s in _steps(run, POLICY) if s < oldest_kept)
+    deleted = sorted(s for s in present if s < oldest_kept)
     for step in deleted:
         run.store.delete_prefix(run.checkpoint("policy", step))
     _prune_drafters(run, oldest_kept)

@@ -81,14 +81,14 @@ def _lock_name(pool: PoolConfig, index: int) -> str:
 def hold_devices(pool: PoolConfig, count: int):
     """Yield `count` device indices in [0, pool.slots), exclusively held until the block
     exits. Waits (and says so once) while another run on this machine holds them."""
-    held: list[tuple[int, int]] = []
+    held: dict[int, int] = {}  # device index -> lock fd
     waiting_since = None
     try:
         while True:
             for index in range(pool.slots):
-                if len(held) < count and index not in {i for i, _ in held}:
+                if len(held) < count and index not in held:
                     if (fd := _try_lock(_lock_name(pool, index))) is not None:
-                        held.append((index, fd))
+                        held[index] = fd
             if len(held) == count:
                 break
             if waiting_since is None:
@@ -96,9 +96,9 @@ def hold_devices(pool: PoolConfig, count: int):
                 log.warning("pool %r: %d of %d devices free; waiting for devices another run on this machine holds",
                             pool.name, len(held), count)
             time.sleep(POLL_SECONDS)
-        yield [index for index, _ in held]
+        yield list(held)
     finally:
-        for _, fd in held:
+        for fd in held.values():
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 

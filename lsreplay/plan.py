@@ -285,17 +285,16 @@ def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
     elt, n = ELT[cfg.model.dtype], dims.params()
     root, levels = shape.radix()
     levels = joined_levels(levels, cfg.replay.join_below)
-    branching_positions, nodes = (root if levels else 0), 1
-    for b, seg in levels[:-1]:
-        nodes *= b
-        branching_positions += nodes * seg
+    branching_positions = TreeShape(root, levels[:-1]).unique_positions if levels else 0
     trees = cfg.data.prompts_per_step
     kv = trees * branching_positions * kv_bytes_per_position(dims, elt) if cfg.replay.mode == "replay" else 0
     # The caching pass scores entries only for the KL term (the policy's and the reference's
     # logprobs), and keeps hidden states only for the drafter.
     logprobs = (shape.unique_positions - shape.prompt) * 2 * 8 if cfg.algo.kl_coef > 0 else 0
     hidden = shape.unique_positions * dims.hidden * elt if cfg.drafter.enabled else 0
-    master = 8 if cfg.model.dtype == "float64" else 4
+    from lsreplay.train_state import master_dtype
+
+    master = ELT[master_dtype(cfg.model.dtype)]
     checkpoint = 3 * n * master  # masters + two AdamW moments
     loads = (cfg.rollout.shards + 1 + (cfg.algo.kl_coef > 0)) * n * master
     return StepIO(kv, trees * (logprobs + hidden), checkpoint, cfg.checkpoint.every, loads,

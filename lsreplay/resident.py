@@ -30,8 +30,7 @@ from transformers import PreTrainedModel
 from lsreplay import checkpointing
 from lsreplay.checkpoint import CheckpointError, load_module, load_optimizer, load_weights
 from lsreplay.models import load_model
-from lsreplay.run import Run
-from lsreplay.storage import CorruptEntry, MissingEntry
+from lsreplay.run import InputCorrupt, Run
 from lsreplay.train_state import TrainState, master_dtype
 
 log = logging.getLogger(__name__)
@@ -209,11 +208,11 @@ def _verified(run: Run, step: int):
     """Reads of a checkpoint: damage (a sha256 mismatch, a missing file) makes it
     incomplete, and the state of that step lost (the run restarts from an older checkpoint)."""
     try:
-        yield
-    except (CheckpointError, MissingEntry, CorruptEntry) as e:
-        cause = e.__cause__ if isinstance(e, CheckpointError) else e
-        if not isinstance(cause, (MissingEntry, CorruptEntry)):
-            raise
+        with run.reading(step, "policy"):
+            yield
+    except InputCorrupt as e:
+        damage = e.__cause__
+        cause = damage.__cause__ if isinstance(damage, CheckpointError) else damage
         log.warning("policy checkpoint of step %d is damaged (%s); it no longer counts as complete", step, cause)
         run.store.delete(f"{run.checkpoint('policy', step)}/{checkpointing.COMPLETE}")
         raise StateLost(step, f"the policy checkpoint of step {step} is damaged ({cause})") from e

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from lsreplay.config import OptimConfig
-
-FULL_PRECISION = (torch.float32, torch.float64)
+from lsreplay.logits import FULL_PRECISION
 
 
 def master_dtype(compute: str) -> str:
@@ -45,7 +44,7 @@ class TrainState:
             self.masters = self.params
         self.optimizer = torch.optim.AdamW(self.masters, lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay)
-        self.optim, self.grad_clip = optim, optim.grad_clip
+        self.optim = optim
 
     def zero_grad(self) -> None:
         for master in self.masters:
@@ -53,13 +52,10 @@ class TrainState:
 
     def clip_grad_norm(self) -> float:
         """Clip the master gradients to optim.grad_clip (0: no clipping); their norm before."""
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        if not grads:
-            return 0.0
-        if self.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.masters, self.grad_clip)
+        if self.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.masters, self.optim.grad_clip)
         else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            norm = torch.nn.utils.get_total_norm([m.grad for m in self.masters if m.grad is not None])
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def step(self) -> None:
@@ -92,7 +88,7 @@ class TrainState:
     def nonfinite(self) -> list[str]:
         """Names of master parameters holding NaN or inf."""
         return [n for n, m in zip(self.names, self.masters)
-                if not torch.isfinite(m.to_local() if hasattr(m, "to_local") else m).all()]
+                if not torch.isfinite(local(m)).all()]
 
     def moved_to(self, model: torch.nn.Module) -> TrainState:
         """This state for `model` (the same weights on another device): masters and AdamW
@@ -114,10 +110,14 @@ class TrainState:
     def load_masters(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set masters (and so the compute weights) from `tensors` by name."""
         with torch.no_grad():
-            for name, master, param in zip(self.names, self.masters, self.params):
+            for name, master in zip(self.names, self.masters):
                 master.copy_(tensors[name])
-                if self.mixed:
-                    param.copy_(master)
+        self.follow_masters()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP (DTensor) tensor; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _into_master(master: torch.nn.Parameter):

@@ -49,10 +49,11 @@ OPTIONS = dict(retries=RETRIES, retry_delay_seconds=retry_delays(), retry_jitter
                retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
-def _on_pool(stage: str, done_as: str, cfg: Config, step: int, count: int = 1, **kwargs) -> dict:
+def _on_pool(stage: str, cfg: Config, step: int, count: int = 1, done_as: str | None = None, **kwargs) -> dict:
     """Run `stage` holding `count` pool slots, on the host of their devices (this process,
-    or their Ray actor: lsreplay.hosts), passing it their indices as `devices=`."""
-    if done := Run(cfg).done(step, done_as):  # finished earlier: no need to wait for a device
+    or their Ray actor: lsreplay.hosts), passing it their indices as `devices=`. `done_as`:
+    the name of its done marker, if not the stage's."""
+    if done := Run(cfg).done(step, done_as or stage):  # finished earlier: no need to wait for a device
         return done
     with pool_devices(cfg.pool, count) as devices:
         return run_on_host(stage, cfg, step, devices, **kwargs)
@@ -70,7 +71,7 @@ def generate_tree_shard(cfg: Config, step: int, shard: int) -> dict:
     # A Ray host cannot report to Prefect: the shard's live progress bar is this process's.
     progress = Progress(f"step {step}: rollout tokens sampled (shard {shard})") \
         if cfg.pool.task_runner == "thread" else None
-    return _on_pool("trees", stages.shard_name(shard), cfg, step, shard=shard, progress=progress)
+    return _on_pool("trees", cfg, step, done_as=stages.shard_name(shard), shard=shard, progress=progress)
 
 
 @task(name="collect-trees", **OPTIONS)
@@ -80,24 +81,24 @@ def collect_trees(cfg: Config, step: int) -> dict:
 
 @task(name="cache-prefixes", **OPTIONS)
 def cache_prefixes(cfg: Config, step: int) -> dict:
-    return _on_pool("prefixes", "prefixes", cfg, step)
+    return _on_pool("prefixes", cfg, step)
 
 
 @task(name="train-policy", **OPTIONS)
 def train_policy(cfg: Config, step: int) -> dict:
     # One slot (device) per data-parallel rank of the backward.
-    return _on_pool("policy", "policy", cfg, step, count=cfg.pool.devices_per_step)
+    return _on_pool("policy", cfg, step, count=cfg.pool.devices_per_step)
 
 
 @task(name="distill-drafter", **OPTIONS)
 def distill_drafter(cfg: Config, step: int) -> dict:
     # Submitted while the next step's rollout shards run: it waits for the slot one frees.
-    return _on_pool("drafter", "drafter", cfg, step)
+    return _on_pool("drafter", cfg, step)
 
 
 @task(name="evaluate", **OPTIONS)
 def evaluate_policy(cfg: Config, step: int) -> dict:
-    return _on_pool("eval", "eval", cfg, step)
+    return _on_pool("eval", cfg, step)
 
 
 # The tasks by stage name (lsreplay.run.STAGES, and "eval"); "trees" is its shards, then their collection.

@@ -13,11 +13,12 @@ from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, with_kl
 from lsreplay.replay import naive_backward, replay_backward
+from lsreplay.replay.capture import TreeActivations
 from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
 from lsreplay.stages.common import StateClock, leaf_counts, leaf_subtrees, load_trees
 from lsreplay.stages.prefixes import StoredPrefixKV, load_activations
-from lsreplay.train_state import TrainState, master_dtype
+from lsreplay.train_state import TrainState, local, master_dtype
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -29,10 +30,12 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
     from the parameters the caching pass scored with. So old logprobs are the caching pass's
     where the KL term needs their values, and zeros (any value gives the same loss and
     weights) where it did not score them."""
-    acts = [load_activations(run, step, i, prefixes) for i in range(len(trees))]
+    algo = run.cfg.algo
+    acts = ([load_activations(run, step, i, prefixes) for i in range(len(trees))] if algo.kl_coef > 0
+            else [TreeActivations()] * len(trees))  # the drafter's hidden states are not read here
     old = [t.completion_values(torch.zeros(t.num_entries, dtype=torch.float64) if a.entry_logprobs is None
                                else a.entry_logprobs) for t, a in zip(trees, acts)]
-    algo, max_tokens = run.cfg.algo, run.cfg.rollout.max_new_tokens
+    max_tokens = run.cfg.rollout.max_new_tokens
     counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
     advantages = [group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards, counts=n,
                                    subtrees=leaf_subtrees(r) if algo.tree_baseline == "independent" else None)
@@ -189,13 +192,9 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
                                    budget_bytes=cfg.replay.budget_mb * 2**20 or None,
                                    join_below=cfg.replay.join_below, grad_params=train.masters)
     try:
-        if fsdp:
+        if fsdp or rank == 0:
             _load_moments(train, shared, rank, world)
-            grad_norm = _commit_step(run, step, train, loss, lambda: None, sharded=True)
-            _write_back(train, shared, rank, world)
-        elif rank == 0:
-            _load_moments(train, shared, rank, world)
-            grad_norm = _commit_step(run, step, train, loss, lambda: None)
+            grad_norm = _commit_step(run, step, train, loss, lambda: None, sharded=fsdp)
             _write_back(train, shared, rank, world)
     except NonFiniteLoss as e:  # travels back as a value: a rank's exception would lose its type
         return {"nonfinite": str(e)}
@@ -210,10 +209,6 @@ def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return chunks[rank] if rank < len(chunks) else full[:0]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _load_moments(train: TrainState, shared: dict, rank: int, world: int) -> None:
     """AdamW moments from the shared state into this rank's optimizer (its rows, if sharded)."""
     from torch.distributed.tensor import DTensor
@@ -222,10 +217,10 @@ def _load_moments(train: TrainState, shared: dict, rank: int, world: int) -> Non
         state = train.optimizer.state[master]
         for name, full in moments.items():
             if name == "step" or not hasattr(master, "to_local"):
-                state[name] = full.to(_local(master).device, copy=True)
+                state[name] = full.to(local(master).device, copy=True)
             else:
-                local = _rows(full, rank, world).to(master.to_local().device, copy=True)
-                state[name] = DTensor.from_local(local, master.device_mesh, master.placements, run_check=False,
+                rows = _rows(full, rank, world).to(master.to_local().device, copy=True)
+                state[name] = DTensor.from_local(rows, master.device_mesh, master.placements, run_check=False,
                                                  shape=master.shape, stride=master.stride())
 
 
@@ -235,9 +230,9 @@ def _write_back(train: TrainState, shared: dict, rank: int, world: int) -> None:
         for name, master, moments in zip(train.names, train.masters, shared["optimizer"]):
             sharded = hasattr(master, "to_local")
             target = _rows(shared["masters"][name], rank, world) if sharded else shared["masters"][name]
-            target.copy_(_local(master))
+            target.copy_(local(master))
             for key, full in moments.items():
-                value = _local(train.optimizer.state[master][key])
+                value = local(train.optimizer.state[master][key])
                 if key == "step" or not sharded:
                     if rank == 0:
                         full.copy_(value)

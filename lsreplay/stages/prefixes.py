@@ -133,7 +133,7 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
             kv = acts.prefix_kv[node_id]
             nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
             if run.cfg.replay.kv_offload == "host":
-                HOST_KV[nodes[str(node_id)]["sha256"]] = kv
+                HOST_KV[nodes[str(node_id)]["sha256"]] = tuple([t.cpu() for t in half] for half in kv)
         kv_entries.append(nodes)
         files += nodes.values()
         if score or keep_hidden:
@@ -148,9 +148,14 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
         "seconds": time.perf_counter() - start, "state_seconds": clock.seconds})
 
 
-def release_prefixes(run: Run, step: int, part: str) -> None:
-    """Delete the step's `part` ("prefix_kv" or "activations") once nothing of the run reads
-    it again, unless checkpoint.keep_step_data (Run.release: a recomputed update that needs
-    them recomputes the caching pass)."""
-    if not run.cfg.checkpoint.keep_step_data:
-        run.release(step, "prefixes", run.key(step, part), part)
+def release_read(run: Run, step: int, stage: str) -> None:
+    """Delete the step's outputs of the caching pass that nothing reads once `stage`
+    ("policy" or "drafter") of `step` is done: the K/V after the update, the hidden states
+    after the drafter (after the update, without one). Unless checkpoint.keep_step_data
+    (Run.release: a recomputed update that needs them recomputes the caching pass)."""
+    if run.cfg.checkpoint.keep_step_data:
+        return
+    if stage == "policy":
+        run.release(step, "prefixes", run.key(step, "prefix_kv"), "prefix_kv")
+    if stage == "drafter" or not run.cfg.drafter.enabled:
+        run.release(step, "prefixes", run.key(step, "activations"), "activations")
