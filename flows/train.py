@@ -35,7 +35,7 @@ from lsreplay.resident import RESIDENT, StateLost
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
 from lsreplay.stages import evaluated
 from lsreplay.stages.prefixes import release_read
-from tasks.pool import ensure_pool
+from tasks.pool import ensure_pool, release_parked
 from tasks.stages import configured
 
 # How often the same stage output may be found damaged and recomputed before the run stops.
@@ -69,6 +69,7 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
         with ray_session(cfg):
             return _run_steps(run, tasks, cfg)
     finally:
+        release_parked()  # the slots the last stage left for a next one: there is none
         checkpointing.WRITER.wait()
         RESIDENT.release(run)
 
