@@ -128,16 +128,18 @@ class Handoff:
         """Parked holdings of exactly `count` slots in all, or None. If the parked ones do
         not add up to `count`, they go back: they would keep the server's slots from us."""
         with self._lock:
-            parked = self._parked.pop(pool.name, [])
-            taken, left = [], []
+            parked, taken = self._parked[pool.name], []
             for holding in sorted(parked, key=lambda h: -len(h.devices)):
-                fits = sum(len(h.devices) for h in taken) + len(holding.devices) <= count
-                (taken if fits else left).append(holding)
-            if sum(len(h.devices) for h in taken) != count:
-                taken, left = [], parked
+                if sum(len(h.devices) for h in taken) + len(holding.devices) <= count:
+                    taken.append(holding)
+            if sum(len(h.devices) for h in taken) == count:
+                for holding in taken:
+                    parked.remove(holding)
+                return taken
+            left = self._parked.pop(pool.name)
         for holding in left:
             holding.give_back()
-        return taken or None
+        return None
 
     def park(self, pool_name: str, holding: _Holding) -> None:
         with self._lock:
