@@ -2,7 +2,7 @@
 store every time with a checkpoint written every step, and resident state with checkpoints
 in the background, on the same workload, one after the other in one invocation.
 
-    .venv/bin/python bench/state.py [--steps 3] [--out runs/state] [--before REV] [key=value ...]
+    .venv/bin/python bench/state.py [--steps 3] [--rounds 1] [--out runs/state] [--before REV] [key=value ...]
 
 The workload (issue #14's): 2 reasoning-gym gsm_symbolic prompts per step from a JSONL
 file, 8 flat rollouts of at most 128 tokens each, SmolLM2-135M-Instruct in float32, GRPO
@@ -19,6 +19,10 @@ directories under --out:
                deleted (the design before resident state)
     resident   the defaults: the policy, its float32 masters and AdamW stay in memory between
                stages and steps; checkpoint.every=1, written in the background, the last 2 kept
+
+--rounds N runs all of them N times, every other round in reverse order (before, reload,
+resident, then resident, reload, before, ...), so that a drift of the shared machine's speed
+weighs on each alike; the ratios are over all rounds' steps.
 
 Per step, `state_seconds` is what the stages spent loading state and taking the checkpoint's
 snapshot (or writing it, when not in the background), next to the policy stage's seconds.
@@ -53,20 +57,25 @@ RUNS = {
 }
 
 
-def train_before(rev: str, run_dir: Path, overrides: list[str]) -> list[dict]:
-    """The same flow on the code of commit `rev`, imported from a `git archive` of it ahead
-    of this checkout's package; its metrics."""
-    source = run_dir.parent / f"source-{rev}"
+def extract(rev: str, out: Path) -> Path:
+    """A `git archive` of commit `rev`, unpacked under `out`."""
+    source = out / f"source-{rev}"
     source.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True)
     if archive.returncode != 0:
         raise SystemExit(f"--before {rev}: {archive.stderr.decode().strip()} (a shallow clone lacks the "
                          "history: git fetch --unshallow; or --before '' to skip the run)")
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
+    return source
+
+
+def train_before(source: Path, run_dir: Path, overrides: list[str]) -> list[dict]:
+    """The same flow on the code extracted in `source`, imported ahead of this checkout's
+    package; its metrics."""
     command = [sys.executable, "-m", "lsreplay.cli", "train", f"run_dir={run_dir.resolve()}",
                f"model.cache_dir={REPO / '.cache/models'}", *overrides]
     if subprocess.run(command, cwd=source, env={**os.environ, "PYTHONPATH": str(source)}).returncode != 0:
-        raise SystemExit(f"the run of commit {rev} in {run_dir} failed")
+        raise SystemExit(f"the run of {source.name} in {run_dir} failed")
     return read_metrics(run_dir)
 
 
@@ -79,23 +88,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "runs/state"))
     parser.add_argument("--before", default="4238b33", help="the commit of the `before` run ('' = none)")
-    parser.add_argument("overrides", nargs="*", help="key=value applied to both runs")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run them all this many times, every other round in reverse order")
+    parser.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = parser.parse_args(argv)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     prompts = generate_prompt_file(out / "gsm_symbolic.jsonl", ["gsm_symbolic"], size=64, seed=0)
     common = [f"steps={args.steps}", f"data.path={prompts}", *WORKLOAD, *args.overrides]
-    metrics = {"before": train_before(args.before, out / "before", common)} if args.before else {}
-    metrics.update({name: train(None, out / name, [*common, *overrides]) for name, overrides in RUNS.items()})
-    print("| run | step | step s | rollouts s | prefix cache s | policy s | backward s | state s | policy state s |")
-    print("|---" * 9 + "|")
+    source = extract(args.before, out) if args.before else None
+    order = [*(["before"] if source else []), *RUNS]
+    metrics: dict[str, list[dict]] = {name: [] for name in order}
+    # Rounds in the order A B C, C B A, ...: a drift of this shared machine's speed over the
+    # benchmark weighs on every run alike.
+    for round_ in range(args.rounds):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            run_dir = out / (name if round_ == 0 else f"{name}-{round_}")
+            rows = (train_before(source, run_dir, common) if name == "before"
+                    else train(None, run_dir, [*common, *RUNS[name]]))
+            metrics[name] += [{**r, "round": round_} for r in rows]
+    print("| run | round | step | step s | rollouts s | prefix cache s | policy s | backward s | state s | policy state s |")
+    print("|---" * 10 + "|")
     keys = ("step_seconds", "trees_seconds", "prefixes_seconds", "policy_seconds", "backward_seconds",
             "state_seconds", "policy_state_seconds")
     for name, rows in metrics.items():
         for r in rows:
             values = {**r, "backward_seconds": r["positions"] / r["train_positions_per_s"]}
             cells = [f"{values[k]:.1f}" if k in values else "-" for k in keys]  # `before` has no state figures
-            print(f"| {name} | {r['step']} | " + " | ".join(cells) + " |")
+            print(f"| {name} | {r['round']} | {r['step']} | " + " | ".join(cells) + " |")
     reload, resident = metrics["reload"], metrics["resident"]
 
     def avg(rows, key):
@@ -112,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "reload_disk_gb": disk_bytes(out / "reload") / 1e9,
         "resident_disk_gb": disk_bytes(out / "resident") / 1e9,
         "steps": args.steps,
+        "rounds": args.rounds,
     }
     print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()))
     return 0
