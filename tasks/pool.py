@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import threading
 from collections import Counter, defaultdict
 from contextlib import ExitStack, contextmanager
@@ -168,6 +169,15 @@ class Handoff:
 
 
 HANDOFF = Handoff()
+
+
+def _forget_parked() -> None:
+    global HANDOFF
+    HANDOFF = Handoff()
+
+
+# A forked child holds none of its parent's slots: their leases and device locks are the parent's.
+os.register_at_fork(after_in_child=_forget_parked)
 
 
 try:

@@ -3,6 +3,7 @@ holders never share a device; slots come back after failures."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -110,9 +111,12 @@ def test_a_holder_hands_its_slots_and_devices_to_the_next_one_in_its_process(pre
     with pytest.raises(RuntimeError), pool_devices(pool):
         raise RuntimeError("a stage failing on its device")
     assert asked == [1, 2, 1] and active_slots(pool.name) == 0 and not any_held(pool, 2)
-    # A run's end gives back what its last stage left.
+    # A run's end gives back what its last stage left; a forked child finds none of it to take.
     with pool_devices(pool):
         pass
+    if (child := os.fork()) == 0:
+        os._exit(0 if tasks.pool.HANDOFF.take(pool, 1) is None else 3)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
     release_parked()
     assert active_slots(pool.name) == 0 and not any_held(pool, 2)
     # Left unused, they go back after HANDOFF_SECONDS.
