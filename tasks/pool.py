@@ -1,4 +1,5 @@
-"""The accelerator pool as a Prefect global concurrency limit plus per-device locks."""
+"""The accelerator pool as a Prefect global concurrency limit plus per-device locks, and the
+handoff of both from one stage to the next stage of the same process."""
 
 from __future__ import annotations
 
@@ -126,11 +127,13 @@ class Handoff:
                 self._waiting[pool.name] -= 1
 
     def take(self, pool: PoolConfig, count: int) -> list[_Holding] | None:
-        """Parked holdings of exactly `count` slots in all, or None. If the parked ones do
-        not add up to `count`, they go back: they would keep the server's slots from us."""
+        """Parked holdings of exactly `count` slots in all, the lowest devices first (as
+        hold_devices takes them, so that a run's updates stay on one device), or None. If the
+        parked ones do not add up to `count`, they go back: they would keep the server's
+        slots from us."""
         with self._lock:
             parked, taken = self._parked[pool.name], []
-            for holding in sorted(parked, key=lambda h: -len(h.devices)):
+            for holding in sorted(parked, key=lambda h: min(h.devices)):
                 if sum(len(h.devices) for h in taken) + len(holding.devices) <= count:
                     taken.append(holding)
             if sum(len(h.devices) for h in taken) == count:
