@@ -128,7 +128,7 @@ class Handoff:
 
     def take(self, pool: PoolConfig, count: int) -> list[_Holding] | None:
         """Parked holdings of exactly `count` slots in all, the lowest devices first (as
-        hold_devices takes them, so that a run's updates stay on one device), or None. If the
+        hold_devices takes them, so that a run's updates stay on one host), or None. If the
         parked ones do not add up to `count`, they go back: they would keep the server's
         slots from us."""
         with self._lock:
