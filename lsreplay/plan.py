@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from lsreplay.replay.attention_kernels import kernel_for
+from lsreplay.train_state import master_dtype
 from lsreplay.tree import RolloutTree
 from lsreplay.replay.view import joins
 from lsreplay.replay.memory import (
@@ -292,8 +293,6 @@ def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
     # logprobs), and keeps hidden states only for the drafter.
     logprobs = (shape.unique_positions - shape.prompt) * 2 * 8 if cfg.algo.kl_coef > 0 else 0
     hidden = shape.unique_positions * dims.hidden * elt if cfg.drafter.enabled else 0
-    from lsreplay.train_state import master_dtype
-
     master = ELT[master_dtype(cfg.model.dtype)]
     checkpoint = 3 * n * master  # masters + two AdamW moments
     loads = (cfg.rollout.shards + 1 + (cfg.algo.kl_coef > 0)) * n * master

@@ -132,11 +132,12 @@ class Handoff:
         parked ones do not add up to `count`, they go back: they would keep the server's
         slots from us."""
         with self._lock:
-            parked, taken = self._parked[pool.name], []
+            parked, taken, slots = self._parked[pool.name], [], 0
             for holding in sorted(parked, key=lambda h: min(h.devices)):
-                if sum(len(h.devices) for h in taken) + len(holding.devices) <= count:
+                if slots + len(holding.devices) <= count:
                     taken.append(holding)
-            if sum(len(h.devices) for h in taken) == count:
+                    slots += len(holding.devices)
+            if slots == count:
                 for holding in taken:
                     parked.remove(holding)
                 return taken
