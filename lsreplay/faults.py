@@ -85,9 +85,15 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-# The parsed faults of the current LSREPLAY_FAULTS value; re-parsed (counters reset) when it
-# changes, being unset in between included.
+# The parsed faults of the current LSREPLAY_FAULTS value; re-parsed (counters reset) when it changes.
 _active: tuple[str, list[Fault]] = ("", [])
+
+
+def reset() -> None:
+    """Forget the counters: the current spec counts afresh (a test setting the spec an
+    earlier test in this process used up)."""
+    global _active
+    _active = ("", [])
 
 
 def active() -> list[Fault]:
@@ -112,7 +118,7 @@ def _take(target: str, step: int | None, actions: tuple[str, ...]) -> Fault | No
 
 def hook(stage: str, step: int, point: str) -> None:
     """Called by each stage at "start" (after deciding to run) and "mid" (outputs partly written)."""
-    if not active():  # read every time: a spec unset and set again counts afresh
+    if not os.environ.get(ENV):
         return
     if point == "start":
         if fault := _take(stage, step, ("fail",)):
@@ -133,7 +139,7 @@ def hook(stage: str, step: int, point: str) -> None:
 
 def loss(stage: str, step: int, value: float) -> float:
     """The loss, or NaN if a `nan` fault is set for this stage and step."""
-    if active() and _take(stage, step, ("nan",)):
+    if os.environ.get(ENV) and _take(stage, step, ("nan",)):
         log.warning("injected NaN loss in stage %s of step %d", stage, step)
         return math.nan
     return value
@@ -141,6 +147,6 @@ def loss(stage: str, step: int, value: float) -> float:
 
 def storage_write(key: str) -> None:
     """Called by the store before each write."""
-    if active() and (fault := _take("storage", None, ("fail",))):
+    if os.environ.get(ENV) and (fault := _take("storage", None, ("fail",))):
         log.warning("injected transient storage fault writing %s (%d more)", key, fault.remaining)
         raise InjectedFault(f"injected transient storage fault writing {key}")

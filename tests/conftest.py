@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Conf
 
 from s3server import s3_endpoint, store  # noqa: F401  (fixtures for every test module: one S3 server)
 
+from lsreplay import faults
 from lsreplay.config import ModelConfig
 from lsreplay.models import resolve_model_dir
 
@@ -49,6 +50,13 @@ def torch_init_intact(request):
     for name in swapped:
         setattr(torch.nn.init, name, _INIT_FUNCTIONS[name])
     assert not swapped, f"{request.node.nodeid} left torch.nn.init.{swapped[0]} (and {len(swapped) - 1} more) swapped"
+
+
+@pytest.fixture(autouse=True)
+def fresh_faults():
+    """Each test's LSREPLAY_FAULTS counts afresh: the fault counters are per process, and an
+    earlier test may have used up the same spec (test_spot_drafter's stalls once never fired)."""
+    faults.reset()
 
 
 def _rmsnorm_float64(self, hidden):
