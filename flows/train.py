@@ -184,8 +184,8 @@ def _step(run, tasks: dict, cfg: Config, step: int) -> dict[str, dict]:
 
 def _rollouts(run, tasks: dict, cfg: Config, step: int) -> dict:
     """The step's rollout shards, then their collected trees. The previous step's drafter
-    starts on a free slot (an idle one, or the first a finished shard frees) and trains
-    until the last shard is collected (lsreplay.stages.drafter); then its metrics join the
+    starts on a free slot (an idle one, or the first a finished shard frees while others
+    still run) and trains until the last shard is collected (lsreplay.stages.drafter); then its metrics join the
     previous step's line. If a shard fails, the drafter trains its full budget before the
     flow stops."""
     shards = [tasks["trees"].submit(cfg=cfg, step=step, shard=k) for k in range(cfg.rollout.shards)]
@@ -194,11 +194,15 @@ def _rollouts(run, tasks: dict, cfg: Config, step: int) -> dict:
     # Slots no shard needs are idle from the start. Otherwise the drafter waits for a shard
     # to finish, so that it never holds a slot a shard is still waiting for.
     drafter = start_drafter() if spot and cfg.pool.slots > cfg.rollout.shards else None
+    running = len(shards)
     for future in as_completed(shards):
         _result(future, "trees", step)
-        if drafter is None and spot:
+        running -= 1
+        if drafter is None and spot and running:
             drafter = start_drafter()
     trees = _result(tasks["collect-trees"].submit(cfg=cfg, step=step), "trees", step)
+    if drafter is None and spot:  # no rollouts were left to overlap: it finds them over, trains nothing
+        drafter = start_drafter()
     if drafter is not None:
         previous = {name: run.done(step - 1, name) for name in STAGES if name != "drafter"}
         previous["drafter"] = _result(drafter, "drafter", step - 1)
