@@ -1,15 +1,17 @@
-"""The drafter as a standalone product: an EAGLE-convention HF folder.
+"""The drafter as a standalone product: an EAGLE-1 draft folder that vLLM speculates with.
 
-`config.json` is the target's config with one hidden layer (so `AutoConfig` and
-`AutoModel.from_pretrained` read it; the layer loads as `layers.0.*` of a one-layer
-base model), plus an `eagle` entry saying how the drafter is wired. `model.safetensors`
-holds `fc.*` and `layers.0.*`, the names EAGLE serving stacks expect. The embedding and
-LM head are the target's and are not duplicated here.
+The layout is the EAGLE-1 convention vLLM loads as `EagleLlamaForCausalLM`
+(`speculative_config={"method": "eagle", "model": <this folder>}`): `config.json` is a
+one-layer Llama config (architectures `LlamaForCausalLM`; vLLM renames it), and
+`model.safetensors` holds `fc.weight` and `layers.0.*` only. vLLM's draft has exactly these
+parameters (no fc bias, no input norm on layer 0, which lsreplay's drafter lacks too), and
+takes the embedding and LM head from the target, as lsreplay's drafter does. So every
+trained tensor is used and nothing is left at its initialisation. `config.json` also
+carries `lsreplay_drafter`, the shape `Drafter.config_dict` identifies, for `load_hf`.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 
 from safetensors.torch import load as load_safetensors
@@ -19,31 +21,40 @@ from lsreplay.drafter.model import Drafter
 from lsreplay.storage import Store
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+KEY = "lsreplay_drafter"
 
 
 def hf_config(drafter: Drafter) -> dict:
-    config = copy.deepcopy(drafter.config)
-    config.architectures = [f"{type(drafter.layer).__name__.replace('DecoderLayer', '')}ForCausalLMEagle"]
-    d = config.to_dict()
-    d["eagle"] = {"drafter": drafter.config_dict(),
-                  "input": "concat(embed(x[t+1]), h[t]) -> fc -> layers.0 -> target lm_head",
-                  "feature": "target last_hidden_state (after the final norm)"}
+    d = drafter.config.to_dict()
+    d.update(architectures=["LlamaForCausalLM"], dtype=str(drafter.fc.weight.dtype).removeprefix("torch."))
+    d.pop("_attn_implementation_autoset", None)
+    d[KEY] = {**drafter.config_dict(),
+              "input": "fc(concat(embed(x[t+1]), h[t])) -> layers.0 (no input norm) -> target lm_head",
+              "feature": "h[t]: the target's last hidden state, after its final norm"}
     return d
+
+
+def hf_tensors(drafter: Drafter) -> dict:
+    """The drafter's weights under the names vLLM's EAGLE-1 Llama draft loads."""
+    return {"fc.weight": drafter.fc.weight, **{f"layers.0.{k}": v for k, v in drafter.layer.state_dict().items()}}
 
 
 def save_hf(store: Store, prefix: str, drafter: Drafter) -> dict:
     """Write `prefix`/config.json and `prefix`/model.safetensors; returns their entries."""
-    tensors = {f"fc.{k}": v for k, v in drafter.fc.state_dict().items()}
-    tensors.update({f"layers.0.{k}": v for k, v in drafter.layer.state_dict().items()})
     return {CONFIG: store.write_bytes(f"{prefix}/{CONFIG}", json.dumps(hf_config(drafter), indent=1).encode()),
-            WEIGHTS: store.write_tensors(f"{prefix}/{WEIGHTS}", tensors, metadata={"format": "pt"})}
+            WEIGHTS: store.write_tensors(f"{prefix}/{WEIGHTS}", hf_tensors(drafter), metadata={"format": "pt"})}
 
 
 def load_hf(store: Store, prefix: str, target: PreTrainedModel) -> Drafter:
-    """A drafter for `target` from an exported folder (checked against the target's shape)."""
+    """A drafter for `target` from an exported folder; ValueError naming the difference if it
+    was exported for another target."""
     config = json.loads(store.read_bytes(f"{prefix}/{CONFIG}"))
-    drafter = Drafter.from_config_dict(target, config["eagle"]["drafter"])
+    if KEY not in config:
+        raise ValueError(f"{store.url(prefix)} is not a drafter exported by lsreplay (its config.json has no "
+                         f"{KEY!r} entry); export one from a run's checkpoints/drafter/step_N/hf")
+    shape = {k: v for k, v in config[KEY].items() if k not in ("input", "feature")}
+    drafter = Drafter.from_config_dict(target, shape)
     tensors = load_safetensors(store.read_bytes(f"{prefix}/{WEIGHTS}"))
-    drafter.fc.load_state_dict({k[3:]: v for k, v in tensors.items() if k.startswith("fc.")})
+    drafter.fc.load_state_dict({"weight": tensors["fc.weight"]})
     drafter.layer.load_state_dict({k[9:]: v for k, v in tensors.items() if k.startswith("layers.0.")})
     return drafter

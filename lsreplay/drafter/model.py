@@ -1,5 +1,12 @@
 """EAGLE-style drafter (EAGLE-1 / TLT): one decoder layer over [token embedding ; target feature].
 
+The architecture is vLLM's EAGLE-1 draft (`EagleLlamaForCausalLM`), so that an exported
+drafter is served by vLLM computing exactly what was trained (lsreplay.drafter.export):
+`fc` (2d -> d) without bias, then one Llama decoder layer whose input norm is the identity
+(the fc output goes straight into attention, as in EAGLE's cnets.py), the layer built from
+the target's dimensions whatever the target's own family (vLLM has a Llama draft class
+only), and no norm after it.
+
 At position t the drafter sees the target's feature h_t (the base model's last hidden
 state, after the final norm: the input of the LM head) and the embedding of token
 x_{t+1}, the token sampled from h_t. It predicts h_{t+1}; draft logits are the target's
@@ -20,13 +27,15 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from lsreplay.hf_compat import with_cache
 from lsreplay.models import building_models
 
 log = logging.getLogger(__name__)
 
-FORMAT = "eagle1"
+# v2: vLLM's EAGLE-1 layout (no fc bias, no input norm, always a Llama layer); v1 drafters do not load.
+FORMAT = "eagle1-v2"
 
 
 @dataclass(frozen=True)
@@ -37,20 +46,25 @@ class _SharedHeads:
     lm_head: torch.nn.Linear
 
 
-def _drafter_config(target_config: transformers.PreTrainedConfig) -> transformers.PreTrainedConfig:
-    """A copy of the target's config describing one full-attention decoder layer."""
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = 1
-    if getattr(config, "layer_types", None) is not None:
-        # Qwen2 may mark layers as sliding-window; the drafter attends to its whole (short) history.
-        config.layer_types = ["full_attention"]
-        config.use_sliding_window = False
+def _drafter_config(target: transformers.PreTrainedConfig) -> transformers.LlamaConfig:
+    """One full-attention Llama decoder layer of the target's dimensions, rotary encoding and
+    norm epsilon (a Qwen2 target's drafter has no attention biases: it is a Llama layer)."""
+    config = transformers.LlamaConfig(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=getattr(target, "num_key_value_heads", None) or target.num_attention_heads,
+        head_dim=getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads,
+        hidden_act=target.hidden_act, max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=target.rms_norm_eps, rope_parameters=copy.deepcopy(target.rope_parameters),
+        initializer_range=target.initializer_range, attention_bias=False, mlp_bias=False,
+        tie_word_embeddings=False, bos_token_id=getattr(target, "bos_token_id", None),
+        eos_token_id=getattr(target, "eos_token_id", None))
     config._attn_implementation = "sdpa"
     return config
 
 
 class Drafter(torch.nn.Module):
-    """fc(2d -> d) then one target-style decoder layer; the output goes straight to the LM head.
+    """fc(2d -> d) then one Llama decoder layer; the output goes straight to the LM head.
 
     No norm after the layer, as in EAGLE-1: the regression target h_{t+1} is already the
     target's normalised feature, so the layer learns its scale directly, and a norm would
@@ -59,14 +73,15 @@ class Drafter(torch.nn.Module):
     no better held-out acceptance or feature loss after 200 steps.
     """
 
-    def __init__(self, config: transformers.PreTrainedConfig, shared: _SharedHeads, layer_cls: type, rotary_cls: type):
+    def __init__(self, config: transformers.LlamaConfig, shared: _SharedHeads):
         super().__init__()
         self.config = config
         self._shared = shared
         d = config.hidden_size
-        self.fc = torch.nn.Linear(2 * d, d, bias=True)
-        self.layer = layer_cls(config, layer_idx=0)
-        self.rotary_emb = rotary_cls(config=config)
+        self.fc = torch.nn.Linear(2 * d, d, bias=False)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.layer.input_layernorm = torch.nn.Identity()
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self._reset_weights()
 
     def _reset_weights(self) -> None:
@@ -86,17 +101,13 @@ class Drafter(torch.nn.Module):
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, d:].copy_(torch.eye(d))
-            self.fc.bias.zero_()
 
     @classmethod
     def from_target(cls, target: transformers.PreTrainedModel) -> "Drafter":
         """A fresh drafter for a Llama- or Qwen2-style target, on the target's device and dtype."""
-        base = target.base_model
         shared = _SharedHeads(target.get_input_embeddings(), target.get_output_embeddings())
         with building_models:  # its layers' initialisation uses torch.nn.init (see models.py)
-            drafter = cls(
-                _drafter_config(target.config), shared, type(base.layers[0]), type(base.rotary_emb)
-            )
+            drafter = cls(_drafter_config(target.config), shared)
         weight = shared.embed.weight
         drafter.fc.to(device=weight.device, dtype=weight.dtype)
         drafter.layer.to(device=weight.device, dtype=weight.dtype)
@@ -111,17 +122,20 @@ class Drafter(torch.nn.Module):
         """Rebuild a drafter saved with `config_dict` for this target (weights loaded separately)."""
         drafter = cls.from_target(target)
         if drafter.config_dict() != config:
-            raise ValueError(f"drafter config {config} does not fit this target ({drafter.config_dict()})")
+            raise ValueError(f"the drafter was made for another target or by an older lsreplay: its config {config} "
+                             f"differs from what this target's drafter is ({drafter.config_dict()}); train a drafter "
+                             "for this model (or use the target it was trained for)")
         return drafter
 
     def config_dict(self) -> dict:
         """What identifies this drafter's shape given its target (json-serialisable)."""
         return {
             "format": FORMAT,
-            "model_type": self.config.model_type,
-            "decoder_layer": type(self.layer).__name__,
             "hidden_size": self.config.hidden_size,
             "intermediate_size": self.config.intermediate_size,
+            "num_attention_heads": self.config.num_attention_heads,
+            "num_key_value_heads": self.config.num_key_value_heads,
+            "head_dim": self.config.head_dim,
             "vocab_size": self._shared.embed.num_embeddings,
         }
 
