@@ -41,7 +41,8 @@ def save_weights(store: Store, prefix: str, tensors: dict[str, torch.Tensor], me
     """Save named weights (a module's, or an optimizer's float32 masters under the module's
     names) as the model file that `load_module` reads."""
     files = {
-        MODEL_FILE: store.write_tensors(f"{prefix}/{MODEL_FILE}", tensors),
+        # "format": what transformers writes; the file then doubles as an HF weights file.
+        MODEL_FILE: store.write_tensors(f"{prefix}/{MODEL_FILE}", tensors, metadata={"format": "pt"}),
         META_FILE: store.write_json(f"{prefix}/{META_FILE}", meta or {}),
     }
     return {"prefix": prefix, "files": files}

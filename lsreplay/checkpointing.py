@@ -8,7 +8,9 @@ and the files have those sizes: a process killed at any moment of a write leaves
 file, and a resume starts from the newest complete checkpoint (lsreplay.resume).
 
 Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights),
-optimizer.safetensors, optimizer.json, rng.safetensors, meta.json, checkpoint.json}.
+optimizer.safetensors, optimizer.json, rng.safetensors, meta.json, hf/ (the policy as an HF
+model folder in the compute dtype: lsreplay.hf_folder; its weights a hard link to the
+masters where they are the same bytes), checkpoint.json}.
 Drafter checkpoints older than the one a resume from the oldest kept policy checkpoint
 would load go with it.
 """
@@ -17,23 +19,30 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import queue
+import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from lsreplay import faults
-from lsreplay.checkpoint import save_optimizer, save_rng, save_weights
+from lsreplay.checkpoint import MODEL_FILE, CheckpointError, load_weights, save_optimizer, save_rng, save_weights
+from lsreplay.config import ConfigError
 from lsreplay.devices import idle_priority
+from lsreplay.hf_folder import write_hf_folder
 from lsreplay.run import Run
-from lsreplay.storage import CorruptEntry, MissingEntry
+from lsreplay.storage import CorruptEntry, MissingEntry, Store
 from lsreplay.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "checkpoint.json"
+HF = "hf"  # the policy as an HF model folder (lsreplay.hf_folder)
 POLICY = "checkpoints/policy"
 DRAFTER = "checkpoints/drafter"
 
@@ -71,13 +80,17 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def write(run: Run, snap: Snapshot) -> dict:
-    """Write the snapshot's files, then checkpoint.json; returns what checkpoint.json holds."""
+    """Write the snapshot's files and its HF model folder, then checkpoint.json; returns what
+    checkpoint.json holds."""
     start = time.perf_counter()
     prefix = run.checkpoint("policy", snap.step)
-    parts = [save_weights(run.store, prefix, snap.weights, {"step": snap.step})]
+    masters = save_weights(run.store, prefix, snap.weights, {"step": snap.step})
     faults.hook("checkpoint", snap.step, "mid")  # weights written, no checkpoint.json yet
-    parts += [save_optimizer(run.store, prefix, snap.optimizer), save_rng(run.store, prefix, snap.rng)]
+    parts = [masters, save_optimizer(run.store, prefix, snap.optimizer), save_rng(run.store, prefix, snap.rng)]
     files = {name: entry for part in parts for name, entry in part["files"].items()}
+    hf = write_hf_folder(run.store, f"{prefix}/{HF}", snap.weights, run.cfg.model,
+                         int(run.cfg.checkpoint.hf_shard_gb * 2**30), same_bytes_as=masters["files"][MODEL_FILE])
+    files.update({f"{HF}/{name}": entry for name, entry in hf.items()})
     record = {"step": snap.step, "config_hash": run.config_hash, "snapshot_seconds": snap.seconds,
               "write_seconds": time.perf_counter() - start,
               "files": {name: {k: e[k] for k in ("key", "bytes", "sha256")} for name, e in files.items()}}
@@ -217,3 +230,47 @@ def rewind(run: Run) -> int:
         log.warning("policy updates of steps %s were held in memory only; recomputing them from %s", forgotten,
                     f"the checkpoint of step {restart - 1}" if restart else "the base model")
     return restart
+
+
+def restart_after(run: Run, step: int) -> None:
+    """Make the complete policy checkpoint of `step` the run's newest: the policy checkpoints
+    and drafters of later steps are deleted, and every stage of a later step is forgotten
+    (it runs again), but the held-out evaluation of that checkpoint's policy (step + 1's)."""
+    complete = complete_steps(run)
+    if step not in complete:
+        raise CheckpointError(f"step {step} of the run at {run.store.uri} has no complete policy checkpoint; "
+                              f"the complete ones are of steps {complete or 'none'}")
+    for kind, folder in (("policy", POLICY), ("drafter", DRAFTER)):
+        for later in sorted(s for s in _steps(run, folder) if s > step):
+            run.store.delete_prefix(run.checkpoint(kind, later))
+    for key in run.store.list():
+        parts = key.split("/")
+        if len(parts) == 2 and parts[0].startswith("step_") and parts[1].endswith(".done.json"):
+            later = int(parts[0].removeprefix("step_"))
+            if later > step and not (later == step + 1 and parts[1] == "eval.done.json"):
+                run.store.delete(key)
+    run.keep_metrics_until(step)
+    log.warning("the run continues from the policy checkpoint of step %d; what came after it is forgotten", step)
+
+
+def export_policy(run: Run, out: str, step: int | None = None) -> tuple[int, dict]:
+    """Write the policy of the complete checkpoint of `step` (default: the newest) as an HF
+    model folder at the new local path `out`; returns (step, {file: entry})."""
+    complete = complete_steps(run)
+    step = complete[-1] if step is None and complete else step
+    if step not in complete:
+        raise CheckpointError(f"the run at {run.store.uri} has no complete policy checkpoint of step {step}; "
+                              f"the complete ones are of steps {complete or 'none (the run has not saved one yet)'}")
+    target = Path(out).resolve()
+    if target.exists():
+        raise ConfigError(f"{out} already exists; export into a new folder (nothing is overwritten)")
+    found = manifest(run, step)
+    weights = load_weights(run.store, found["prefix"], found)
+    partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        files = write_hf_folder(Store(str(partial.parent)), partial.name, weights, run.cfg.model,
+                                int(run.cfg.checkpoint.hf_shard_gb * 2**30))
+        os.replace(partial, target)  # a folder appears complete or not at all
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return step, files

@@ -1,7 +1,9 @@
 """The `lsreplay` command.
 
     lsreplay train [CONFIG.yaml] [key=value ...] [--force]            run, or resume the run in run_dir
-    lsreplay resume RUN_DIR [key=value ...] [--steps N] [--force]      continue a run from its saved config
+    lsreplay resume RUN_DIR [key=value ...] [--steps N] [--from-step S] [--force]
+                                                                       continue a run from its saved config
+    lsreplay export RUN_DIR OUT [--step N] [key=value ...]             a policy checkpoint as an HF model folder
     lsreplay serve [CONFIG.yaml] [key=value ...] (--cron EXPR | --interval SECONDS) [--name NAME]
     lsreplay convert-model                                             the SmolLM2 conversion alone
 
@@ -50,15 +52,21 @@ def _resume(args) -> int:
     from lsreplay.run import open_run_config
 
     overrides = secrets_to_env(args.overrides) + ([f"steps={args.steps}"] if args.steps else [])
-    return _run_flow(open_run_config(args.run_dir, overrides), args.force, resume=args.run_dir, overrides=overrides)
+    return _run_flow(open_run_config(args.run_dir, overrides), args.force, from_step=args.from_step,
+                     resume=args.run_dir, overrides=overrides)
 
 
-def _run_flow(cfg, force: bool, **flow_args) -> int:
-    """Check the inputs before Prefect starts, then run the training flow."""
+def _run_flow(cfg, force: bool, from_step: int | None = None, **flow_args) -> int:
+    """Check the inputs before Prefect starts (and, with `from_step`, forget what came after
+    that step's checkpoint), then run the training flow."""
     _prepare_logging()
     from lsreplay.run import preflight
 
-    preflight(cfg, force=force)
+    run = preflight(cfg, force=force)
+    if from_step is not None:
+        from lsreplay.checkpointing import restart_after
+
+        restart_after(run, from_step)
     from flows.train import train
 
     metrics = train(force=force, **flow_args)
@@ -76,6 +84,18 @@ def _serve(args) -> int:
 
     config = os.path.abspath(args.config) if args.config else None
     serve(config, overrides, cron=args.cron, interval=args.interval, name=args.name)
+    return 0
+
+
+def _export(args) -> int:
+    from lsreplay.checkpointing import export_policy
+    from lsreplay.run import Run, open_run_config
+
+    step, files = export_policy(Run(open_run_config(args.run_dir, secrets_to_env(args.overrides))), args.out,
+                                args.step)
+    size = sum(e["bytes"] for e in files.values())
+    print(f"wrote the policy of step {step} to {args.out} ({len(files)} files, {size / 2**20:.1f} MiB): "
+          "an HF model folder (AutoModelForCausalLM.from_pretrained, vllm serve)")
     return 0
 
 
@@ -128,8 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     resume.add_argument("run_dir", help="the run directory, or its storage URI (s3://bucket/prefix)")
     resume.add_argument("overrides", nargs="*", help="key=value overrides, e.g. storage.endpoint_url=...")
     resume.add_argument("--steps", type=int, help="total steps (more than before extends the run)")
+    resume.add_argument("--from-step", type=int, help="continue from the kept policy checkpoint of this step "
+                        "(not the newest): what came after it is forgotten")
     resume.add_argument("--force", action="store_true", help="accept overrides that change results")
     resume.set_defaults(fn=_resume)
+    export = sub.add_parser("export", help="write a policy checkpoint as an HF model folder")
+    export.add_argument("run_dir", help="the run directory, or its storage URI (s3://bucket/prefix)")
+    export.add_argument("out", help="a new local folder")
+    export.add_argument("overrides", nargs="*", help="storage overrides, e.g. storage.endpoint_url=...")
+    export.add_argument("--step", type=int, help="the step's checkpoint (default: the newest complete one)")
+    export.set_defaults(fn=_export)
     serve = sub.add_parser("serve", help="serve the training flow as a Prefect deployment on a schedule")
     serve.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
     serve.add_argument("overrides", nargs="*", help="key=value overrides")

@@ -67,13 +67,31 @@ def convert_smollm2(cache_dir: str | Path) -> Path:
 
 
 def resolve_model_dir(cfg: ModelConfig) -> Path:
+    """The HF model folder model.path names: the shipped SmolLM2 (converted once), a local
+    folder (e.g. a run's checkpoints/policy/step_N/hf, or `lsreplay export`'s output), or a
+    model id already in the local Hugging Face cache (never downloaded)."""
     if cfg.path == SMOLLM2:
         return convert_smollm2(cfg.cache_dir)
     path = Path(cfg.path)
-    if not (path / "config.json").is_file():
-        raise ModelError(f"model.path={cfg.path!r} is not an HF model folder (no config.json there); "
-                         f"give a local folder saved with save_pretrained, or {SMOLLM2!r} for the default")
-    return path
+    if (path / "config.json").is_file():
+        return path
+    if not path.exists() and (cached := _hub_cache_folder(cfg.path)) is not None:
+        return cached
+    raise ModelError(f"model.path={cfg.path!r} is not an HF model folder (no config.json there) nor a model id in "
+                     f"the local Hugging Face cache; give a local folder saved with save_pretrained (a run's "
+                     f"checkpoints/policy/step_N/hf), a model id downloaded before, or {SMOLLM2!r} for the default")
+
+
+def _hub_cache_folder(model_id: str) -> Path | None:
+    """The snapshot folder of `model_id` in the local Hugging Face cache (HF_HUB_CACHE), offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+    return folder if (folder / "config.json").is_file() else None
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -261,6 +261,17 @@ class Run:
         rows.sort(key=lambda r: r["step"])
         self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
+    def keep_metrics_until(self, step: int) -> None:
+        """Drop metrics.jsonl's lines after `step`, but the held-out figures of step + 1 (the
+        evaluation of the policy after `step`'s update)."""
+        rows = []
+        for row in self.metrics():
+            if row["step"] == step + 1:
+                row = {k: v for k, v in row.items() if k == "step" or k.startswith("eval_")}
+            if row["step"] <= step or len(row) > 1:
+                rows.append(row)
+        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+
     def metrics(self) -> list[dict]:
         try:
             return [json.loads(x) for x in self.store.read_bytes("metrics.jsonl").decode().splitlines() if x]
