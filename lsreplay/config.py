@@ -71,7 +71,29 @@ class DataConfig:
 
 
 @dataclass
+class VLLMConfig:
+    # rollout.engine=vllm: the Python interpreter that has vLLM. vLLM pins its own torch,
+    # transformers and fastapi (the last clashes with Prefect's), so `make` installs it into
+    # an environment of its own, .venv-vllm; the engine runs there as a process of its own.
+    python: str = ".venv-vllm/bin/python"
+    # The engine's KV cache, GiB (host memory on a CPU pool; on CUDA, 0 = a share
+    # gpu_memory_utilization of the device instead).
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.3
+    # Skip vLLM's graph compilation: on 2 CPU cores start-up takes ~12 s instead of ~2 min.
+    enforce_eager: bool = True
+
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass
 class RolloutConfig:
+    # What samples the rollout trees: "hf", lsreplay's own tree sampler over transformers
+    # (exact, bit-reproducible: the CPU default), or "vllm", a vLLM engine per device that
+    # follows the policy and speculates with the run's drafter (rollout.vllm).
+    engine: str = "hf"
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     # Fan-out per level: [4, 2] forks 4 answers at the prompt and each again in two.
     branching: list[int] = field(default_factory=lambda: [4, 2])
     # Tokens each level samples before the next branch point (len(branching) - 1 values).
@@ -85,10 +107,12 @@ class RolloutConfig:
     shards: int = 1
     # The adaptive engine: once every branch point is passed and this many sequences or
     # fewer are still decoding (the long tail), they continue with speculative decoding
-    # using the newest finished drafter; 0 = never.
+    # using the newest finished drafter; 0 = never. With engine=vllm: vLLM speculates
+    # whenever its batch holds this many sequences or fewer (its dynamic schedule).
     spec_threshold: int = 4
     # Draft lengths the bandit chooses among (per batch-size bucket, by measured tokens/s);
     # 0 verifies one token without drafting, so the bandit can turn drafting off where it loses.
+    # With engine=vllm the largest is vLLM's draft length (no bandit: vLLM drafts a fixed number).
     draft_lens: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
 
 
@@ -187,6 +211,9 @@ class CheckpointConfig:
     every: int = 1
     # Complete policy checkpoints kept, newest first; older ones are deleted. 0 = keep all.
     keep_last: int = 2
+    # Every checkpoint carries the policy as an HF model folder (hf/: config, tokenizer,
+    # weights in the compute dtype), its weights split into shards of at most this many GiB.
+    hf_shard_gb: float = 5.0
     # Write each checkpoint on a background thread while the next step runs (false: the
     # policy stage waits for it).
     background: bool = True
@@ -408,6 +435,16 @@ def _validate_rollout(cfg: Config) -> None:
            r.spec_threshold)
     _check(len(r.draft_lens) >= 1 and min(r.draft_lens) >= 0 and len(set(r.draft_lens)) == len(r.draft_lens),
            "rollout.draft_lens", "distinct draft lengths >= 0", r.draft_lens)
+    _check(r.engine in ENGINES, "rollout.engine", " or ".join(ENGINES), r.engine)
+    if r.engine == "vllm":
+        _check(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "float32 or bfloat16 with "
+               "rollout.engine=vllm (vLLM has no float64)", cfg.model.dtype)
+        _check(not cfg.model.arch, "model.arch", "empty with rollout.engine=vllm (vLLM loads a model folder; "
+               "save the random model with save_pretrained and give its folder as model.path)", cfg.model.arch)
+        _check(r.vllm.kv_cache_gb > 0 or cfg.pool.accelerator == "cuda", "rollout.vllm.kv_cache_gb",
+               "> 0 on a CPU pool (the engine's KV cache in host memory, GiB)", r.vllm.kv_cache_gb)
+        _check(0 < r.vllm.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "in (0, 1)",
+               r.vllm.gpu_memory_utilization)
 
 
 def _validate_learning(cfg: Config) -> None:
@@ -434,6 +471,7 @@ def _validate_state(cfg: Config) -> None:
     c = cfg.checkpoint
     _check(c.every >= 1, "checkpoint.every", "must be >= 1", c.every)
     _check(c.keep_last >= 0, "checkpoint.keep_last", "must be >= 0 (0 = keep all)", c.keep_last)
+    _check(c.hf_shard_gb > 0, "checkpoint.hf_shard_gb", "a size in GiB > 0", c.hf_shard_gb)
     _check(c.resident or c.every == 1, "checkpoint.resident",
            "true unless checkpoint.every = 1 (a stage that keeps nothing loads the previous step's checkpoint)",
            c.resident)

@@ -14,6 +14,10 @@ in place. A stage asking for the policy of a step gets, in this order:
 
 `checkpoint.resident=false` keeps nothing: every request loads from the store, as a
 process that serves one stage and exits must.
+
+With `rollout.engine=vllm` a process also holds one vLLM engine per (run, device)
+(`Resident.engine`): started once, it takes the weights of the policy each step acts in
+from this process's copy, in memory, and the newest drafter, in place.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from transformers import PreTrainedModel
 
 from lsreplay import checkpointing
 from lsreplay.checkpoint import CheckpointError, load_module, load_optimizer, load_weights
-from lsreplay.models import load_model
+from lsreplay.models import load_model, resolve_model_dir
+from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec, same_engine
 from lsreplay.run import InputCorrupt, Run
 from lsreplay.train_state import TrainState, master_dtype
 
@@ -55,13 +60,23 @@ class _Copy:
     train: TrainState | None = None  # where the update runs: masters and AdamW of this copy
 
 
+@dataclass
+class _Engine:
+    engine: VLLMEngine
+    acts_in: int  # the step of the policy whose weights it holds
+    drafter_step: int | None  # the step of the drafter it speculates with
+    run_id: str
+
+
 class Resident:
     """The copies this process holds, one per (run, device)."""
 
     def __init__(self):
         self._copies: dict[tuple[str, str], _Copy] = {}
         self._references: dict[tuple[str, str], PreTrainedModel] = {}
+        self._engines: dict[str, _Engine] = {}  # by device
         self._lock = threading.RLock()  # stages of one process run on several threads
+        self._engine_lock = threading.Lock()  # an engine starts for a while: not under the models' lock
         # (run id, step) -> the weights of that policy from another process that holds it, or
         # None: set by a host whose peers are processes of their own (lsreplay.hosts).
         self.peer_weights: Callable[[str, int], dict[str, torch.Tensor] | None] | None = None
@@ -112,6 +127,36 @@ class Resident:
                 self._references[key] = load_model(run.cfg.model, trainable=False, device=device)
             return self._references[key]
 
+    def engine(self, run: Run, step: int, device: torch.device, drafter: tuple[int, str] | None) -> VLLMEngine:
+        """The vLLM engine of `device`, holding the weights of the policy that acts in `step`
+        and speculating with `drafter` ((its step, its exported folder), or None). Started
+        if none serves this run's config there (the first drafter needs a start of its own)."""
+        with self._engine_lock:
+            spec = engine_spec(run.cfg, device, str(resolve_model_dir(run.cfg.model)), run.seed(step, "vllm"),
+                               drafter[1] if drafter else None)
+            held = self._engines.get(str(device))
+            if held is not None and not (held.engine.alive() and same_engine(held.engine.spec, spec)
+                                         and held.run_id == _run_id(run)):
+                held.engine.close()
+                held = None
+            if held is None:
+                # Started from the base model's folder: the policy of step 0.
+                held = self._engines[str(device)] = _Engine(VLLMEngine(spec), 0, drafter and drafter[0], _run_id(run))
+            if held.acts_in != step:
+                seconds = held.engine.load_policy(self.policy(run, step, device))
+                log.info("vLLM engine on %s: weights of the policy of step %d loaded in %.1f s", device, step, seconds)
+                held.acts_in = step
+            if drafter is not None and held.drafter_step != drafter[0]:
+                held.engine.load_drafter(drafter[1])
+                held.drafter_step = drafter[0]
+            return held.engine
+
+    def close_engines(self, run: Run | None = None) -> None:
+        """Stop the engines held for `run` (all of them if None)."""
+        with self._engine_lock:
+            for device in [d for d, e in self._engines.items() if run is None or e.run_id == _run_id(run)]:
+                self._engines.pop(device).engine.close()
+
     # -- what the policy update reports ----------------------------------------------------
     def updated(self, run: Run, step: int, device: torch.device) -> None:
         """The copy on `device` now holds the policy after update `step`."""
@@ -126,6 +171,7 @@ class Resident:
 
     def release(self, run: Run) -> None:
         """Free everything held for `run` (its flow ended)."""
+        self.close_engines(run)
         with self._lock:
             for key in [k for k in self._copies if k[0] == _run_id(run)]:
                 del self._copies[key]

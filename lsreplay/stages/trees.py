@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import posixpath
+import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 from tqdm.auto import tqdm
@@ -16,6 +19,7 @@ from lsreplay.rewards import Reward
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
+from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
 from lsreplay.stages.common import StateClock, leaf_counts, policy_before
 from lsreplay.stages.drafter import load_drafter, newest_drafter
@@ -72,27 +76,35 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             if progress is not None:
                 progress(min(bar.n / bar.total, 1.0) if bar.total else 1.0)
 
-        speculation, drafter_step = adaptive_engine(run, step, shard, model)
-        trees, trace = sample_trees(
-            model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens, params,
-            eos_ids(tokenizer, model), [run.generator(step, "trees", i, device=device) for i in indices], advance,
-            speculation=speculation)
+        if r.engine == "vllm":
+            trees, summary, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
+                                                           advance, clock)
+        else:
+            speculation, drafter_step = adaptive_engine(run, step, shard, model)
+            trees, trace = sample_trees(
+                model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens, params,
+                eos_ids(tokenizer, model), [run.generator(step, "trees", i, device=device) for i in indices], advance,
+                speculation=speculation)
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
     records = [tree_record(tokenizer, prompt, tree, reward) for prompt, tree in zip(prompts, trees)]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
-    # Every decode step's decision (plain or speculative, draft length, live sequences, time).
-    decisions = run.store.write_json(run.key(step, "trees", f"decisions_{shard:02d}.json"),
-                                     {"drafter_step": drafter_step, "decisions": trace.decisions()})
-    faults.hook("trees", step, "mid")
     lengths = [len(c) for rec in records for c in rec["completions"]]
+    if r.engine == "vllm":
+        summary = {**length_summary(lengths), **summary}
+        decisions = {"drafter_step": drafter_step, "engine": summary}
+    else:  # every decode step's decision (plain or speculative, draft length, live sequences, time)
+        summary = trace.summary(lengths)
+        decisions = {"drafter_step": drafter_step, "decisions": trace.decisions()}
+    decisions = run.store.write_json(run.key(step, "trees", f"decisions_{shard:02d}.json"), decisions)
+    faults.hook("trees", step, "mid")
     return run.finish(step, shard_name(shard), {
         "files": [entry, decisions], "shard": shard, "devices": devices, "device": str(device),
-        "drafter_step": drafter_step, "forward_positions": sum(t.forward_positions for t in trees),
-        "completion_tokens": sum(lengths), "seconds": seconds, "state_seconds": clock.seconds,
-        **trace.summary(lengths)})
+        "engine": r.engine, "drafter_step": drafter_step,
+        "forward_positions": sum(t.forward_positions for t in trees), "completion_tokens": sum(lengths),
+        "seconds": seconds, "state_seconds": clock.seconds, **summary})
 
 
 def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation | None, int | None]:
@@ -107,6 +119,39 @@ def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation
     drafter = load_drafter(run, source, Drafter.from_target(model))
     bandit = DraftLengthBandit(arms=r.draft_lens, seed=run.seed(step, "bandit", shard))
     return Speculation(drafter, r.spec_threshold, bandit), source
+
+
+def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eos: list[int], advance,
+                    clock: StateClock) -> tuple[list, dict, int | None]:
+    """The shard's trees sampled by this device's vLLM engine (rollout.engine=vllm), which
+    holds the policy acting in `step` and speculates in the tail with the same drafter the
+    HF engine would use (`newest_drafter` up to step - 2). Returns the trees, the decode
+    summary (the HF engine's keys: the speculative figures from vLLM's counters, accept_len
+    tokens per sequence per verify) and the drafter's step."""
+    r = run.cfg.rollout
+    source = None
+    if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled and step >= 2:
+        source = newest_drafter(run, step - 2)
+    drafter = None if source is None else (source, local_folder(run, f"{run.checkpoint('drafter', source)}/hf"))
+    engine = clock(RESIDENT.engine, run, step, device, drafter)
+    before = engine.spec_counters()
+    trees, figures = engine.sample_trees(prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
+                                         r.temperature, r.top_p, r.top_k, eos, advance)
+    after = engine.spec_counters()
+    drafts, accepted = (after.get(k, 0) - before.get(k, 0) for k in ("drafts", "accepted_tokens"))
+    spec = {"spec_rounds": drafts, "spec_tokens": drafts + accepted,
+            "accept_len": (drafts + accepted) / drafts if drafts else 0.0, "spec_time_share": 0.0}
+    return trees, {**figures, **spec}, source
+
+
+def local_folder(run: Run, prefix: str) -> str:
+    """A local folder holding the store's files under `prefix` (itself, in a local store)."""
+    if run.store.local:
+        return run.store.url(prefix)
+    folder = Path(tempfile.mkdtemp(prefix="lsreplay-drafter-"))
+    for key in run.store.sizes(prefix):
+        (folder / posixpath.relpath(key, prefix)).write_bytes(run.store.read_bytes(key))
+    return str(folder)
 
 
 def collect_trees(run: Run, step: int) -> dict:

