@@ -135,6 +135,10 @@ class AlgoConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     clip_eps: float = 0.2
+    # Truncated importance sampling: weight every token's advantage by min(p_trainer /
+    # p_engine, tis_cap) of that token, for a rollout engine whose probabilities differ from
+    # the trainer's (vLLM; the step's engine_logprob_gap_* say by how much). 0 = off.
+    tis_cap: float = 0.0
 
 
 @dataclass
@@ -458,6 +462,8 @@ def _validate_learning(cfg: Config) -> None:
     _check(a.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS), a.kl_estimator)
     _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0", a.kl_coef)
     _check(a.clip_eps > 0, "algo.clip_eps", "must be > 0 (the ratio's clip range, e.g. 0.2)", a.clip_eps)
+    _check(a.tis_cap == 0 or a.tis_cap >= 1, "algo.tis_cap", "0 (off) or a cap >= 1 on the importance weights "
+           "(e.g. 2)", a.tis_cap)
     _check(0 < o.lr < math.inf, "optim.lr", "a finite number > 0", o.lr)
     _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)", o.grad_clip)
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)

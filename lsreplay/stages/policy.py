@@ -31,7 +31,7 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
     where the KL term needs their values, and zeros (any value gives the same loss and
     weights) where it did not score them."""
     algo = run.cfg.algo
-    acts = ([load_activations(run, step, i, prefixes) for i in range(len(trees))] if algo.kl_coef > 0
+    acts = ([load_activations(run, step, i, prefixes) for i in range(len(trees))] if algo.kl_coef > 0 or algo.tis_cap
             else [TreeActivations()] * len(trees))  # the drafter's hidden states are not read here
     old = [t.completion_values(torch.zeros(t.num_entries, dtype=torch.float64) if a.entry_logprobs is None
                                else a.entry_logprobs) for t, a in zip(trees, acts)]
@@ -40,6 +40,8 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
     advantages = [group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards, counts=n,
                                    subtrees=leaf_subtrees(r) if algo.tree_baseline == "independent" else None)
                   for r, n in zip(records, counts)]
+    if algo.tis_cap:
+        advantages = [importance_weighted(a, o, r["logprobs"], algo.tis_cap) for a, o, r in zip(advantages, old, records)]
     batch = GRPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
                       max_tokens=max_tokens, counts=counts)
     loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), {}
@@ -48,6 +50,15 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
         loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens, counts)
         extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens, counts))
     return *loss_and_weights(loss_fn, old), extras
+
+
+def importance_weighted(advantages: torch.Tensor, trainer: list[torch.Tensor], engine: list[list[float]],
+                        cap: float) -> list[torch.Tensor]:
+    """Truncated importance sampling (algo.tis_cap): each token's advantage times
+    min(p_trainer / p_engine, cap) of the token, correcting for the rollout engine sampling
+    from slightly other probabilities than the trainer computes (vLLM's kernels, bf16)."""
+    return [a * torch.exp(t - torch.tensor(e, dtype=torch.float64)).clamp(max=cap)
+            for a, t, e in zip(advantages, trainer, engine)]
 
 
 def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:

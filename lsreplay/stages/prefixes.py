@@ -114,15 +114,16 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
         return done
     run.begin(step, "prefixes")
     HOST_KV.clear()  # an earlier step's K/V are stale
-    _, trees = load_trees(run, step)
+    records, trees = load_trees(run, step)
     device, clock = run.device(devices), StateClock()
     model = clock(policy_before, run, step, device)
     # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
     reference = clock(RESIDENT.reference, run, device) if run.cfg.algo.kl_coef > 0 else None
     # Only replay reads the K/V back (those of the branching spans of its view), only the
-    # KL term the logprobs, only the drafter the hidden states.
-    store_kv, score, keep_hidden = run.cfg.replay.mode == "replay", reference is not None, run.cfg.drafter.enabled
-    files, kv_entries, act_entries, start = [], [], [], time.perf_counter()
+    # KL term and the importance weights the logprobs (and they measure the engine's against
+    # the trainer's), only the drafter the hidden states.
+    store_kv, score, keep_hidden = run.cfg.replay.mode == "replay", scores_logprobs(run.cfg), run.cfg.drafter.enabled
+    files, kv_entries, act_entries, gaps, start = [], [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
         acts = _capture(run, model, tree, score, keep_hidden)
         if reference is not None:
@@ -139,13 +140,35 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
         if score or keep_hidden:
             act_entries.append(run.store.write_tensors(activations_key(run, step, i), activation_tensors(acts)))
             files.append(act_entries[-1])
+        if score:
+            gaps += logprob_gaps(tree, acts.entry_logprobs, records[i]["logprobs"])
         if i == 0:
             faults.hook("prefixes", step, "mid")  # some of the step's K/V written, no done marker
     return run.finish(step, "prefixes", {
         "files": files, "prefix_kv": kv_entries, "activations": act_entries,
         "unique_positions": sum(t.unique_positions for t in trees),
         "kv_bytes": sum(e["bytes"] for nodes in kv_entries for e in nodes.values()), "device": str(device),
-        "seconds": time.perf_counter() - start, "state_seconds": clock.seconds})
+        "seconds": time.perf_counter() - start, "state_seconds": clock.seconds, **gap_stats(gaps)})
+
+
+def scores_logprobs(cfg) -> bool:
+    """Whether the caching pass scores the policy's logprobs: for the KL term, for truncated
+    importance sampling, and with the vLLM engine, to measure its logprobs against these."""
+    return cfg.algo.kl_coef > 0 or cfg.algo.tis_cap > 0 or cfg.rollout.engine == "vllm"
+
+
+def logprob_gaps(tree, entry_logprobs: torch.Tensor, behaviour: list[list[float]]) -> list[torch.Tensor]:
+    """Per completion, |the rollout engine's logprob - the trainer's| of each token."""
+    return [(trainer - torch.tensor(engine, dtype=torch.float64)).abs()
+            for trainer, engine in zip(tree.completion_values(entry_logprobs), behaviour)]
+
+
+def gap_stats(gaps: list[torch.Tensor]) -> dict:
+    """The training-inference mismatch over the step's tokens: mean and max |engine - trainer| logprob."""
+    tokens = torch.cat(gaps) if gaps else torch.zeros(0)
+    if not tokens.numel():
+        return {}
+    return {"engine_logprob_gap_mean": float(tokens.mean()), "engine_logprob_gap_max": float(tokens.max())}
 
 
 def release_read(run: Run, step: int, stage: str) -> None:

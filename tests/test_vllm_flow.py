@@ -1,0 +1,66 @@
+"""Real runs with rollout.engine=vllm: the trees stage samples on a vLLM engine that follows
+the policy and speculates with the run's spot-trained drafter; the training-inference
+logprob gap is measured every step; a run killed in a stage resumes and loses nothing."""
+
+from __future__ import annotations
+
+import json
+
+from flowrun import lsreplay_chain, unique_pool
+
+from lsreplay.config import load_config
+from lsreplay.run import Run
+from vllm_models import needs_vllm, tiny_vllm_run, vllm_installed, vllm_model_dir  # noqa: F401
+
+pytestmark = needs_vllm
+
+VLLM = ["rollout.engine=vllm", "rollout.spec_threshold=8", "rollout.draft_lens=[0,2]"]
+
+
+def manifest(run_dir, step: int, stage: str) -> dict:
+    return json.loads((run_dir / f"step_{step:04d}" / f"{stage}.done.json").read_text())
+
+
+def test_vllm_rollouts_follow_the_policy_and_speculate_with_the_runs_drafter(prefect_server, vllm_model_dir,
+                                                                             tmp_path, monkeypatch):
+    from flows.train import train
+
+    run_dir = tmp_path / "run"
+    # Step 1's second shard straggles, so step 0's drafter trains on the slot the first frees.
+    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
+    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "10")
+    train(overrides=tiny_vllm_run(run_dir, vllm_model_dir, *VLLM, "steps=3", "rollout.shards=2", "pool.slots=2",
+                                  "data.prompts_per_step=2", "drafter.steps=16", "drafter.checkpoint_every=2",
+                                  "drafter.lr=1e-2", "algo.tis_cap=2", unique_pool()))
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:  # vLLM's float32 logprobs are the trainer's to a few 1e-5
+        assert 0 < m["engine_logprob_gap_mean"] < 1e-4 and m["engine_logprob_gap_max"] < 1e-3, m
+        assert m["grad_norm"] > 0
+    trees = json.loads((run_dir / "step_0001/trees.json").read_text())["trees"]
+    assert all(sum(t["counts"]) == 8 and len(t["paths"]) == len(t["completions"]) for t in trees)
+    assert manifest(run_dir, 0, "drafter")["steps_done"] >= 2  # spot-trained during step 1's rollouts
+    rollouts = manifest(run_dir, 2, "trees-shard0")
+    assert rollouts["engine"] == "vllm" and rollouts["drafter_step"] == 0
+    assert rollouts["spec_rounds"] > 0 and rollouts["accept_len"] >= 1  # it speculated in the tail
+    assert manifest(run_dir, 0, "trees-shard0")["spec_rounds"] == 0  # no drafter before step 2
+
+
+def test_vllm_run_killed_in_its_stages_resumes_and_loses_nothing(prefect_server, vllm_model_dir, tmp_path):
+    """Killed in the middle of step 1's rollouts, the run resumes and finishes: step 0 stands
+    as it was, step 1's rollouts are sampled again (vLLM's samples cannot be reproduced), and
+    every step has its metrics and checkpoint. (The other stages resume as with the HF
+    engine, tests/test_resume.py: they read the stored trees, whichever engine wrote them.)"""
+    run_dir = tmp_path / "run"
+    jobs = [(["train", *tiny_vllm_run(run_dir, vllm_model_dir, *VLLM, "steps=2", "drafter.steps=2",
+                                      unique_pool())], "trees@1:kill"),
+            (["resume", str(run_dir), unique_pool()], "")]
+    killed, finished = lsreplay_chain(jobs, tmp_path)
+    assert killed["returncode"] == -9, killed["log"][-3000:]
+    assert finished["returncode"] == 0, finished["log"][-3000:]
+    assert "Traceback" not in finished["log"]
+    run = Run(load_config(None, [f"run_dir={run_dir}"]))
+    assert run.executions()[(0, "trees")] == 1 and run.executions()[(1, "trees")] == 2
+    assert [m["step"] for m in run.metrics()] == [0, 1]
+    assert all((run_dir / f"checkpoints/policy/step_{s:04d}/checkpoint.json").is_file() for s in (0, 1))
+    assert (run_dir / "checkpoints/policy/step_0001/hf/model.safetensors").is_file()
