@@ -1,0 +1,146 @@
+"""Rollout engines side by side in one invocation: lsreplay's HF tree sampler against vLLM.
+
+    .venv/bin/python bench/engines.py [--steps 3] [--drafter-steps 80] [--out runs/engines]
+
+1. The step, per engine and workload: real `lsreplay train` flow runs of configs/default.yaml
+   (the default workload: 4 prompts x 8 rollouts as a [4, 2] tree behind the ~620-token
+   context, <= 48 tokens; and a flat one: 2 prompts x 8, <= 128 tokens), the drafter off so
+   that both engines decode plainly. Per run, over the steps after the first (the first
+   holds the engine's start-up): rollout tokens/s, rollout stage seconds, step seconds; then
+   the vllm / hf ratios.
+2. The tail, vLLM with and without a drafter the run trained: one more run (HF engine, one
+   step) trains its drafter --drafter-steps steps after the update; then vLLM decodes
+   held-out prompts of the same source, 1, 2 and 4 at a time (the long tail: at most
+   rollout.spec_threshold sequences), greedy and at temperature 1, with the policy's hf/
+   folder alone and with that drafter as its EAGLE speculator (3 draft tokens): tokens/s,
+   and vLLM's acceptance length (tokens per sequence per verify step).
+
+Run it alone: the machine's other work weighs on the engines unequally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lsreplay import cli  # noqa: E402
+from lsreplay.config import load_config  # noqa: E402
+from lsreplay.models import load_tokenizer, resolve_model_dir  # noqa: E402
+from lsreplay.prompt_sets import source_prompts  # noqa: E402
+from lsreplay.report import read_metrics  # noqa: E402
+from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec  # noqa: E402
+from lsreplay.stages.trees import render_prompt  # noqa: E402
+
+CONFIG = str(REPO / "configs/default.yaml")
+WORKLOADS = {
+    "default": [],
+    "flat": ["data.prompts_per_step=2", "rollout.branching=[8]", "rollout.segment_tokens=[]",
+             "rollout.max_new_tokens=128"],
+}
+ENGINES = {"hf": ["rollout.engine=hf"], "vllm": ["rollout.engine=vllm"]}
+DRAFT_TOKENS = 3
+
+
+def flow_run(run_dir: Path, overrides: list[str]) -> list[dict]:
+    if cli.main(["train", CONFIG, f"run_dir={run_dir}", *overrides]) != 0:
+        raise SystemExit(f"the run in {run_dir} failed")
+    return read_metrics(run_dir)
+
+
+def step_figures(rows: list[dict]) -> dict:
+    warm = rows[1:] or rows
+    return {"tokens_per_s": sum(r["completion_tokens"] for r in warm) / sum(r["trees_seconds"] for r in warm),
+            "trees_s": mean(r["trees_seconds"] for r in warm), "step_s": mean(r["step_seconds"] for r in warm),
+            "first_trees_s": rows[0]["trees_seconds"]}
+
+
+def compare_steps(out: Path, steps: int) -> None:
+    print("| workload | engine | rollout tok/s | rollouts s | step s | first step's rollouts s (engine start) |")
+    print("|---|---|---|---|---|---|")
+    ratios = {}
+    for workload, shape in WORKLOADS.items():
+        figures = {}
+        for engine, choice in ENGINES.items():
+            rows = flow_run(out / f"{workload}-{engine}", [f"steps={steps}", "drafter.enabled=false", *shape, *choice])
+            figures[engine] = f = step_figures(rows)
+            print(f"| {workload} | {engine} | {f['tokens_per_s']:.1f} | {f['trees_s']:.1f} | {f['step_s']:.1f} | "
+                  f"{f['first_trees_s']:.1f} |", flush=True)
+        hf, vllm = figures["hf"], figures["vllm"]
+        ratios[workload] = {"rollout_tokens_per_s": vllm["tokens_per_s"] / hf["tokens_per_s"],
+                            "rollout_seconds": hf["trees_s"] / vllm["trees_s"],
+                            "step_seconds": hf["step_s"] / vllm["step_s"]}
+    for workload, r in ratios.items():
+        print(f"{workload}: vllm/hf rollout_tokens_per_s={r['rollout_tokens_per_s']:.3f} "
+              f"rollout_speedup={r['rollout_seconds']:.3f} step_speedup={r['step_seconds']:.3f}")
+
+
+def held_out(cfg, count: int) -> list[list[int]]:
+    """Prompts of the run's source past the ones a short run samples, rendered as the run renders them."""
+    tokenizer, prompts = load_tokenizer(cfg.model), source_prompts(cfg)
+    return [render_prompt(tokenizer, prompts[len(prompts) - 1 - i], cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+            for i in range(count)]
+
+
+def tail(engine: VLLMEngine, prompts: list[list[int]], batch: int, temperature: float, eos: list[int]) -> dict:
+    before, tokens, start = engine.spec_counters(), 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        out, _ = engine.generate(prompts[i:i + batch], 128, eos, temperature=temperature)
+        tokens += sum(map(len, out))
+    seconds, after = time.perf_counter() - start, engine.spec_counters()
+    drafts = after.get("drafts", 0) - before.get("drafts", 0)
+    accepted = after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0)
+    return {"tokens_per_s": tokens / seconds, "accept_len": 1 + accepted / drafts if drafts else 1.0}
+
+
+def compare_tail(out: Path, drafter_steps: int) -> None:
+    run_dir = out / "drafter-run"
+    flow_run(run_dir, ["steps=1", f"drafter.steps={drafter_steps}"])
+    cfg = load_config(CONFIG, [f"run_dir={run_dir}"])
+    policy, drafter = run_dir / "checkpoints/policy/step_0000/hf", run_dir / "checkpoints/drafter/step_0000/hf"
+    cfg.model.path = str(policy)
+    prompts, eos = held_out(cfg, 8), [load_tokenizer(cfg.model).eos_token_id]
+    print(f"\ntail: {len(prompts)} held-out prompts of {mean(map(len, prompts)):.0f} tokens, <= 128 new tokens")
+    print("| batch | temperature | vLLM tok/s | with drafter tok/s | speedup | acceptance length |")
+    print("|---|---|---|---|---|---|")
+    import torch
+
+    engines = {name: VLLMEngine(engine_spec(cfg, torch.device("cpu"), str(resolve_model_dir(cfg.model)), 0, folder))
+               for name, folder in (("plain", None), ("drafter", str(drafter)))}
+    try:
+        for engine in engines.values():  # first calls pay for lazy set-up: not timed
+            engine.generate(prompts[:4], 16, eos)
+        for temperature in (0.0, 1.0):
+            for batch in (1, 2, 4):
+                plain, drafted = (tail(engines[n], prompts, batch, temperature, eos) for n in ("plain", "drafter"))
+                print(f"| {batch} | {temperature:g} | {plain['tokens_per_s']:.1f} | {drafted['tokens_per_s']:.1f} | "
+                      f"{drafted['tokens_per_s'] / plain['tokens_per_s']:.3f} | {drafted['accept_len']:.2f} |",
+                      flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--drafter-steps", type=int, default=80)
+    parser.add_argument("--out", default=str(REPO / "runs/engines"))
+    parser.add_argument("--skip-steps", action="store_true", help="only the tail comparison")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    if not args.skip_steps:
+        compare_steps(out, args.steps)
+    compare_tail(out, args.drafter_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
