@@ -131,11 +131,25 @@ def _try_lock(name: str) -> int | None:
         return None
 
 
-def idle_priority() -> None:
+# The errors SCHED_IDLE was refused with in this process, each said once.
+_IDLE_REFUSED: set[str] = set()
+
+
+def idle_priority() -> bool:
     """Put the calling thread (and the OpenMP threads it starts) under Linux's SCHED_IDLE: it
     runs only when no normal thread wants the core. For good: an unprivileged thread may not
-    leave SCHED_IDLE."""
-    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    leave SCHED_IDLE. Returns whether it did: where the kernel refuses (some sandboxes,
+    gVisor among them, answer EINVAL) the thread goes on at normal priority, said once, since
+    the work must still be done (a dead checkpoint writer would block the next step)."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except OSError as e:
+        if (reason := f"{type(e).__name__}: {e}") not in _IDLE_REFUSED:
+            _IDLE_REFUSED.add(reason)
+            log.warning("this kernel refuses the idle scheduling policy (%s): background work (checkpoint "
+                        "writes, the drafter on a CPU pool) runs at normal priority", reason)
+        return False
 
 
 def on_idle_cpu(fn: Callable[[], T]) -> T:
