@@ -132,3 +132,58 @@ def test_float_logits_of_a_bf16_head_are_float32_and_keep_no_float32_copy_of_it(
     assert hidden.grad.dtype == head.grad.dtype == torch.bfloat16
     assert torch.allclose(head.grad.double(), grad.double().T @ hidden.double(), rtol=1e-2, atol=1e-3)
     assert torch.allclose(hidden.grad.double(), grad.double() @ head.double(), rtol=1e-2, atol=1e-3)
+
+
+def _loss(model) -> torch.Tensor:
+    ids = torch.arange(12).reshape(2, 6) % 64
+    return model(input_ids=ids).logits.float().logsumexp(-1).mean()
+
+
+def test_a_second_state_over_one_bf16_model_takes_its_gradients_and_frees_the_first():
+    """A resident copy's model is reused under a new TrainState: one hook per parameter,
+    rerouted, so the gradients go into the new masters (two hooks failed: the first set
+    param.grad to None, the second read it), and the superseded state's float32 masters
+    are not kept alive by the model they were built over."""
+    import gc
+    import weakref
+
+    model = tiny_model(dtype=torch.bfloat16)
+    first = TrainState(model, OptimConfig())
+    gone = weakref.ref(first.masters[0])
+    second = TrainState(model, OptimConfig())
+    _loss(model).backward()
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in second.masters)
+    assert all(m.grad is None for m in first.masters) and all(p.grad is None for p in model.parameters())
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())
+    del first
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_state_moved_to_another_copy_and_back_accumulates_into_the_newest_masters():
+    """RESIDENT.train_state moves a state to the device that runs the update and later back
+    to a model that already carried one (the thread runner's handoff makes it timing-
+    dependent on a GPU pool). On the CPU the two "devices" are two copies of one model: the
+    gradients of a backward after the round trip are those of a fresh state, in float32,
+    and the states left behind (with their masters and gradients) are freed."""
+    import copy
+    import gc
+    import weakref
+
+    here = tiny_model(dtype=torch.bfloat16)
+    there = copy.deepcopy(here)
+    start = TrainState(here, OptimConfig())
+    _loss(here).backward()
+    start.step()
+    left_behind = weakref.ref(start.masters[0])
+    moved = start.moved_to(there)
+    back = moved.moved_to(here)
+    del start, moved
+    gc.collect()
+    assert left_behind() is None
+    back.zero_grad()
+    _loss(here).backward()
+    fresh = TrainState(copy.deepcopy(here), OptimConfig())
+    _loss(fresh.model).backward()
+    for mine, expected in zip(back.masters, fresh.masters):
+        assert mine.grad.dtype == torch.float32 and torch.equal(mine.grad, expected.grad)
