@@ -187,3 +187,28 @@ def test_a_state_moved_to_another_copy_and_back_accumulates_into_the_newest_mast
     _loss(fresh.model).backward()
     for mine, expected in zip(back.masters, fresh.masters):
         assert mine.grad.dtype == torch.float32 and torch.equal(mine.grad, expected.grad)
+
+
+def test_a_bf16_policy_computes_what_from_pretrained_in_bf16_does(tiny_model_dir):
+    """load_model casts to bf16 as from_pretrained(dtype=bf16) builds the model: the rotary
+    inverse frequencies stay float32 (cast with the weights, they are off by up to 0.4%,
+    which a long prompt turns into different logits); a random model of model.arch too."""
+    from transformers import AutoModelForCausalLM
+
+    from lsreplay.config import ModelConfig
+    from lsreplay.models import load_model
+
+    cfg = ModelConfig(path=str(tiny_model_dir), dtype="bfloat16")
+    ours = load_model(cfg, trainable=False)
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, local_files_only=True,
+                                                  attn_implementation=cfg.attn_implementation).eval()
+    ids = torch.randint(ours.config.vocab_size, (1, 1800), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+    assert {t.dtype for n, t in ours.named_buffers() if "inv_freq" in n} == {torch.float32}
+    arch = ModelConfig(dtype="bfloat16", arch={"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                                               "num_hidden_layers": 1, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "vocab_size": 100})
+    random = load_model(arch)
+    assert next(random.parameters()).dtype == torch.bfloat16
+    assert {t.dtype for n, t in random.named_buffers() if "inv_freq" in n} == {torch.float32}
