@@ -212,3 +212,33 @@ def test_a_bf16_policy_computes_what_from_pretrained_in_bf16_does(tiny_model_dir
     random = load_model(arch)
     assert next(random.parameters()).dtype == torch.bfloat16
     assert {t.dtype for n, t in random.named_buffers() if "inv_freq" in n} == {torch.float32}
+
+
+def test_a_bf16_runs_drafter_checkpoints_float32_masters_and_resumes_from_them(tiny_model_dir, tmp_path):
+    """The drafter of a bf16 policy computes in bf16 and trains float32 masters: its spot
+    checkpoint holds the masters (a resumed or warm-started drafter continues from them, not
+    from their bf16 rounding), its export the bf16 weights it computes with."""
+    from lsreplay.stages.common import policy_before
+    from lsreplay.stages.drafter import _start_or_resume
+
+    run = Run(load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "model.dtype=bfloat16",
+                                 "steps=1", "data.size=8", "data.prompts_per_step=2", "rollout.branching=[2,2]",
+                                 "rollout.segment_tokens=[3]", "rollout.max_new_tokens=6", "drafter.steps=3",
+                                 "drafter.checkpoint_every=3", "drafter.batch_size=2"]))
+    run.save_or_check_config()
+    stages.sample_prompts(run, 0)
+    stages.generate_trees(run, 0)
+    stages.cache_prefixes(run, 0)
+    stages.train_policy(run, 0)  # the drafter of step 0 drafts for the policy after it
+    done = stages.distill_drafter(run, 0)
+    saved = load_file(str(tmp_path / done["checkpoint"] / "model.safetensors"))
+    exported = load_file(str(tmp_path / done["checkpoint"] / "hf" / "model.safetensors"))
+    assert done["steps_done"] == 3
+    assert {t.dtype for t in saved.values()} == {torch.float32} and {t.dtype for t in exported.values()} == {
+        torch.bfloat16}
+    checkpointing.WRITER.wait()
+    resumed = _start_or_resume(run, 0, policy_before(run, 1, torch.device("cpu")))
+    RESIDENT.release(run)
+    assert resumed.steps_done == 3
+    assert all(torch.equal(m, saved[n]) for n, m in zip(resumed.train.names, resumed.train.masters))
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in resumed.train.masters)  # more than bf16 holds
