@@ -90,7 +90,16 @@ class ActivationMeter:
                 self._release(ptr)
 
 
+def reset_device_peak(device: torch.device) -> None:
+    """Start the allocator's peak afresh (CUDA): `device_peak_bytes` then reads the peak of
+    what runs from here on, over what is allocated now, not the process's lifetime peak
+    (on an FSDP rank that includes the full float32 model it loaded before sharding)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def device_peak_bytes(device: torch.device) -> int | None:
+    """The allocator's peak since `reset_device_peak` (CUDA); None on a CPU, which has none."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return None
