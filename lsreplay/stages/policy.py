@@ -216,7 +216,9 @@ def _load_moments(train: TrainState, shared: dict, rank: int, world: int) -> Non
     for master, moments in zip(train.masters, shared["optimizer"]):
         state = train.optimizer.state[master]
         for name, full in moments.items():
-            if name == "step" or not hasattr(master, "to_local"):
+            if name == "step":  # on the host, as AdamW keeps it: on a GPU, each step would read it back
+                state[name] = full.clone()
+            elif not hasattr(master, "to_local"):
                 state[name] = full.to(local(master).device, copy=True)
             else:
                 rows = _rows(full, rank, world).to(master.to_local().device, copy=True)
