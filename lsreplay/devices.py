@@ -59,20 +59,29 @@ def torch_device(pool: PoolConfig, index: int | None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_accelerator(pool: PoolConfig) -> None:
-    """A GPU pool on a machine without enough visible GPUs is an error before any work."""
+def check_accelerator(pool: PoolConfig, devices: int | None = None) -> None:
+    """A GPU pool on a process that sees too few GPUs is an error before any work: the
+    flow's process under the thread runner needs every slot's (`devices` None); a Ray host
+    (lsreplay.hosts) the `devices` Ray gave it."""
     if pool.accelerator != "cuda":
         return
+    where = "this process" if devices is None else f"this Ray host of {devices} pool device(s)"
     if not torch.cuda.is_available():
-        raise ConfigError(f"pool.accelerator=cuda, but this process sees no CUDA device (torch {torch.__version__}, "
+        raise ConfigError(f"pool.accelerator=cuda, but {where} sees no CUDA device (torch {torch.__version__}, "
                           f"CUDA build: {torch.version.cuda or 'no'}); run on a GPU machine, or use pool.accelerator=cpu")
-    if torch.cuda.device_count() < pool.slots:
+    if devices is None and torch.cuda.device_count() < pool.slots:
         raise ConfigError(f"pool.slots={pool.slots} GPUs wanted, but this process sees {torch.cuda.device_count()}; "
                           "lower pool.slots or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    if devices is not None and torch.cuda.device_count() < devices:
+        raise ConfigError(f"{where} sees {torch.cuda.device_count()} GPU(s) with pool.ray_gpus={pool.ray_gpus}; "
+                          "give every pool device a GPU of its own: pool.ray_gpus=1")
 
 
 def _lock_name(pool: PoolConfig, index: int) -> str:
-    if pool.accelerator == "cuda":
+    """A GPU's UUID under the thread runner, where this process computes on it. Under Ray the
+    flow's process computes on no GPU (and may see none): Ray gives each host its GPUs, so
+    the lock stands for the pool slot only."""
+    if pool.accelerator == "cuda" and pool.task_runner == "thread":
         return f"cuda-{torch.cuda.get_device_properties(index).uuid}"
     return f"{pool.name}-{index}"
 
@@ -105,7 +114,7 @@ def hold_devices(pool: PoolConfig, count: int):
 
 def any_held(pool: PoolConfig, slots: int) -> bool:
     """Whether a live process on this machine holds one of the pool's first `slots` devices."""
-    if pool.accelerator == "cuda":
+    if pool.accelerator == "cuda" and pool.task_runner == "thread":
         slots = min(slots, torch.cuda.device_count())
     for index in range(slots):
         if (fd := _try_lock(_lock_name(pool, index))) is None:
