@@ -59,6 +59,23 @@ def torch_device(pool: PoolConfig, index: int | None) -> torch.device:
     return torch.device("cpu")
 
 
+# cuBLAS's reductions are deterministic with a fixed workspace (torch refuses deterministic
+# matmuls without one): 8 buffers of 4 MiB.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def cuda_determinism(pool: PoolConfig) -> None:
+    """How this process computes on a GPU pool: deterministic cuBLAS and torch's deterministic
+    kernels wherever torch has one (it warns about the ops without, flash attention's backward
+    among them); with pool.deterministic, those ops too or an error. Process-wide; set before
+    the first CUDA work of a stage, since cuBLAS reads its workspace setting when it starts."""
+    if pool.accelerator != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=not pool.deterministic)
+
+
 def check_accelerator(pool: PoolConfig, devices: int | None = None) -> None:
     """A GPU pool on a process that sees too few GPUs is an error before any work: the
     flow's process under the thread runner needs every slot's (`devices` None); a Ray host

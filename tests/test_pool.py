@@ -203,3 +203,29 @@ def test_a_gpu_pool_under_ray_asks_ray_for_gpus():
     with pytest.raises(ConfigError, match=r"pool.ray_gpus.*> 0 with pool.accelerator=cuda.*pool.ray_gpus=1"):
         load_config(None, ["pool.accelerator=cuda", "pool.task_runner=ray"])
     assert load_config(None, ["pool.task_runner=ray"]).pool.ray_gpus == 0  # a CPU pool asks for none
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_stage_on_a_gpu_pool_computes_deterministically(tmp_path, monkeypatch, strict):
+    """Run.begin, at every stage's start, sets how the process computes on a GPU pool (the
+    switches are torch's own, set here on a CPU): cuBLAS with a fixed workspace, torch's
+    deterministic kernels, and with pool.deterministic no op without one (README, GPU)."""
+    import torch
+
+    from lsreplay.config import load_config
+    from lsreplay.devices import CUBLAS_WORKSPACE
+    from lsreplay.run import Run
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded as it was: put back after the test
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    cfg = load_config(None, [f"run_dir={tmp_path}", "pool.accelerator=cuda", f"pool.deterministic={strict}"])
+    try:
+        Run(load_config(None, [f"run_dir={tmp_path}"])).begin(0, "prompts")  # a CPU pool: untouched
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        Run(cfg).begin(0, "prompts")
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled() is not strict
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

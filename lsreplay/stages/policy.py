@@ -12,6 +12,7 @@ from lsreplay import checkpointing, faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, with_kl
+from lsreplay.devices import cuda_determinism
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.resident import RESIDENT
@@ -171,6 +172,7 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        cuda_determinism(cfg.pool)  # a process of its own: Run.begin set it in the stage's only
     run = Run(cfg)
     _, trees = load_trees(run, step)
     prefixes = run.manifest(step, "prefixes")
