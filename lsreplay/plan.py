@@ -25,13 +25,19 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
   completion tokens and twice one layer's activations for the backward; plus a fixed
   reserve (CUDA context, NCCL buffers) and 5% of the device for allocator fragmentation.
 
+And for the rollouts, per device (one rollout shard holds one device): what the rollout
+engine allocates at its peak (ROLLOUT_ENGINES, a function per engine; the HF tree sampler:
+each decoding row's own K/V, drafter features, sampling buffers) next to what the other
+stages leave resident there (the policy's compute weights, a one-device update's state,
+the reference, the drafter).
+
 Token positions per step are counted two ways: per-rollout (what a pipeline without
 replay computes and what replay stands in for: prompts x G x (P + completion)) and
 unique (what replay computes). Completions are taken at rollout.max_new_tokens and
 prompts at data.max_prompt_tokens: the worst case for memory.
 
-The last printed line is key=value (positions_per_step=..., fits=...). A plan that does
-not fit exits non-zero with a message saying what to change.
+The last printed line is key=value (positions_per_step=..., fits=...: the update and the
+rollouts both). A plan that does not fit exits non-zero with a message saying what to change.
 """
 
 from __future__ import annotations
