@@ -42,7 +42,8 @@ What it does, each part on its own (a failing part is reported and the next stil
    backward reports itself (BackwardStats.device_peak_bytes: the manifests' figure).
    Then determinism: the same replay backward twice, bit for bit or not, as a run computes
    (devices.cuda_determinism: flash attention's backward is not deterministic) and with
-   pool.deterministic=true (torch.use_deterministic_algorithms without warn_only).
+   pool.deterministic=true (torch.use_deterministic_algorithms; there the sampler's
+   fixed-point draws must also pick the float64 draws' tokens).
 5. float32: replay_backward vs naive_backward in float32 at Qwen2.5-0.5B dimensions on a
    smaller tree (prompt 1024, branching [4, 4] after 128 tokens, 512-token completions):
    CUDA attends to the prefix with the memory-efficient kernel there (bf16 takes flash);
@@ -92,6 +93,7 @@ from lsreplay.replay.attention_kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
 from lsreplay.resident import RESIDENT  # noqa: E402
+from lsreplay.rollout.sampling import draw  # noqa: E402
 from lsreplay.run import preflight  # noqa: E402
 from lsreplay.stages.prefixes import release_read  # noqa: E402
 from lsreplay.train_state import TrainState  # noqa: E402
@@ -292,18 +294,27 @@ def repeatable(replay, train: TrainState, before: list[torch.Tensor]) -> bool:
 
 
 def strictly_repeatable(replay, train: TrainState) -> bool | str:
-    """`repeatable` with every op deterministic (pool.deterministic=true), or the error of the
-    first op torch has no deterministic kernel for."""
+    """`repeatable` with every op deterministic (pool.deterministic=true), and the sampler's
+    fixed-point draws the float64 ones there; or the error of the first op torch has no
+    deterministic kernel for."""
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     enabled = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         replay()
-        return repeatable(replay, train, [m.grad.clone() for m in train.masters])
+        again = repeatable(replay, train, [m.grad.clone() for m in train.masters])
+        return again and sampling_agrees(next(train.model.parameters()).device, train.model.config.vocab_size)
     except RuntimeError as e:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def sampling_agrees(device: torch.device, vocab: int) -> bool:
+    """Whether the sampler's draws as pool.deterministic makes them (rollout.sampling.draw in
+    fixed point, on a GPU) pick the tokens of its float64 draws from the same uniforms."""
+    probs = torch.randn(48, vocab, device=device, generator=torch.Generator(device).manual_seed(0)).softmax(-1)
+    return torch.equal(*(draw(probs, torch.Generator(device).manual_seed(1), exact_sums=e) for e in (True, False)))
 
 
 def report_backwards(out: dict) -> dict[str, float]:

@@ -231,9 +231,9 @@ class PoolConfig:
     ray_address: str = ""
     # GPUs a device's Ray host asks for (0 on CPU).
     ray_gpus: float = 0.0
-    # On CUDA every op deterministic, flash attention's backward included (no atomics; slower),
-    # and an op without a deterministic kernel an error; false: cuBLAS and torch's kernels
-    # deterministic where torch has them, the attention backward not (README, GPU).
+    # On CUDA every op deterministic (torch.use_deterministic_algorithms), flash attention's
+    # backward included (no atomics; slower), and an op without a deterministic kernel an
+    # error; false: cuBLAS deterministic, the backward's atomics not (README, GPU).
     deterministic: bool = False
 
 

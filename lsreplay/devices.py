@@ -65,15 +65,16 @@ CUBLAS_WORKSPACE = ":4096:8"
 
 
 def cuda_determinism(pool: PoolConfig) -> None:
-    """How this process computes on a GPU pool: deterministic cuBLAS and torch's deterministic
-    kernels wherever torch has one (it warns about the ops without, flash attention's backward
-    among them); with pool.deterministic, those ops too or an error. Process-wide; set before
-    the first CUDA work of a stage, since cuBLAS reads its workspace setting when it starts."""
+    """How this process computes on a GPU pool (README, GPU: what a resume guarantees):
+    deterministic cuBLAS always; with pool.deterministic, every op deterministic (flash
+    attention's and gather's backwards without atomics) or an error naming the op. Without torch's debugging fill of every new tensor, which would
+    write each output twice. Process-wide; set before the first CUDA work of a stage, since
+    cuBLAS reads its workspace setting when it starts."""
     if pool.accelerator != "cuda":
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True, warn_only=not pool.deterministic)
+    torch.use_deterministic_algorithms(pool.deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def check_accelerator(pool: PoolConfig, devices: int | None = None) -> None:

@@ -208,8 +208,9 @@ def test_a_gpu_pool_under_ray_asks_ray_for_gpus():
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_stage_on_a_gpu_pool_computes_deterministically(tmp_path, monkeypatch, strict):
     """Run.begin, at every stage's start, sets how the process computes on a GPU pool (the
-    switches are torch's own, set here on a CPU): cuBLAS with a fixed workspace, torch's
-    deterministic kernels, and with pool.deterministic no op without one (README, GPU)."""
+    switches are torch's own, set here on a CPU): cuBLAS on a fixed workspace always, and
+    with pool.deterministic every op deterministic, without torch's debugging fill of new
+    tensors (README, GPU)."""
     import torch
 
     from lsreplay.config import load_config
@@ -218,14 +219,17 @@ def test_a_stage_on_a_gpu_pool_computes_deterministically(tmp_path, monkeypatch,
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded as it was: put back after the test
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
     cfg = load_config(None, [f"run_dir={tmp_path}", "pool.accelerator=cuda", f"pool.deterministic={strict}"])
     try:
         Run(load_config(None, [f"run_dir={tmp_path}"])).begin(0, "prompts")  # a CPU pool: untouched
         assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
         Run(cfg).begin(0, "prompts")
-        assert torch.are_deterministic_algorithms_enabled()
-        assert torch.is_deterministic_algorithms_warn_only_enabled() is not strict
+        assert torch.are_deterministic_algorithms_enabled() is strict
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+        assert not torch.utils.deterministic.fill_uninitialized_memory
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
