@@ -15,7 +15,8 @@ Layout of a run's store (the run directory by default):
     executions/step_0000/<stage>/   one small JSON per time a stage actually started work
     checkpoints/policy/step_0000/   float32 master weights, AdamW, RNG state after the step, every
                                     checkpoint.every steps; checkpoint.json (written last) = complete
-    checkpoints/drafter/step_0000/  drafter weights, optimizer, sampler state (spot.json: resumable), hf/ export
+    checkpoints/drafter/step_0000/  drafter (float32 master) weights, optimizer, sampler state (spot.json:
+                                    resumable), hf/ export (compute dtype)
 """
 
 from __future__ import annotations
