@@ -1,13 +1,14 @@
 """One prepared GPU check: the library's stages on the GPU in bf16, and branch replay against
-the per-rollout backward at the production tree shape.
+the per-rollout backward at the production tree shape in bf16 and at a smaller one in float32.
 
     .venv/bin/python bench/gpu_smoke.py --prepare     # here, once: tokenizer folder + wheels
     .venv/bin/python bench/gpu_smoke.py --smoke       # here: the same code, tiny sizes, CPU
     python3 bench/gpu_smoke.py                        # on one GPU (H200: a few minutes)
 
-The device call (KINDS.md: nvidia-h200; no Prefect, OmegaConf, datasets, reasoning-gym
-there, so the wheels of what lsreplay.stages imports travel in .whl/), with
-carry [".whl", ".cache/gpu-smoke"] and timeout_s 480:
+The device call (KINDS.md: nvidia-h200; no Prefect, OmegaConf, datasets, reasoning-gym,
+boto3, moto, s3fs, gguf there: the wheels of what lsreplay.stages imports travel in .whl/,
+and nothing here needs the rest; tests/test_bench_smoke.py runs --smoke with them made
+unimportable), with carry [".whl", ".cache/gpu-smoke"] and timeout_s 480:
 
     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_smoke.py 2>&1 | tee $OUT/gpu_smoke.log
 
@@ -37,10 +38,19 @@ What it does, each part on its own (a failing part is reported and the next stil
    the state of a training step held: bf16 weights, float32 masters, gradients and AdamW
    moments) next to `lsreplay plan`'s estimate for the same config with
    pool.accelerator=cuda, one device, no FSDP (plan_gib: its total without the reserve
-   for the CUDA context and fragmentation, which are not allocations).
+   for the CUDA context and fragmentation, which are not allocations), and the peak the
+   backward reports itself (BackwardStats.device_peak_bytes: the manifests' figure).
+   Then determinism: the same replay backward twice, bit for bit or not, as a run computes
+   (devices.cuda_determinism: flash attention's backward is not deterministic) and with
+   pool.deterministic=true (torch.use_deterministic_algorithms; there the sampler's
+   fixed-point draws must also pick the float64 draws' tokens).
+5. float32: replay_backward vs naive_backward in float32 at Qwen2.5-0.5B dimensions on a
+   smaller tree (prompt 1024, branching [4, 4] after 128 tokens, 512-token completions):
+   CUDA attends to the prefix with the memory-efficient kernel there (bf16 takes flash);
+   passes at grad_rel <= 1e-3 with the cascade path taken.
 
-The last line: gpu_ok= grad_rel= replay_speedup= peak_gib= plan_gib= (gpu_ok: parts 1 and 2
-passed; peak_gib is nan on the CPU).
+The last line: gpu_ok= grad_rel= replay_speedup= peak_gib= plan_gib= f32_grad_rel= (gpu_ok:
+parts 1, 2 and 5 passed; peak_gib is nan on the CPU).
 """
 
 from __future__ import annotations
@@ -74,12 +84,16 @@ from synthetic import QWEN, qwen_model, random_weights  # noqa: E402
 
 from lsreplay import checkpointing, stages  # noqa: E402
 from lsreplay.config import ModelConfig, load_config  # noqa: E402
+from lsreplay.devices import cuda_determinism  # noqa: E402
 from lsreplay.metrics import step_record  # noqa: E402
 from lsreplay.models import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.plan import TreeShape, make_plan, plan_values  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
+from lsreplay.replay.attention_kernels import kernel_for  # noqa: E402
+from lsreplay.replay.cascade import cascade_applies  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
 from lsreplay.resident import RESIDENT  # noqa: E402
+from lsreplay.rollout.sampling import draw  # noqa: E402
 from lsreplay.run import preflight  # noqa: E402
 from lsreplay.stages.prefixes import release_read  # noqa: E402
 from lsreplay.train_state import TrainState  # noqa: E402
@@ -96,6 +110,8 @@ WHEEL_DIR = ROOT / ".whl"
 SLOT = [0]  # the pool slot every compute stage holds: cuda:0 (or the CPU)
 STEPS = 3
 GRAD_REL_MAX, COSINE_MIN = 3e-2, 0.999
+# float32 replay vs naive: 1e-4 on the CPU (DESIGN.md); CUDA's kernels sum in other orders.
+F32_GRAD_REL_MAX = 1e-3
 
 
 # -- preparing what the device call carries ---------------------------------------------------
@@ -229,7 +245,8 @@ def production_config(device: torch.device, smoke: bool):
     (device memory unknown); the smoke run shrinks the lengths, not the branching."""
     shrink = ["data.max_prompt_tokens=64", "rollout.segment_tokens=[32]", "rollout.max_new_tokens=64"] if smoke else []
     return load_config(PRODUCTION, [f"pool.accelerator={device.type}", "pool.slots=1", "pool.devices_per_step=1",
-                                    "replay.fsdp=false", "pool.device_memory_gb=0", "data.prompts_per_step=1", *shrink])
+                                    "replay.fsdp=false", "pool.device_memory_gb=0", "data.prompts_per_step=1",
+                                    "rollout.shards=1", *shrink])
 
 
 def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict:
@@ -241,13 +258,15 @@ def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict
     plan = make_plan(cfg, plan_values(cfg), dims, f"Qwen2.5-{name} shape")
     tree, train = shape.random_tree(dims.vocab, seed=1), TrainState(model, cfg.optim)
     weights, budget = random_weights(tree, seed=1), cfg.replay.budget_mb * 2**20 or None
+    cuda_determinism(cfg.pool)  # as a run's stages compute (Run.begin)
+    last: dict = {}
     print(f"  Qwen2.5-{name} shape: {dims.params() / 1e6:.1f}M params, bf16; tree prompt {shape.prompt}, "
           f"levels {list(shape.levels)}: {tree.total_positions} per-rollout / {tree.unique_positions} unique positions",
           flush=True)
 
     def replay():
         train.zero_grad()
-        replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below)
+        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below)
 
     def naive():
         train.zero_grad()
@@ -258,11 +277,44 @@ def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict
     peaks: dict[str, list] = {"replay": [], "naive": []}
     seconds = alternating({k: (lambda k=k, fn=fn: peaks[k].append(peak_measured(device, fn)))
                            for k, fn in (("replay", replay), ("naive", naive))}, rounds, device)
+    reported = last["stats"].device_peak_bytes
     replay()
     replay_grads = [m.grad.clone() for m in train.masters]
     naive()
     agreement = gradient_agreement(replay_grads, [m.grad for m in train.masters])
-    return {"seconds": seconds, "peaks": peaks, "plan": plan, "agreement": agreement}
+    again = repeatable(replay, train, replay_grads)
+    return {"seconds": seconds, "peaks": peaks, "plan": plan, "agreement": agreement, "reported_peak": reported,
+            "repeatable": again, "repeatable_strict": strictly_repeatable(replay, train)}
+
+
+def repeatable(replay, train: TrainState, before: list[torch.Tensor]) -> bool:
+    """Whether one more replay backward gives `before`'s master gradients bit for bit."""
+    replay()
+    return all(torch.equal(a, m.grad) for a, m in zip(before, train.masters))
+
+
+def strictly_repeatable(replay, train: TrainState) -> bool | str:
+    """`repeatable` with every op deterministic (pool.deterministic=true), and the sampler's
+    fixed-point draws the float64 ones there; or the error of the first op torch has no
+    deterministic kernel for."""
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        replay()
+        again = repeatable(replay, train, [m.grad.clone() for m in train.masters])
+        return again and sampling_agrees(next(train.model.parameters()).device, train.model.config.vocab_size)
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def sampling_agrees(device: torch.device, vocab: int) -> bool:
+    """Whether the sampler's draws as pool.deterministic makes them (rollout.sampling.draw in
+    fixed point, on a GPU) pick the tokens of its float64 draws from the same uniforms."""
+    probs = torch.randn(48, vocab, device=device, generator=torch.Generator(device).manual_seed(0)).softmax(-1)
+    return torch.equal(*(draw(probs, torch.Generator(device).manual_seed(1), exact_sums=e) for e in (True, False)))
 
 
 def report_backwards(out: dict) -> dict[str, float]:
@@ -275,11 +327,36 @@ def report_backwards(out: dict) -> dict[str, float]:
     print(f"  time per backward, {len(s['replay'])} alternating rounds: replay {' '.join(f'{t:.2f}' for t in s['replay'])} s, "
           f"naive {' '.join(f'{t:.2f}' for t in s['naive'])} s; speedup {speedup:.2f} "
           f"(positions ratio {plan.shape.total_positions / plan.shape.unique_positions:.2f})", flush=True)
-    print(f"  device peak: replay {peak / GiB:.2f} GiB (plan {plan.peak('replay') / GiB:.2f}), "
-          f"naive {naive_peak / GiB:.2f} GiB (plan {plan.peak('naive') / GiB:.2f}); plan's peak run: "
-          f"{plan.replay.what}", flush=True)
+    reported = math.nan if out["reported_peak"] is None else out["reported_peak"] / GiB
+    print(f"  device peak: replay {peak / GiB:.2f} GiB (plan {plan.peak('replay') / GiB:.2f}; the backward's own "
+          f"device_peak_bytes {reported:.2f}), naive {naive_peak / GiB:.2f} GiB (plan {plan.peak('naive') / GiB:.2f}); "
+          f"plan's peak run: {plan.replay.what}", flush=True)
+    print(f"  determinism: replay twice bit for bit: {out['repeatable']} as a run computes, "
+          f"{out['repeatable_strict']} with pool.deterministic=true", flush=True)
     return {"grad_rel": a["rel"], "cosine": a["cosine"], "replay_speedup": speedup, "peak_gib": peak / GiB,
             "plan_gib": plan.peak("replay") / GiB}
+
+
+# -- 5. float32: the memory-efficient kernel on CUDA ----------------------------------------
+def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
+    """replay_backward vs naive_backward of one float32 tree (the smoke run: tiny lengths)."""
+    shape = TreeShape.from_rollout(*((64, [4, 4], [16], 48) if smoke else (1024, [4, 4], [128], 512)))
+    model = qwen_model(name, device, torch.float32, shape.prompt + shape.completion + 64)
+    dims = ModelDims.from_hf(model.config)
+    tree = shape.random_tree(dims.vocab, seed=2)
+    weights = random_weights(tree, seed=2)
+    replay_backward(model, [tree], weights)
+    replay_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    naive_backward(model, [tree], weights)
+    a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+    kernel = kernel_for(device.type, torch.float32, dims.head_dim)
+    out = {"grad_rel": a["rel"], "cosine": a["cosine"], "cascade": cascade_applies(model),
+           "kernel": kernel.name if kernel else "none"}
+    print(f"  Qwen2.5-{name} shape, float32, tree prompt {shape.prompt}, levels {list(shape.levels)}: cascade "
+          f"{out['cascade']} ({out['kernel']}); gradients rel {a['rel']:.2e} (<= {F32_GRAD_REL_MAX}), worst tensor "
+          f"{a['worst_tensor']:.2e}, cosine {a['cosine']:.8f}", flush=True)
+    return out
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -328,12 +405,16 @@ def main(argv: list[str] | None = None) -> int:
     out = part("2-4. replay vs per-rollout backward: gradients, time, memory",
                lambda: report_backwards(backwards("smoke" if args.smoke else args.model, device, args.rounds,
                                                   args.smoke)))
+    f32 = part("5. float32 replay vs per-rollout backward (CUDA: the memory-efficient kernel)",
+               lambda: float32_backwards("smoke" if args.smoke else "0.5b", device, args.smoke))
     ok = (checks is not None and all(checks.values()) and out is not None
-          and out["grad_rel"] <= GRAD_REL_MAX and out["cosine"] >= COSINE_MIN)
+          and out["grad_rel"] <= GRAD_REL_MAX and out["cosine"] >= COSINE_MIN
+          and f32 is not None and f32["cascade"] and f32["grad_rel"] <= F32_GRAD_REL_MAX)
     out = out or dict.fromkeys(("grad_rel", "replay_speedup", "peak_gib", "plan_gib"), math.nan)
     print(f"\nwall {time.perf_counter() - wall:.0f} s")
     print(f"gpu_ok={str(ok).lower()} grad_rel={out['grad_rel']:.3e} replay_speedup={out['replay_speedup']:.3f} "
-          f"peak_gib={out['peak_gib']:.3g} plan_gib={out['plan_gib']:.3g}", flush=True)
+          f"peak_gib={out['peak_gib']:.3g} plan_gib={out['plan_gib']:.3g} "
+          f"f32_grad_rel={(f32 or {}).get('grad_rel', math.nan):.3e}", flush=True)
     return 0 if ok else 1
 
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lsreplay.config import DataConfig, ModelConfig, load_config  # noqa: E402
 from lsreplay.data import PromptSet, generate_prompt_file  # noqa: E402
-from lsreplay.drafter.distill import distill  # noqa: E402
+from lsreplay.drafter.distill import distill, drafter_train_state  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402
 from lsreplay.models import load_model, load_tokenizer  # noqa: E402
 from lsreplay.rollout.bandit import DraftLengthBandit  # noqa: E402
@@ -184,9 +184,9 @@ def timed(fn):
 def distill_with_curve(target, drafter: Drafter, sequences, vocab: torch.LongTensor, args, probe: torch.LongTensor):
     """Distil `args.steps` steps in chunks of `args.curve_every`; after each chunk, the
     accept_len of greedy speculative decoding (k=5) of `probe`, a held-out prompt, for 64
-    tokens. Chunks share one optimizer and batch generator: the training is the same as
+    tokens. Chunks share one trainable state and batch generator: the training is the same as
     one `distill` call. Returns (stats of the last chunk, distillation seconds, [(steps, accept_len)])."""
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr)
+    train = drafter_train_state(drafter, args.lr)
     generator = torch.Generator().manual_seed(args.seed)
     curve, seconds, done, stats = [], 0.0, 0, None
 
@@ -202,7 +202,7 @@ def distill_with_curve(target, drafter: Drafter, sequences, vocab: torch.LongTen
         chunk = min(args.curve_every, args.steps - done)
         with draft_head(drafter, vocab):
             stats, s = timed(lambda n=chunk: distill(drafter, sequences, steps=n, lr=args.lr, batch_size=args.batch_size,
-                                                     generator=generator, optimizer=optimizer, progress=False))
+                                                     generator=generator, train=train, progress=False))
         seconds, done = seconds + s, done + chunk
         curve.append((done, probe_accept()))
     drafter.eval()

@@ -35,7 +35,8 @@ def qwen_model(name: str, device: torch.device, dtype: torch.dtype, max_position
             model = Qwen2ForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
-    return model.to(dtype).eval()  # eval: replay differentiates exactly the cached pass
+    # Not cast again: the rotary inverse frequencies stay float32, as from_pretrained keeps them.
+    return model.eval()  # eval: replay differentiates exactly the cached pass
 
 
 def random_weights(tree: RolloutTree, seed: int, scale: float = 1e-3) -> list:

@@ -56,17 +56,20 @@ def load_weights(store: Store, prefix: str, manifest: dict | None = None) -> dic
 def load_module(
     store: Store, prefix: str, module: torch.nn.Module, manifest: dict | None = None
 ) -> None:
-    key = f"{prefix}/{MODEL_FILE}"
     tensors = load_weights(store, prefix, manifest)
-    # Checked before loading, so a checkpoint that does not fit leaves the module untouched.
+    check_fits(store, prefix, module, tensors)  # before loading: a misfit leaves the module untouched
+    module.load_state_dict(tensors, strict=False)
+    log.info("loaded %d tensors from %s", len(tensors), store.url(f"{prefix}/{MODEL_FILE}"))
+
+
+def check_fits(store: Store, prefix: str, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """CheckpointError unless the model file's `tensors` load into `module` (names and shapes)."""
     problems = _mismatches(module.state_dict(), tensors)
     if problems:
         raise CheckpointError(
-            f"checkpoint {store.url(key)} does not fit {type(module).__name__}: {problems}; "
+            f"checkpoint {store.url(f'{prefix}/{MODEL_FILE}')} does not fit {type(module).__name__}: {problems}; "
             "load it into the architecture and config it was saved from"
         )
-    module.load_state_dict(tensors, strict=False)
-    log.info("loaded %d tensors from %s", len(tensors), store.url(key))
 
 
 def save_optimizer(store: Store, prefix: str, optimizer: torch.optim.Optimizer | dict) -> dict:

@@ -262,6 +262,10 @@ class PoolConfig:
     ray_address: str = ""
     # GPUs a device's Ray host asks for (0 on CPU).
     ray_gpus: float = 0.0
+    # On CUDA every op deterministic (torch.use_deterministic_algorithms), flash attention's
+    # backward included (no atomics; slower), and an op without a deterministic kernel an
+    # error; false: cuBLAS deterministic, the backward's atomics not (README, GPU).
+    deterministic: bool = False
 
 
 @dataclass
@@ -489,6 +493,10 @@ def _validate_pool(cfg: Config) -> None:
     _check(p.task_runner in ("thread", "ray"), "pool.task_runner", "thread or ray", p.task_runner)
     _check(p.accelerator in ACCELERATORS, "pool.accelerator", " or ".join(ACCELERATORS), p.accelerator)
     _check(p.ray_gpus >= 0, "pool.ray_gpus", "must be >= 0", p.ray_gpus)
+    # Ray hides every GPU from an actor that asks for none: its stages would find no CUDA device.
+    _check(p.ray_gpus > 0 or p.task_runner != "ray" or p.accelerator != "cuda", "pool.ray_gpus",
+           "> 0 with pool.accelerator=cuda under pool.task_runner=ray (each device's Ray host asks Ray for "
+           "its GPU: pool.ray_gpus=1)", p.ray_gpus)
     _check(p.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)", p.device_memory_gb)
     _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",
            p.devices_per_step)

@@ -75,8 +75,12 @@ def reasoning_gym_tasks() -> dict:
     """reasoning-gym's task registry. Imported where it is used (generating prompts, scoring
     its tasks): importing reasoning-gym imports every task's dependencies, which a machine
     that trains on a prompt file of its own need not have (the GPU check's has not)."""
-    from reasoning_gym.factory import DATASETS
-
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as e:
+        raise DatasetError(f"reasoning-gym is not importable here ({e}); generated prompts (no data.path) and "
+                           "the default reward of their tasks need it: `pip install reasoning-gym==0.1.25`, or "
+                           "train on a data.path of task exact_answer rows or with a reward.function") from e
     return DATASETS
 
 

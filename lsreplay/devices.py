@@ -59,20 +59,47 @@ def torch_device(pool: PoolConfig, index: int | None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_accelerator(pool: PoolConfig) -> None:
-    """A GPU pool on a machine without enough visible GPUs is an error before any work."""
+# cuBLAS's reductions are deterministic with a fixed workspace (torch refuses deterministic
+# matmuls without one): 8 buffers of 4 MiB.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def cuda_determinism(pool: PoolConfig) -> None:
+    """How this process computes on a GPU pool (README, GPU: what a resume guarantees):
+    deterministic cuBLAS always; with pool.deterministic, every op deterministic (flash
+    attention's and gather's backwards without atomics) or an error naming the op. Without torch's debugging fill of every new tensor, which would
+    write each output twice. Process-wide; set before the first CUDA work of a stage, since
+    cuBLAS reads its workspace setting when it starts."""
     if pool.accelerator != "cuda":
         return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(pool.deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def check_accelerator(pool: PoolConfig, devices: int | None = None) -> None:
+    """A GPU pool on a process that sees too few GPUs is an error before any work: the
+    flow's process under the thread runner needs every slot's (`devices` None); a Ray host
+    (lsreplay.hosts) the `devices` Ray gave it."""
+    if pool.accelerator != "cuda":
+        return
+    where = "this process" if devices is None else f"this Ray host of {devices} pool device(s)"
     if not torch.cuda.is_available():
-        raise ConfigError(f"pool.accelerator=cuda, but this process sees no CUDA device (torch {torch.__version__}, "
+        raise ConfigError(f"pool.accelerator=cuda, but {where} sees no CUDA device (torch {torch.__version__}, "
                           f"CUDA build: {torch.version.cuda or 'no'}); run on a GPU machine, or use pool.accelerator=cpu")
-    if torch.cuda.device_count() < pool.slots:
+    if devices is None and torch.cuda.device_count() < pool.slots:
         raise ConfigError(f"pool.slots={pool.slots} GPUs wanted, but this process sees {torch.cuda.device_count()}; "
                           "lower pool.slots or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    if devices is not None and torch.cuda.device_count() < devices:
+        raise ConfigError(f"{where} sees {torch.cuda.device_count()} GPU(s) with pool.ray_gpus={pool.ray_gpus}; "
+                          "give every pool device a GPU of its own: pool.ray_gpus=1")
 
 
 def _lock_name(pool: PoolConfig, index: int) -> str:
-    if pool.accelerator == "cuda":
+    """A GPU's UUID under the thread runner, where this process computes on it. Under Ray the
+    flow's process computes on no GPU (and may see none): Ray gives each host its GPUs, so
+    the lock stands for the pool slot only."""
+    if pool.accelerator == "cuda" and pool.task_runner == "thread":
         return f"cuda-{torch.cuda.get_device_properties(index).uuid}"
     return f"{pool.name}-{index}"
 
@@ -105,7 +132,7 @@ def hold_devices(pool: PoolConfig, count: int):
 
 def any_held(pool: PoolConfig, slots: int) -> bool:
     """Whether a live process on this machine holds one of the pool's first `slots` devices."""
-    if pool.accelerator == "cuda":
+    if pool.accelerator == "cuda" and pool.task_runner == "thread":
         slots = min(slots, torch.cuda.device_count())
     for index in range(slots):
         if (fd := _try_lock(_lock_name(pool, index))) is None:
@@ -131,11 +158,25 @@ def _try_lock(name: str) -> int | None:
         return None
 
 
-def idle_priority() -> None:
+# The errors SCHED_IDLE was refused with in this process, each said once.
+_IDLE_REFUSED: set[str] = set()
+
+
+def idle_priority() -> bool:
     """Put the calling thread (and the OpenMP threads it starts) under Linux's SCHED_IDLE: it
     runs only when no normal thread wants the core. For good: an unprivileged thread may not
-    leave SCHED_IDLE."""
-    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    leave SCHED_IDLE. Returns whether it did: where the kernel refuses (some sandboxes,
+    gVisor among them, answer EINVAL) the thread goes on at normal priority, said once, since
+    the work must still be done (a dead checkpoint writer would block the next step)."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except OSError as e:
+        if (reason := f"{type(e).__name__}: {e}") not in _IDLE_REFUSED:
+            _IDLE_REFUSED.add(reason)
+            log.warning("this kernel refuses the idle scheduling policy (%s): background work (checkpoint "
+                        "writes, the drafter on a CPU pool) runs at normal priority", reason)
+        return False
 
 
 def on_idle_cpu(fn: Callable[[], T]) -> T:

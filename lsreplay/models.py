@@ -138,12 +138,28 @@ def load_model(cfg: ModelConfig, trainable: bool = True, device: torch.device | 
                     path, dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation)
             except (OSError, ValueError) as e:
                 raise ModelError(f"could not load the model at {path}: {e}") from e
-    model.to(device=device, dtype=dtype)
+    _to_compute(model, device, dtype)
     # Eval mode always: replay must differentiate exactly what the caching pass computed,
     # so no dropout, in training too.
     model.eval()
     model.requires_grad_(trainable)
     return model
+
+
+def _to_compute(model: PreTrainedModel, device: torch.device | str, dtype: torch.dtype) -> None:
+    """`model` on `device` in `dtype` as from_pretrained(dtype=...) builds it: parameters and
+    persistent buffers in `dtype`, while the buffers a model computes for itself and does not
+    save (the rotary inverse frequencies) keep their float32. Cast to bf16 with the rest, the
+    frequencies are off by up to 0.4%, radians of angle at a few thousand positions: the policy
+    would train on a positional encoding it was not pretrained with, and its drafter (float32
+    frequencies) would disagree with it."""
+    saved = model.state_dict().keys()
+    computed = {name: buf for name, buf in model.named_buffers(remove_duplicate=False)
+                if name not in saved and buf.is_floating_point()}
+    model.to(device=device, dtype=dtype)
+    for name, buf in computed.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, buf.to(device))
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:

@@ -25,13 +25,19 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
   completion tokens and twice one layer's activations for the backward; plus a fixed
   reserve (CUDA context, NCCL buffers) and 5% of the device for allocator fragmentation.
 
+And for the rollouts, per device (one rollout shard holds one device): what the rollout
+engine allocates at its peak (ROLLOUT_ENGINES, a function per engine; the HF tree sampler:
+each decoding row's own K/V, drafter features, sampling buffers) next to what the other
+stages leave resident there (the policy's compute weights, a one-device update's state,
+the reference, the drafter).
+
 Token positions per step are counted two ways: per-rollout (what a pipeline without
 replay computes and what replay stands in for: prompts x G x (P + completion)) and
 unique (what replay computes). Completions are taken at rollout.max_new_tokens and
 prompts at data.max_prompt_tokens: the worst case for memory.
 
-The last printed line is key=value (positions_per_step=..., fits=...). A plan that does
-not fit exits non-zero with a message saying what to change.
+The last printed line is key=value (positions_per_step=..., fits=...: the update and the
+rollouts both). A plan that does not fit exits non-zero with a message saying what to change.
 """
 
 from __future__ import annotations
@@ -250,6 +256,85 @@ def workspace_bytes(dims: ModelDims, elt: int, run: RunPeak) -> int:
     return logits + 2 * layer
 
 
+# -- rollouts -------------------------------------------------------------------------------
+# A rollout shard holds one pool slot, so one device holds one shard's rollouts at a time.
+@dataclass
+class RolloutMemory:
+    """What one rollout shard's device holds at the shard's peak: (key, label, bytes) lines,
+    what the engine allocates and what other stages leave resident there."""
+
+    engine: str
+    shards: int  # rollout.shards
+    trees: int  # trees one shard decodes together
+    rows: int  # sequences decoding at once after the last fork
+    peak_at: str
+    lines: list[tuple[str, str, int]]
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, _, b in self.lines)
+
+    def part(self, key: str) -> int:
+        return sum(b for k, _, b in self.lines if k == key)
+
+
+def resident_beside_rollouts(cfg, dims: ModelDims) -> list[tuple[str, str, int]]:
+    """What a rollout device holds besides the engine (lsreplay.resident), at worst, for the
+    device that also ran the other stages: the policy's compute weights; the update's state
+    where one device of this process runs it (pool.devices_per_step=1: masters, gradients
+    and AdamW moments stay on it between steps); the reference with a KL term; the drafter
+    the long tail decodes with."""
+    n, elt = dims.params(), ELT[cfg.model.dtype]
+    state = state_bytes(dims, cfg.model.dtype, 1, False)
+    lines = [("weights", "policy weights (the resident compute copy)", n * elt)]
+    if cfg.pool.devices_per_step == 1:
+        lines.append(("state", "the update's state held (masters, gradients, AdamW)",
+                      state.grads + state.master + state.moments))
+    if cfg.algo.kl_coef > 0:
+        lines.append(("reference", "the KL term's reference model", n * elt))
+    if speculates(cfg):
+        lines.append(("drafter", "the drafter (fc + one layer)", (2 * dims.hidden ** 2 + dims.hidden
+                                                                   + dims.layer_params()) * elt))
+    return lines
+
+
+def speculates(cfg) -> bool:
+    return cfg.drafter.enabled and cfg.rollout.spec_threshold > 0
+
+
+def hf_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
+    """The HF tree sampler (lsreplay.rollout.tree_sampler), worst case: every rollout runs to
+    max_new_tokens. Each row holds its own copy of its prompt's K/V (a fork repeats a row's
+    cache: reorder_cache), grown by a column per decode step, each layer's copied to append
+    it (one layer's transient); with the drafter, the final-norm features of every column,
+    copied once where rows change; per step the float32 logits, log-softmax and sampling
+    probabilities and the float64 CDF. At the prefill instead: the prompts' K/V and one
+    layer's activations over every prompt position (estimate: MLP gate, up and product,
+    the residual and attention rows). The larger phase is the peak."""
+    elt, d = ELT[cfg.model.dtype], dims
+    trees = -(-cfg.data.prompts_per_step // cfg.rollout.shards)
+    rows, columns = trees * shape.rollouts, shape.prompt + shape.completion
+    kvpp, features = kv_bytes_per_position(d, elt), d.hidden * elt if speculates(cfg) else 0
+    decode = [("kv", f"K/V cache ({rows} rows x {columns} positions; each row its prompt's own)",
+               rows * columns * kvpp),
+              ("growth", "one layer's K/V copied to append a column", rows * columns * kvpp // d.layers),
+              ("features", "drafter features of every column, and a copy", 2 * rows * columns * features),
+              ("sampling", "logits, log-softmax, probabilities (fp32), CDF (fp64)", rows * d.vocab * (3 * 4 + 8))]
+    positions = trees * shape.prompt
+    layer = (4 * d.intermediate + 4 * d.hidden + 2 * d.q_dim + 2 * d.kv_dim) * elt + 4 * d.hidden
+    prefill = [("kv", f"K/V cache ({trees} prompts x {shape.prompt} positions)", positions * kvpp),
+               ("prefill", "one layer's activations over the prompts (est.)", positions * layer),
+               ("features", "drafter features of the prompts", positions * features)]
+    phase, lines = max((("the end of decoding", decode), ("the prefill", prefill)),
+                       key=lambda p: sum(b for _, _, b in p[1]))
+    return RolloutMemory("hf", cfg.rollout.shards, trees, rows, phase, resident_beside_rollouts(cfg, dims) + lines)
+
+
+# The rollout engines the planner knows, by name: (cfg, dims, shape) -> RolloutMemory. A
+# second engine (rollout.engine) adds its own function and lines here.
+ROLLOUT_ENGINES = {"hf": hf_rollout_memory}
+
+
 # -- state I/O ------------------------------------------------------------------------------
 @dataclass
 class StepIO:
@@ -317,6 +402,7 @@ class Plan:
     naive: RunPeak
     replay_workspace: int
     naive_workspace: int
+    rollout: RolloutMemory | None = None
     io: StepIO | None = None
     budget_bytes: int | None = None
     join_below: int = 0
@@ -343,9 +429,21 @@ class Plan:
         return self.state.total + run.total + work + self.overhead()
 
     def fits(self, mode: str | None = None) -> bool | None:
+        """Whether the update (in `mode`, default the configured one) fits a device; None if
+        the device's memory is unknown."""
         if not self.device_bytes:
             return None
         return self.peak(mode or self.mode) <= self.device_bytes
+
+    def rollout_peak(self) -> int:
+        return self.rollout.total + self.overhead()
+
+    def rollout_fits(self) -> bool | None:
+        return None if not self.device_bytes else self.rollout_peak() <= self.device_bytes
+
+    def step_fits(self) -> bool | None:
+        """Whether the rollouts and the update both fit a device."""
+        return None if not self.device_bytes else bool(self.fits() and self.rollout_fits())
 
 
 def gib(n: int) -> str:
@@ -407,7 +505,8 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step, state=state_bytes(dims, dtype_name, ranks, fsdp),
                 replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
-                naive_workspace=workspace_bytes(dims, elt, naive), io=step_io(cfg, dims, shape),
+                naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES["hf"](cfg, dims, shape),
+                io=step_io(cfg, dims, shape),
                 budget_bytes=budget, join_below=cfg.replay.join_below)
 
 
@@ -444,20 +543,35 @@ def format_plan(p: Plan) -> str:
         verdict = lambda m: "fits" if p.fits(m) else "DOES NOT FIT"  # noqa: E731
         lines.append(f"{'device memory':<44} {gib(p.device_bytes):>10} {gib(p.device_bytes):>10}")
         lines.append(f"{'':<44} {verdict('replay'):>10} {verdict('naive'):>10}")
+    lines += ["", *format_rollout(p)]
     if p.io is not None:
         lines += ["", *format_io(p.io)]
-    fits = p.fits()
+    fits = p.step_fits()
     kv = dict(mode=p.mode, devices=p.ranks, fsdp=str(p.fsdp).lower(), trees=p.trees, rollouts_per_tree=s.rollouts,
               positions_per_step=p.positions_per_step, replay_positions_per_step=p.replay_positions_per_step,
               positions_ratio=f"{s.total_positions / s.unique_positions:.3f}",
               peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
-              naive_peak_gib=gib(p.peak("naive")), device_gib=gib(p.device_bytes),
-              fits="unknown" if fits is None else str(fits).lower(),
+              naive_peak_gib=gib(p.peak("naive")), rollout_peak_gib=gib(p.rollout_peak()),
+              device_gib=gib(p.device_bytes), fits="unknown" if fits is None else str(fits).lower(),
               **({} if p.io is None else {"io_gib_per_step": gib(p.io.written + p.io.read),
                                           "io_s_per_step": f"{p.io.seconds():.1f}",
                                           "io_s_per_step_not_resident": f"{p.io.seconds(resident=False):.1f}"}))
     lines.append(" ".join(f"{k}={v}" for k, v in kv.items()))
     return "\n".join(lines)
+
+
+def format_rollout(p: Plan) -> list[str]:
+    r = p.rollout
+    lines = [f"rollouts, per device: engine {r.engine}, {r.trees} trees a shard ({p.trees} prompts over "
+             f"{r.shards} rollout.shards), {r.rows} sequences decoding; the peak is at {r.peak_at}", ""]
+    rows = [(label, b) for _, label, b in r.lines] + [
+        (f"reserve: context/NCCL + {FRAGMENTATION:.0%} fragmentation", p.overhead())]
+    lines += [f"{label:<66} {gib(b):>10}" for label, b in rows]
+    lines.append(f"{'total':<66} {gib(p.rollout_peak()):>10}")
+    if p.device_bytes:
+        lines.append(f"{'device memory':<66} {gib(p.device_bytes):>10}")
+        lines.append(f"{'':<66} {'fits' if p.rollout_fits() else 'DOES NOT FIT':>10}")
+    return lines
 
 
 def format_io(io: StepIO) -> list[str]:
@@ -471,6 +585,13 @@ def format_io(io: StepIO) -> list[str]:
         f"  stages that keep nothing (checkpoint.resident=false) also read {gib(io.model_loads)} GiB of models "
         f"and write and read a checkpoint every step: {io.seconds(resident=False):.1f} s a step",
     ]
+
+
+def rollout_advice(p: Plan) -> str:
+    r = p.rollout
+    return (f"the rollouts need {gib(p.rollout_peak())} GiB per device but a device has {gib(p.device_bytes)} GiB "
+            f"(K/V of {r.rows} sequences decoding at once: {gib(r.part('kv'))} GiB); try more rollout.shards "
+            f"(a shard decodes {r.trees} of the {p.trees} trees now), or fewer data.prompts_per_step")
 
 
 def advice(p: Plan) -> str:
@@ -505,8 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lsreplay plan: error: {e}", file=sys.stderr)
         return 2
     print(format_plan(plan), flush=True)
-    if plan.fits() is False:
-        print(f"lsreplay plan: error: does not fit: {advice(plan)}", file=sys.stderr)
+    problems = ([advice(plan)] if plan.fits() is False else []) + (
+        [rollout_advice(plan)] if plan.rollout_fits() is False else [])
+    if problems:
+        print(f"lsreplay plan: error: does not fit: {'; and '.join(problems)}", file=sys.stderr)
         return 1
     return 0
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from lsreplay.config import Config
 from lsreplay.data import REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, task_args_for
-from lsreplay.rewards import scorable_tasks
+from lsreplay.rewards import unscorable_tasks
 
 # The held-out rows depend on the prompt file only, never on the run's seed.
 HELDOUT_SEED = 15
@@ -103,7 +103,7 @@ def check_prompts(cfg: Config, render) -> None:
     sets = [training] + [s for s in [heldout_prompts(cfg)] if s is not None]
     if not cfg.reward.function:
         for prompts in sets:
-            unknown = sorted({str(t) for t in prompts.column("task")} - scorable_tasks())
+            unknown = unscorable_tasks({str(t) for t in prompts.column("task")})
             if unknown:
                 raise DatasetError(f"{prompts.path}: tasks {unknown[:5]} are not reasoning-gym tasks, so the default "
                                    "reward cannot score them; give reward.function=module:function, or fix "

@@ -65,17 +65,20 @@ def _checker(task: str, args_json: str):
     # size=1 keeps construction cheap (some generators precompute per-row state); the
     # seed does not affect checking. Four checkers (decimal_arithmetic, puzzle24,
     # polynomial_equations, time_intervals) read their config, hence args_json.
-    import reasoning_gym
-
-    if task not in reasoning_gym_tasks():
+    if task not in reasoning_gym_tasks():  # a DatasetError saying so where reasoning-gym is missing
         raise DatasetError(f"prompt task {task!r} is not a reasoning-gym task; cannot score it "
                            "(give your own reward.function=module:function to score other data).")
+    import reasoning_gym
+
     return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(args_json))
 
 
-def scorable_tasks() -> set[str]:
-    """The tasks the default reward scores: reasoning-gym's, and exact answers."""
-    return {*reasoning_gym_tasks(), EXACT_ANSWER}
+def unscorable_tasks(tasks: set[str]) -> list[str]:
+    """Those of `tasks` the default reward cannot score: neither exact answers nor
+    reasoning-gym's. reasoning-gym is imported only when a task other than exact answers
+    asks for it, so that a prompt file of exact answers needs none (the GPU check's)."""
+    others = set(tasks) - {EXACT_ANSWER}
+    return sorted(others - set(reasoning_gym_tasks())) if others else []
 
 
 _warned_tasks: set[str] = set()

@@ -15,7 +15,8 @@ Layout of a run's store (the run directory by default):
     executions/step_0000/<stage>/   one small JSON per time a stage actually started work
     checkpoints/policy/step_0000/   float32 master weights, AdamW, RNG state after the step, every
                                     checkpoint.every steps; checkpoint.json (written last) = complete
-    checkpoints/drafter/step_0000/  drafter weights, optimizer, sampler state (spot.json: resumable), hf/ export
+    checkpoints/drafter/step_0000/  drafter (float32 master) weights, optimizer, sampler state (spot.json:
+                                    resumable), hf/ export (compute dtype)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from lsreplay import config as config_mod
 from lsreplay import faults
 from lsreplay.checkpoint import CheckpointError
 from lsreplay.config import Config, ConfigError
-from lsreplay.devices import check_accelerator, torch_device
+from lsreplay.devices import check_accelerator, cuda_determinism, torch_device
 from lsreplay.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,8 @@ class Run:
                 self.store.delete(key)
 
     def begin(self, step: int, stage: str) -> None:
-        """A stage starts real work: record it (executions/) and give injected faults their chance."""
+        """A stage starts real work: record it (executions/), compute with the run's thread count and, on a
+        GPU pool, deterministically (devices.cuda_determinism), and give injected faults their chance."""
         now = datetime.datetime.now(datetime.UTC)
         name = f"{now:%Y%m%dT%H%M%S%f}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
         self.store.write_json(f"executions/step_{step:04d}/{stage}/{name}", {
@@ -229,6 +231,7 @@ class Run:
         self._started = now.timestamp()
         if self.cfg.threads:  # per thread: torch keeps each thread's OpenMP count
             torch.set_num_threads(self.cfg.threads)
+        cuda_determinism(self.cfg.pool)
         faults.hook(stage, step, "start")
 
     def executions(self) -> dict[tuple[int, str], int]:

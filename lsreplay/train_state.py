@@ -9,7 +9,10 @@ and the compute copies are refreshed from the masters after every step.
 
 Replay calls backward many times per step (one per run). Each call's bf16 gradient is
 added into the master's float32 `.grad` by a post-accumulate hook and the bf16 one
-dropped, so gradients accumulate in float32, never in bf16.
+dropped, so gradients accumulate in float32, never in bf16. A parameter has one such hook
+whatever the number of states built over it (a resident copy's model is reused, a state
+moves to another device and back): its gradient goes to the masters of the newest state,
+and the hook holds them weakly, so a superseded state's masters and gradients go with it.
 
 With a float32 or float64 model the masters are the model's own parameters: no copies,
 no hooks, exactly the plain training of before.
@@ -17,7 +20,10 @@ no hooks, exactly the plain training of before.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lsreplay.config import OptimConfig
 from lsreplay.logits import FULL_PRECISION
@@ -39,7 +45,7 @@ class TrainState:
         if self.mixed:
             self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
             for param, master in zip(self.params, self.masters):
-                param.register_post_accumulate_grad_hook(_into_master(master))
+                _route_to_master(param, master)
         else:
             self.masters = self.params
         self.optimizer = torch.optim.AdamW(self.masters, lr=optim.lr, betas=(optim.beta1, optim.beta2),
@@ -120,11 +126,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _into_master(master: torch.nn.Parameter):
-    def hook(param: torch.Tensor) -> None:
-        grad = param.grad.to(master.dtype)
-        master.grad = grad if master.grad is None else master.grad.add_(grad)
-        param.grad = None
+# A compute parameter -> (a weak reference to) the master its gradients go into.
+_MASTERS = WeakIdKeyDictionary()
 
-    return hook
+
+def _route_to_master(param: torch.nn.Parameter, master: torch.nn.Parameter) -> None:
+    """From now on `param`'s gradients go into `master`: hooked once, rerouted after."""
+    if param not in _MASTERS:
+        param.register_post_accumulate_grad_hook(_into_master)
+    _MASTERS[param] = weakref.ref(master)
+
+
+def _into_master(param: torch.Tensor) -> None:
+    master = _MASTERS[param]()
+    if master is None:  # its state is gone: the gradient stays where autograd put it
+        return
+    grad = param.grad.to(master.dtype)
+    master.grad = grad if master.grad is None else master.grad.add_(grad)
+    param.grad = None
 

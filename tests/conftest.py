@@ -7,7 +7,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from s3server import s3_endpoint, store  # noqa: F401  (fixtures for every test module: one S3 server)
+from s3server import s3_endpoint, store  # noqa: F401  (for every test module: one S3 server, started on first use)
 
 from lsreplay import faults
 from lsreplay.config import ModelConfig

@@ -1,13 +1,13 @@
 """A real S3-protocol server (moto) on loopback for tests that exercise the S3 code path.
 
-A plain module, not a conftest: test modules that need S3 import the fixture from here.
+Its fixtures are every test module's (conftest imports them); boto3 and moto are imported
+only when a test asks for the server, so that a machine without them (the GPU machine:
+`pytest tests/test_cascade.py -k cuda`) still collects and runs the other tests.
 """
 
 import uuid
 
-import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from lsreplay.storage import Store
 
@@ -20,6 +20,9 @@ SECRET = "test-secret-do-not-print"
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """Yield (endpoint_url, storage_options) for a fresh moto server holding BUCKET."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:

@@ -86,3 +86,42 @@ def test_pruning_keeps_the_drafters_a_resume_can_load(tmp_path):
     assert checkpoints(tmp_path) == ["step_0003", "step_0004"]
     assert sorted(p.name for p in (tmp_path / "checkpoints/drafter").iterdir()) == ["step_0002", "step_0004"]
     assert run.done(0, "drafter")["released"] == ["checkpoint"] and run.done(2, "drafter")["files"]
+
+
+def test_checkpoints_are_written_where_the_kernel_refuses_idle_priority(tmp_path, monkeypatch, caplog):
+    """Some sandboxes (gVisor) answer sched_setscheduler(SCHED_IDLE) with EINVAL. The writer
+    then writes at normal priority, says so once, and `submit` never blocks: before, its
+    thread died with a snapshot queued and the next step's submit waited forever."""
+    import errno
+    import os
+    import threading
+
+    import torch
+    from conftest import tiny_model
+
+    from lsreplay import checkpointing, devices
+    from lsreplay.train_state import TrainState
+
+    def refuse(*args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(devices, "_IDLE_REFUSED", set())
+    run = Run(load_config(None, [f"run_dir={tmp_path}", "checkpoint.keep_last=0"]))
+    train = TrainState(tiny_model(dtype=torch.float32), run.cfg.optim)
+    writer = checkpointing.Writer()
+    caplog.set_level("WARNING", logger="lsreplay.devices")
+
+    def submit_three() -> None:
+        for step in range(3):
+            writer.submit(run, checkpointing.snapshot(run, step, train))
+        writer.wait()
+
+    submitter = threading.Thread(target=submit_three, daemon=True)
+    submitter.start()
+    submitter.join(timeout=30)
+    assert not submitter.is_alive(), "submit or wait blocked: the writer thread died"
+    assert not writer.failures and checkpointing.complete_steps(run) == [0, 1, 2]
+    refusals = [r for r in caplog.records if "refuses the idle scheduling policy" in r.getMessage()]
+    assert len(refusals) == 1 and "normal priority" in refusals[0].getMessage()
+    assert devices.on_idle_cpu(lambda: "ran") == "ran"  # the CPU drafter's wrapper goes on too

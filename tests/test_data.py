@@ -120,6 +120,31 @@ print(score(p, "so <answer> 7 </answer>"), score(p, "<answer>8</answer>"), score
     assert out.stdout.split() == ["1.0", "0.0", "1.0", "0.0"]
 
 
+def _without_reasoning_gym(monkeypatch) -> None:
+    """Every import of reasoning-gym fails from here, as on a machine without it."""
+    for name in ["reasoning_gym", *(n for n in sys.modules if n.startswith("reasoning_gym."))]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_preflight_of_exact_answer_prompts_needs_no_reasoning_gym(tmp_path, tiny_model_dir, monkeypatch):
+    """preflight checks that the default reward can score every task; a file of exact_answer
+    rows asks nothing of reasoning-gym (bench/gpu_smoke.py's flow, on a machine without it).
+    A task that does need it says what to install, before any work."""
+    from lsreplay.config import load_config
+    from lsreplay.run import preflight
+
+    rows = [{"question": f"What is {a} + 4?", "answer": str(a + 4), "task": "exact_answer"} for a in range(4)]
+    path = tmp_path / "own.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", f"data.path={path}",
+                 "data.prompts_per_step=2"]
+    _without_reasoning_gym(monkeypatch)
+    assert preflight(load_config(None, overrides)).cfg.data.path == str(path)
+    path.write_text(path.read_text() + json.dumps({"question": "q", "answer": "1", "task": "chain_sum"}) + "\n")
+    with pytest.raises(DatasetError, match=r"reasoning-gym is not importable.*pip install reasoning-gym"):
+        preflight(load_config(None, overrides))
+
+
 def test_score_gsm_symbolic(prompt_file):
     p = _first(prompt_file, "gsm_symbolic")
     assert score(p, f"<answer>{p.answer}</answer>") == 1.0

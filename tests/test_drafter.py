@@ -149,3 +149,22 @@ def test_config_dict_rebuilds_the_drafter(setup):
         assert torch.equal(rebuilt(*args), drafter(*args))
     with pytest.raises(ValueError):
         Drafter.from_config_dict(target, {**config, "hidden_size": 64})
+
+
+def test_a_bf16_drafter_trains_on_float32_masters():
+    """AdamW on bf16 weights rounds an update of lr 1e-3 away (half a bf16 ulp of 1.0 is
+    3.9e-3 above it, 2e-3 below): the fc's pass-through entries (1.0) never moved. On float32
+    masters the steps add up, and the compute weights follow them."""
+    from lsreplay.drafter.distill import drafter_train_state
+
+    target = _tiny_target("llama").to(torch.bfloat16)
+    drafter = _fresh_drafter(target)
+    ones = drafter.fc.weight == 1
+    assert drafter.fc.weight.dtype == torch.bfloat16 and ones.any()
+    train = drafter_train_state(drafter, lr=1e-3)
+    distill(drafter, _rollouts(target, 16, seed=1), steps=6, lr=1e-3, batch_size=4,
+            generator=torch.Generator().manual_seed(0), train=train, progress=False)
+    fc = train.masters[train.names.index("fc.weight")]
+    assert fc.dtype == torch.float32 and bool((fc[ones] != 1).all())
+    assert bool((drafter.fc.weight[ones] != 1).any())
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(train.params, train.masters))

@@ -132,3 +132,113 @@ def test_float_logits_of_a_bf16_head_are_float32_and_keep_no_float32_copy_of_it(
     assert hidden.grad.dtype == head.grad.dtype == torch.bfloat16
     assert torch.allclose(head.grad.double(), grad.double().T @ hidden.double(), rtol=1e-2, atol=1e-3)
     assert torch.allclose(hidden.grad.double(), grad.double() @ head.double(), rtol=1e-2, atol=1e-3)
+
+
+def _loss(model) -> torch.Tensor:
+    ids = torch.arange(12).reshape(2, 6) % 64
+    return model(input_ids=ids).logits.float().logsumexp(-1).mean()
+
+
+def test_a_second_state_over_one_bf16_model_takes_its_gradients_and_frees_the_first():
+    """A resident copy's model is reused under a new TrainState: one hook per parameter,
+    rerouted, so the gradients go into the new masters (two hooks failed: the first set
+    param.grad to None, the second read it), and the superseded state's float32 masters
+    are not kept alive by the model they were built over."""
+    import gc
+    import weakref
+
+    model = tiny_model(dtype=torch.bfloat16)
+    first = TrainState(model, OptimConfig())
+    gone = weakref.ref(first.masters[0])
+    second = TrainState(model, OptimConfig())
+    _loss(model).backward()
+    assert all(m.grad is not None and m.grad.dtype == torch.float32 for m in second.masters)
+    assert all(m.grad is None for m in first.masters) and all(p.grad is None for p in model.parameters())
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())
+    del first
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_state_moved_to_another_copy_and_back_accumulates_into_the_newest_masters():
+    """RESIDENT.train_state moves a state to the device that runs the update and later back
+    to a model that already carried one (the thread runner's handoff makes it timing-
+    dependent on a GPU pool). On the CPU the two "devices" are two copies of one model: the
+    gradients of a backward after the round trip are those of a fresh state, in float32,
+    and the states left behind (with their masters and gradients) are freed."""
+    import copy
+    import gc
+    import weakref
+
+    here = tiny_model(dtype=torch.bfloat16)
+    there = copy.deepcopy(here)
+    start = TrainState(here, OptimConfig())
+    _loss(here).backward()
+    start.step()
+    left_behind = weakref.ref(start.masters[0])
+    moved = start.moved_to(there)
+    back = moved.moved_to(here)
+    del start, moved
+    gc.collect()
+    assert left_behind() is None
+    back.zero_grad()
+    _loss(here).backward()
+    fresh = TrainState(copy.deepcopy(here), OptimConfig())
+    _loss(fresh.model).backward()
+    for mine, expected in zip(back.masters, fresh.masters):
+        assert mine.grad.dtype == torch.float32 and torch.equal(mine.grad, expected.grad)
+
+
+def test_a_bf16_policy_computes_what_from_pretrained_in_bf16_does(tiny_model_dir):
+    """load_model casts to bf16 as from_pretrained(dtype=bf16) builds the model: the rotary
+    inverse frequencies stay float32 (cast with the weights, they are off by up to 0.4%,
+    which a long prompt turns into different logits); a random model of model.arch too."""
+    from transformers import AutoModelForCausalLM
+
+    from lsreplay.config import ModelConfig
+    from lsreplay.models import load_model
+
+    cfg = ModelConfig(path=str(tiny_model_dir), dtype="bfloat16")
+    ours = load_model(cfg, trainable=False)
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, local_files_only=True,
+                                                  attn_implementation=cfg.attn_implementation).eval()
+    ids = torch.randint(ours.config.vocab_size, (1, 1800), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+    assert {t.dtype for n, t in ours.named_buffers() if "inv_freq" in n} == {torch.float32}
+    arch = ModelConfig(dtype="bfloat16", arch={"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                                               "num_hidden_layers": 1, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "vocab_size": 100})
+    random = load_model(arch)
+    assert next(random.parameters()).dtype == torch.bfloat16
+    assert {t.dtype for n, t in random.named_buffers() if "inv_freq" in n} == {torch.float32}
+
+
+def test_a_bf16_runs_drafter_checkpoints_float32_masters_and_resumes_from_them(tiny_model_dir, tmp_path):
+    """The drafter of a bf16 policy computes in bf16 and trains float32 masters: its spot
+    checkpoint holds the masters (a resumed or warm-started drafter continues from them, not
+    from their bf16 rounding), its export the bf16 weights it computes with."""
+    from lsreplay.stages.common import policy_before
+    from lsreplay.stages.drafter import _start_or_resume
+
+    run = Run(load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "model.dtype=bfloat16",
+                                 "steps=1", "data.size=8", "data.prompts_per_step=2", "rollout.branching=[2,2]",
+                                 "rollout.segment_tokens=[3]", "rollout.max_new_tokens=6", "drafter.steps=3",
+                                 "drafter.checkpoint_every=3", "drafter.batch_size=2"]))
+    run.save_or_check_config()
+    stages.sample_prompts(run, 0)
+    stages.generate_trees(run, 0)
+    stages.cache_prefixes(run, 0)
+    stages.train_policy(run, 0)  # the drafter of step 0 drafts for the policy after it
+    done = stages.distill_drafter(run, 0)
+    saved = load_file(str(tmp_path / done["checkpoint"] / "model.safetensors"))
+    exported = load_file(str(tmp_path / done["checkpoint"] / "hf" / "model.safetensors"))
+    assert done["steps_done"] == 3
+    assert {t.dtype for t in saved.values()} == {torch.float32} and {t.dtype for t in exported.values()} == {
+        torch.bfloat16}
+    checkpointing.WRITER.wait()
+    resumed = _start_or_resume(run, 0, policy_before(run, 1, torch.device("cpu")))
+    RESIDENT.release(run)
+    assert resumed.steps_done == 3
+    assert all(torch.equal(m, saved[n]) for n, m in zip(resumed.train.names, resumed.train.masters))
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in resumed.train.masters)  # more than bf16 holds

@@ -155,3 +155,60 @@ def test_the_plan_counts_the_kernels_of_the_pools_device_kind():
         cfg, values = load_plan_config(PROD, ["model.dtype=float64", f"pool.accelerator={accelerator}",
                                               f"pool.device_memory_gb={memory}"])
         assert make_plan(cfg, values).replay.cascade is cascade, (accelerator, memory)
+
+
+def test_production_rollouts_fit_one_shard_per_device_and_one_shard_of_all_trees_does_not(capsys):
+    """The plan counts the rollouts too: 8 shards of 3 trees (48 sequences decoding, each row
+    with its own copy of its prompt's K/V) fit; one shard of all 24 trees (384 rows, 126 GiB
+    of K/V) does not, and the message says what to change. The update is the same in both."""
+    assert main([PROD]) == 0
+    kv = _last_kv(capsys.readouterr().out)
+    assert float(kv["rollout_peak_gib"]) <= 96 and kv["fits"] == "true"
+    assert main([PROD, "rollout.shards=1"]) == 1
+    captured = capsys.readouterr()
+    one = _last_kv(captured.out)
+    assert one["fits"] == "false" and one["replay_peak_gib"] == kv["replay_peak_gib"]
+    assert "the rollouts need" in captured.err and "more rollout.shards" in captured.err
+    assert "the replay step needs" not in captured.err  # the update still fits
+
+
+def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
+    """The planner's K/V cache and drafter features of the HF tree sampler against the
+    tensors the sampler holds after each forward (no rollout ends early: the worst case the
+    plan counts). The last sampled token is never encoded: one column fewer than planned."""
+    from conftest import tiny_model
+
+    from lsreplay.config import load_config
+    from lsreplay.drafter.model import Drafter
+    from lsreplay.plan import hf_rollout_memory
+    from lsreplay.replay.memory import kv_bytes_per_position
+    from lsreplay.rollout import tree_sampler
+    from lsreplay.rollout.sampling import SamplingParams
+
+    model = tiny_model(vocab=64, dtype=torch.float32)
+    prompt, branching, segments, new = 10, [2, 3], [4], 12
+    cfg = load_config(None, [f"data.max_prompt_tokens={prompt}", "data.prompts_per_step=2", "data.size=8",
+                             f"rollout.branching={branching}", f"rollout.segment_tokens={segments}",
+                             f"rollout.max_new_tokens={new}", "rollout.spec_threshold=1", "model.dtype=float32"])
+    dims = ModelDims.from_hf(model.config)
+    planned = hf_rollout_memory(cfg, dims, TreeShape.from_rollout(prompt, branching, segments, new))
+    held = {"kv": 0, "features": 0}
+    forward = tree_sampler._Batch._forward
+
+    def measured(batch, *args):
+        forward(batch, *args)
+        kv = sum(t.nbytes for layer in batch.cache.layers for t in (layer.keys, layer.values))
+        held["kv"], held["features"] = max(held["kv"], kv), max(held["features"], sum(f.nbytes for f in batch.features))
+
+    monkeypatch.setattr(tree_sampler._Batch, "_forward", measured)
+    prompts = [list(range(1, prompt + 1)), list(range(20, 20 + prompt))]
+    trees, _ = tree_sampler.sample_trees(
+        model, prompts, branching, segments, new, SamplingParams(), eos_token_id=64,  # never sampled
+        generators=[torch.Generator().manual_seed(i) for i in range(2)],
+        speculation=tree_sampler.Speculation(Drafter.from_target(model), threshold=1))
+    assert all(len(c) == new for t in trees for c in t.completions)
+    rows, columns = 2 * 6, prompt + new
+    assert planned.rows == rows and planned.peak_at == "the end of decoding"
+    assert planned.part("kv") == rows * columns * kv_bytes_per_position(dims, 4)
+    assert held["kv"] == planned.part("kv") * (columns - 1) // columns
+    assert held["features"] == planned.part("features") // 2 * (columns - 1) // columns

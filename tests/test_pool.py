@@ -172,3 +172,64 @@ def test_idle_cpu_work_runs_at_the_lowest_priority_and_hands_back_its_result_or_
     with pytest.raises(KeyError, match="missing"):
         on_idle_cpu(lambda: {}["missing"])
     assert policy() == before  # the caller's thread keeps its policy
+
+
+def test_a_gpu_pool_under_ray_locks_its_slots_in_a_flow_process_that_sees_no_gpu(tmp_path, monkeypatch):
+    """Under pool.task_runner=ray the flow's process holds slots and computes on no GPU (it
+    may see none, or fewer than the pool has): its locks stand for pool slots, not GPU
+    UUIDs, and Ray hosts check their own GPUs. This CPU machine is such a driver."""
+    import torch
+
+    from lsreplay.config import ConfigError, load_config
+    from lsreplay.devices import LOCK_DIR_ENV, any_held, hold_devices
+    from lsreplay.hosts import DeviceHost
+
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    assert not torch.cuda.is_available()
+    cfg = load_config(None, ["pool.accelerator=cuda", "pool.task_runner=ray", "pool.ray_gpus=1", "pool.slots=4",
+                             f"pool.name=ray-{uuid.uuid4().hex[:8]}"])
+    with hold_devices(cfg.pool, 3) as held:
+        assert held == [0, 1, 2] and any_held(cfg.pool, 4)
+    assert not any_held(cfg.pool, 4)
+    with pytest.raises(ConfigError, match=r"Ray host of 2 pool device\(s\) sees no CUDA device"):
+        DeviceHost(cfg, [0, 1])
+
+
+def test_a_gpu_pool_under_ray_asks_ray_for_gpus():
+    """Ray hides every GPU from an actor that asks for none: ray_gpus=0 on a GPU pool is a
+    config error (it was accepted, and every stage then found no CUDA device)."""
+    from lsreplay.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"pool.ray_gpus.*> 0 with pool.accelerator=cuda.*pool.ray_gpus=1"):
+        load_config(None, ["pool.accelerator=cuda", "pool.task_runner=ray"])
+    assert load_config(None, ["pool.task_runner=ray"]).pool.ray_gpus == 0  # a CPU pool asks for none
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_stage_on_a_gpu_pool_computes_deterministically(tmp_path, monkeypatch, strict):
+    """Run.begin, at every stage's start, sets how the process computes on a GPU pool (the
+    switches are torch's own, set here on a CPU): cuBLAS on a fixed workspace always, and
+    with pool.deterministic every op deterministic, without torch's debugging fill of new
+    tensors (README, GPU)."""
+    import torch
+
+    from lsreplay.config import load_config
+    from lsreplay.devices import CUBLAS_WORKSPACE
+    from lsreplay.run import Run
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded as it was: put back after the test
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    cfg = load_config(None, [f"run_dir={tmp_path}", "pool.accelerator=cuda", f"pool.deterministic={strict}"])
+    try:
+        Run(load_config(None, [f"run_dir={tmp_path}"])).begin(0, "prompts")  # a CPU pool: untouched
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        Run(cfg).begin(0, "prompts")
+        assert torch.are_deterministic_algorithms_enabled() is strict
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]

@@ -156,3 +156,20 @@ def test_many_trees_batched_with_left_padding_match_each_tree_alone(model):
     summary = trace.summary(lengths)
     assert summary["length_max"] == max(lengths) and 0 <= summary["tail_time_share"] <= 1
     assert trace.live[0] == 6 and trace.finished[-1] == len(lengths)
+
+
+def test_draws_in_fixed_point_are_the_float64_draws():
+    """Under pool.deterministic on a GPU the sampler's running sums go in int64 fixed point
+    (torch refuses a floating-point cumsum there, or replaces it by a V x V masked sum): the
+    same uniforms pick the same tokens as the float64 inverse CDF, over a vocabulary of
+    SmolLM2's size and a peaked distribution alike; nothing of zero probability is drawn."""
+    from lsreplay.rollout.sampling import draw, fixed_point
+
+    vocab = 49152
+    logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logits[32:] *= 12  # peaked rows
+    probs = logits.softmax(-1).float()
+    probs[:, 7] = 0.0
+    fixed, floating = (draw(probs, torch.Generator().manual_seed(1), exact_sums=e) for e in (True, False))
+    assert torch.equal(fixed, floating) and not bool((fixed == 7).any())
+    assert not fixed_point(probs)  # a CPU tensor keeps the float64 sums (the rollouts' bits stay)

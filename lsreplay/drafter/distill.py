@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from lsreplay.config import OptimConfig
 from lsreplay.drafter.model import Drafter
+from lsreplay.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,19 @@ def _summarise(rows: list[tuple[float, ...]], steps: int) -> DistillStats:
     return DistillStats(steps, *means)
 
 
+# EAGLE's clip: early feature-regression steps can spike on outlier features.
+MAX_GRAD_NORM = 0.5
+
+
+def drafter_train_state(drafter: Drafter, lr: float, max_grad_norm: float = MAX_GRAD_NORM) -> TrainState:
+    """The drafter's trainable state, as the policy's (lsreplay.train_state): AdamW (torch's
+    defaults: betas 0.9/0.999, weight decay 0.01) on float32 masters of a bf16 drafter's
+    weights, gradients accumulated in float32, the compute weights refreshed after each
+    step; a float32 drafter is its own master. In pure bf16 an update below half an ulp
+    vanishes: at lr 1e-3 the fc's identity diagonal (1.0, ulp 7.8e-3) never moved."""
+    return TrainState(drafter, OptimConfig(lr=lr, weight_decay=0.01, beta1=0.9, beta2=0.999, grad_clip=max_grad_norm))
+
+
 def distill(
     drafter: Drafter,
     sequences: list[Sequence],
@@ -140,21 +155,22 @@ def distill(
     lr: float,
     batch_size: int,
     generator: torch.Generator,
-    optimizer: torch.optim.Optimizer | None = None,
+    train: TrainState | None = None,
     progress: bool = True,
     max_len: int = 2048,
-    max_grad_norm: float = 0.5,
+    max_grad_norm: float = MAX_GRAD_NORM,
     stop: Callable[[], bool] | None = None,
 ) -> DistillStats:
     """Train the drafter for `steps` AdamW steps on batches drawn with `generator`.
 
-    `lr` builds the optimizer when none is given; pass one back in to keep its moments
-    across spot-training sessions. `stop`, asked before each step, ends training early
-    (the stats' `steps` says how many ran). Averages cover the last STATS_WINDOW steps.
+    `lr` and `max_grad_norm` build its trainable state (`drafter_train_state`) when none is
+    given; pass one back in to keep its masters and moments across spot-training sessions.
+    `stop`, asked before each step, ends training early (the stats' `steps` says how many
+    ran). Averages cover the last STATS_WINDOW steps.
     """
     usable = _usable(sequences)
-    if optimizer is None:
-        optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    if train is None:
+        train = drafter_train_state(drafter, lr, max_grad_norm)
     was_training = drafter.training
     drafter.train()
     window = deque(maxlen=STATS_WINDOW)
@@ -166,11 +182,10 @@ def distill(
         picks = torch.randint(len(usable), (batch_size,), generator=generator, device=generator.device)
         batch = sequences_to_batch([usable[i] for i in picks.tolist()], max_len)
         loss, parts = distillation_loss(drafter, **_to_drafter(batch, drafter))
-        optimizer.zero_grad(set_to_none=True)
+        train.zero_grad()
         loss.backward()
-        # EAGLE's clip: early feature-regression steps can spike on outlier features.
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), max_grad_norm)
-        optimizer.step()
+        train.clip_grad_norm()
+        train.step()
         window.append(_row(loss, parts))
         bar.set_postfix(loss=f"{window[-1][1]:.4f}", top1=f"{window[-1][4]:.3f}", refresh=False)
     else:

@@ -27,9 +27,10 @@ import torch
 from transformers import PreTrainedModel
 
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
-from lsreplay.replay.memory import ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows
-from lsreplay.replay.segments import (PrefixKV, concat_kv, forward_segments, kv_bytes, new_kv, rollout_logprobs,
-                                      target_logprobs)
+from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows,
+                                    reset_device_peak)
+from lsreplay.replay.segments import (PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv,
+                                      rollout_logprobs, target_logprobs)
 from lsreplay.replay.view import Span, replay_view
 from lsreplay.tree import Node, RolloutTree
 
@@ -63,12 +64,13 @@ class _Replay:
         self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
         self.cascade = cascade_applies(model)
-        self.objective = torch.zeros((), dtype=torch.float64)
+        # Summed where the terms are: a host copy per scored row would wait for the device each time.
+        self.objective = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
         self.positions = 0
         self.recomputed = 0
 
     def tree(self, index: int, tree: RolloutTree, entry_weights: torch.Tensor) -> None:
-        self.index, self.t, self.w = index, tree, entry_weights
+        self.index, self.t, self.w = index, tree, entry_weights.to(self.objective.device)
         self.spans = replay_view(tree, self.join_below)
         # Unless configured, a leaf micro-batch (with the K/V held for it) may use what the
         # per-rollout backward needs for this tree's longest rollout.
@@ -154,9 +156,9 @@ class _Replay:
         for row, n in enumerate(nodes):
             if n.entry_ids:
                 lp = target_logprobs(self.model, hidden[row], n.entry_pos, n.entry_targets)
-                w = self.w[n.entry_ids].to(lp)
+                w = self.w[device_index(n.entry_ids, lp.device)].to(lp)
                 term = (lp * w).sum()
-                self.objective += term.detach().double().cpu()
+                self.objective += term.detach().double()
                 objective = objective + term
         outputs, grads = [objective], [torch.ones_like(objective)]
         if kv_grads is not None:
@@ -188,13 +190,14 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
     entry_w = _entry_weights(trees, weights)
     meter = meter or ActivationMeter(model)
     state = _Replay(model, meter, prefix_kv, budget_bytes, join_below)
+    device = next(model.parameters()).device
+    reset_device_peak(device)
     start = time.perf_counter()
     with meter.measure():
         for i, (tree, w) in enumerate(zip(trees, entry_w)):
             state.tree(i, tree, w)
     if state.recomputed:
         log.warning("recomputed %d prefix K/V entries that were missing or corrupt in the cache", state.recomputed)
-    device = next(model.parameters()).device
     return BackwardStats(
         objective=float(state.objective), positions=state.positions,
         per_rollout_positions=sum(t.total_positions for t in trees),
@@ -208,7 +211,9 @@ def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
     if len(weights) != len(trees):
         raise ValueError(f"got weights for {len(weights)} trees, expected {len(trees)}")
     meter = meter or ActivationMeter(model)
-    objective, positions = torch.zeros((), dtype=torch.float64), 0
+    device = next(model.parameters()).device
+    objective, positions = torch.zeros((), dtype=torch.float64, device=device), 0
+    reset_device_peak(device)
     start = time.perf_counter()
     with meter.measure():
         for tree, tree_w in zip(trees, weights):
@@ -219,10 +224,9 @@ def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                 positions += hidden.shape[1]
                 lp = rollout_logprobs(model, hidden[0], tree.prompt_len, comp)
                 term = (lp * torch.as_tensor(w).to(lp)).sum()
-                objective += term.detach().double().cpu()
+                objective += term.detach().double()
                 if term.requires_grad:
                     term.backward()
-    device = next(model.parameters()).device
     return BackwardStats(
         objective=float(objective), positions=positions,
         per_rollout_positions=sum(t.total_positions for t in trees),

@@ -90,7 +90,16 @@ class ActivationMeter:
                 self._release(ptr)
 
 
+def reset_device_peak(device: torch.device) -> None:
+    """Start the allocator's peak afresh (CUDA): `device_peak_bytes` then reads the peak of
+    what runs from here on, over what is allocated now, not the process's lifetime peak
+    (on an FSDP rank that includes the full float32 model it loaded before sharding)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def device_peak_bytes(device: torch.device) -> int | None:
+    """The allocator's peak since `reset_device_peak` (CUDA); None on a CPU, which has none."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return None
@@ -127,13 +136,16 @@ class ModelDims:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def params(self) -> int:
+    def layer_params(self) -> int:
+        """One decoder layer: attention, MLP, two norms."""
         h, i = self.hidden, self.intermediate
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.qkv_bias:
             attn += self.q_dim + 2 * self.kv_dim
-        layer = attn + 3 * h * i + 2 * h
-        return self.vocab * h * (1 if self.tied else 2) + self.layers * layer + h
+        return attn + 3 * h * i + 2 * h
+
+    def params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
 
 
 def kv_bytes_per_position(dims: ModelDims, elt: int) -> int:

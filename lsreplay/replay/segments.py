@@ -70,11 +70,19 @@ def new_kv(cache: DynamicCache, past_len: int, row: int = 0) -> PrefixKV:
     return keys, values
 
 
+def device_index(values, device: torch.device) -> torch.LongTensor:
+    """`values` (ints) as a long tensor on `device`. Onto a GPU through page-locked memory,
+    without waiting: a copy from pageable memory synchronises the stream, once per scored
+    row (the caching pass, the replay backward) it would stall the device each time."""
+    index = torch.as_tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def target_logprobs(model: PreTrainedModel, hidden: torch.Tensor, positions, targets) -> torch.Tensor:
     """log p(targets[i] | position positions[i]) from one row of hidden states (T, d)."""
-    device = hidden.device
-    positions = torch.as_tensor(positions, dtype=torch.long, device=device)
-    targets = torch.as_tensor(targets, dtype=torch.long, device=device)
+    positions, targets = device_index(positions, hidden.device), device_index(targets, hidden.device)
     logits = float_logits(model, hidden[positions])
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 

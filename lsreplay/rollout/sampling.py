@@ -50,17 +50,42 @@ def sample_next(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.LongTensor:
-    """One draw per row of probs (R, V), by inverse CDF in float64.
+# Probabilities as integer multiples of 2**-52 (float64's resolution at 1): their running
+# sums are exact in any order of addition.
+FIXED_ONE = 2**52
+
+
+def fixed_point(probs: torch.Tensor) -> bool:
+    """Whether running sums of probabilities go in fixed point: on a GPU under torch's
+    deterministic mode (pool.deterministic), where a floating-point cumsum is refused or,
+    in some torch versions, replaced by a V x V masked sum (gigabytes for a vocabulary)."""
+    return probs.is_cuda and torch.are_deterministic_algorithms_enabled()
+
+
+def fixed_point_cdf(probs: torch.Tensor) -> torch.LongTensor:
+    """Running sums over the last dim of probs in [0, 1], in units of 1 / FIXED_ONE (int64)."""
+    return (probs.double() * FIXED_ONE).floor().long().cumsum(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None, exact_sums: bool | None = None) -> torch.LongTensor:
+    """One draw per row of probs (R, V), by inverse CDF in float64 (`exact_sums`, default
+    `fixed_point(probs)`: in fixed point, which moves each token's probability by < 2**-52).
 
     Exact like torch.multinomial, which on a CPU costs about 1.3 ms per row over a 49k
     vocabulary (some 25x this; 9% of a 16-row rollout stage of SmolLM2-135M).
     """
-    cdf = probs.double().cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    if exact_sums is None:
+        exact_sums = fixed_point(probs)
+    if exact_sums:
+        cdf = fixed_point_cdf(probs)
+        at = (u * cdf[:, -1:]).long()
+    else:
+        cdf = probs.double().cumsum(-1)
+        at = u * cdf[:, -1:]
     # The first token whose cdf exceeds u * total has probability > 0; the clamp only
     # guards the rounding of u * total up to the total itself.
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, at, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def _truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -72,7 +97,11 @@ def _truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         ranked, order = logits.sort(dim=-1, descending=True)
         probs = ranked.softmax(dim=-1)
         # A token is cut when those ranked above it already cover top_p, so the top one always stays.
-        cut_ranked = probs.cumsum(dim=-1) - probs >= params.top_p
+        if fixed_point(probs):
+            above = fixed_point_cdf(probs) - (probs.double() * FIXED_ONE).floor().long()
+            cut_ranked = above >= params.top_p * FIXED_ONE
+        else:
+            cut_ranked = probs.cumsum(dim=-1) - probs >= params.top_p
         cut = torch.zeros_like(cut_ranked).scatter(-1, order, cut_ranked)
         logits = logits.masked_fill(cut, float("-inf"))
     return logits

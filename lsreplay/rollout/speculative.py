@@ -180,6 +180,16 @@ def _stack(outputs: list[list[int]], pad: int, device) -> torch.LongTensor:
     return result
 
 
+def host_lists(*tensors: torch.Tensor) -> list[list]:
+    """`.tolist()` of each tensor with one wait for the device, not one each: the copies off a
+    GPU go into page-locked memory without waiting, then the stream is waited for once."""
+    if any(t.is_cuda for t in tensors):
+        copies = [t.to("cpu", non_blocking=True) for t in tensors]
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+        tensors = tuple(copies)
+    return [t.tolist() for t in tensors]
+
+
 def _positions(mask: torch.BoolTensor) -> torch.LongTensor:
     """HF's convention for left padding: count of real tokens before, padding at 0."""
     return (mask.long().cumsum(1) - 1).clamp(min=0)
@@ -210,14 +220,17 @@ class _MaskedCache:
         self.mask = mask  # (A, columns the cache holds)
         self.holes = not bool(mask.all())
 
-    def attend(self, new: torch.BoolTensor) -> torch.BoolTensor | None:
+    # `visible`: whether every entry of `new` is true, where the caller knows it on the host;
+    # asking the device instead waits for it (twice per drafted token).
+    def attend(self, new: torch.BoolTensor, visible: bool | None = None) -> torch.BoolTensor | None:
         """The 2D mask for a forward adding columns `new` (A, n); None when nothing is hidden."""
-        full = torch.cat([self.mask, new], dim=1)
-        return full if self.holes or not bool(new.all()) else None
+        if not self.holes and (bool(new.all()) if visible is None else visible):
+            return None
+        return torch.cat([self.mask, new], dim=1)
 
-    def extend(self, new: torch.BoolTensor) -> None:
+    def extend(self, new: torch.BoolTensor, visible: bool | None = None) -> None:
         self.mask = torch.cat([self.mask, new], dim=1)
-        self.holes = self.holes or not bool(new.all())
+        self.holes = self.holes or not (bool(new.all()) if visible is None else visible)
 
     def crop(self, length: int) -> None:
         _crop_to(self.cache, length)
@@ -324,21 +337,25 @@ class Speculator:
         self.cu_h = torch.where(mask[..., None], features, torch.zeros((), dtype=features.dtype, device=ids.device))
         self.cu_pos, self.cu_valid = _positions(mask), mask
         self.cu_last = torch.full_like(last, ids.shape[1] - 1)
+        # On the host: each row's cu_last, and whether cu_valid still holds the padding.
+        self.cu_ends, self.cu_padded = [ids.shape[1] - 1] * len(last), not bool(mask.all())
 
     def round(self, k: int) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor]:
         """One draft + verify round (k = 0: no drafts, one token per row, as plain decoding).
 
         Returns the tokens (A, k+1), of which row i emits the first accepted[i] + 1, the
-        accepted counts (A,), and the verify logits (A, k+1, V): position j scores token j.
+        accepted counts (a list of A ints), and the verify logits (A, k+1, V): position j
+        scores token j.
         """
         stats, rows = self.stats, torch.arange(self.last.shape[0], device=self.last.device)
         start = time.perf_counter()
         # 1. Catch-up with the target's real features; trailing columns no row uses are skipped.
-        width = int(self.cu_last.max()) + 1
+        width = max(self.cu_ends) + 1
         valid = self.cu_valid[:, :width]
+        all_valid = None if self.cu_padded else min(self.cu_ends) + 1 == width  # padded: the device knows
         out = self.drafter(self.cu_tok[:, :width], self.cu_h[:, :width], self.cu_pos[:, :width],
-                           cache=self.d.cache, attention_mask=self.d.attend(valid))
-        self.d.extend(valid)
+                           cache=self.d.cache, attention_mask=self.d.attend(valid, all_valid))
+        self.d.extend(valid, all_valid)
         base = self.d.mask.shape[1]
         features = out[rows, self.cu_last]  # h^ at each row's position `pos`
         # 2. Draft k tokens, feeding predicted features back.
@@ -350,8 +367,8 @@ class Speculator:
             if j + 1 < k:
                 one = torch.ones_like(valid[:, :1])
                 features = self.drafter(token[:, None], features[:, None], (self.pos + j)[:, None],
-                                        cache=self.d.cache, attention_mask=self.d.attend(one))[:, 0]
-                self.d.extend(one)
+                                        cache=self.d.cache, attention_mask=self.d.attend(one, True))[:, 0]
+                self.d.extend(one, True)
         self.d.crop(base)  # drafted entries rest on predicted features: drop them
         stats.drafter_forwards += k
         # k = 0 drafts nothing: the round verifies `last` alone, a plain decoding step.
@@ -362,7 +379,7 @@ class Speculator:
         offsets = torch.arange(k + 1, device=block.device)
         block_pos = self.pos[:, None] + offsets
         length = self.t.mask.shape[1]
-        hidden, logits = self._target(block, block_pos, self.t.attend(torch.ones_like(block, dtype=torch.bool)),
+        hidden, logits = self._target(block, block_pos, self.t.attend(torch.ones_like(block, dtype=torch.bool), True),
                                       self.t.cache)
         if self.params.temperature == 0:
             accepted, nxt = _accept_greedy(logits, drafts)
@@ -371,23 +388,25 @@ class Speculator:
             accepted, nxt = _accept_sampled(self._probs(logits), q, drafts, self.generator)
         # 4. Keep each row's x_N..x_{N+a}; columns past the longest row go.
         keep = offsets[None] <= accepted[:, None]
-        used = int(accepted.max()) + 1
-        self.t.extend(keep[:, :used])
+        (counts,) = host_lists(accepted)  # the round's one wait for the device
+        used = max(counts) + 1
+        self.t.extend(keep[:, :used], min(counts) + 1 == used)
         self.t.crop(length + used)
         # 5. The emitted tokens d_1..d_a, next; they are also next round's catch-up pairs
         # (x_{t+1}, h_t) for the positions just verified.
         tokens = torch.cat([drafts, drafts.new_zeros(len(rows), 1)], dim=1)
         tokens[rows, accepted] = nxt
         self.cu_tok, self.cu_h, self.cu_pos, self.cu_valid, self.cu_last = tokens, hidden, block_pos, keep, accepted
+        self.cu_ends, self.cu_padded = counts, False
         self.pos = self.pos + accepted + 1
         self.last = nxt
         stats.draft_seconds += mid - start
         stats.verify_seconds += time.perf_counter() - mid
         stats.verify_rows += len(rows)
         stats.drafted += k * len(rows)
-        stats.accepted += int(accepted.sum())
+        stats.accepted += sum(counts)
         stats.draft_lens.append(k)
-        return tokens, accepted, logits
+        return tokens, counts, logits
 
     def select(self, keep: torch.LongTensor) -> None:
         """Keep only rows `keep` (finished rows leave the batch)."""
@@ -395,6 +414,7 @@ class Speculator:
         self.d.select(keep)
         for name in ("pos", "last", "cu_tok", "cu_h", "cu_pos", "cu_valid", "cu_last"):
             setattr(self, name, getattr(self, name)[keep])
+        self.cu_ends = [self.cu_ends[i] for i in keep.tolist()]
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
@@ -447,9 +467,12 @@ def decode_rounds(spec: Speculator, outputs: list[list[int]], max_new_tokens: in
         # Never draft past what the longest live row still needs.
         k_used = min(k, max(1, max_new_tokens - min(len(outputs[r]) for r in live) - 1))
         tokens, accepted, logits = spec.round(k_used)
-        new_logprobs = raw_logprobs(logits, tokens).tolist() if logprobs is not None else None
+        if logprobs is None:
+            (new_tokens,), new_logprobs = host_lists(tokens), None
+        else:
+            new_tokens, new_logprobs = host_lists(tokens, raw_logprobs(logits, tokens))
         kept_total, going, ended = 0, [], []
-        for i, (row, new, a) in enumerate(zip(live, tokens.tolist(), accepted.tolist())):
+        for i, (row, new, a) in enumerate(zip(live, new_tokens, accepted)):
             kept = _kept(new[:a + 1], eos_ids, max_new_tokens - len(outputs[row]))
             outputs[row] += new[:kept]
             if logprobs is not None:

@@ -40,6 +40,7 @@ from lsreplay.rollout.speculative import (
     check_draft_len,
     decode_rounds,
     evaluating,
+    host_lists,
 )
 
 log = logging.getLogger(__name__)
@@ -155,18 +156,20 @@ class _Batch:
 
     Prompts are left-padded; `mask` marks each row's real positions, so a row's next
     position is its count of real tokens. With speculation on, `features` keeps the
-    model's final-norm features of every cache column (the drafter's catch-up input)."""
+    model's final-norm features of every cache column (the drafter's catch-up input): a
+    list of (rows, columns, d) chunks, one per forward, joined only where rows change (a
+    fork, rows that finished) or speculation starts, so a decode step copies none of it."""
 
-    def __init__(self, model, prompts: list[list[int]], params: list[SamplingParams], eos, generators, progress,
-                 max_new_tokens: int, speculation: Speculation | None):
-        self.model, self.prompts, self.params, self.eos, self.generators = model, prompts, params, eos, generators
+    def __init__(self, model, prompts: list[list[int]], params: list[SamplingParams], eos: set[int], generators,
+                 progress, max_new_tokens: int, speculation: Speculation | None):
+        self.model, self.prompts, self.params, self.eos_ids, self.generators = model, prompts, params, eos, generators
         self.progress, self.max_new_tokens, self.speculation = progress, max_new_tokens, speculation
         self.cache = DynamicCache(config=model.config)
         self.branches = [_Branch(tree=i, path=()) for i in range(len(prompts))]
         self.leaves: list[tuple[_Branch, bool]] = []
         self.positions = [0] * len(prompts)
         self.trace = DecodeTrace()
-        self.features: torch.Tensor | None = None
+        self.features: list[torch.Tensor] | None = [] if speculation is not None else None
         self.forks_done = False  # set at the last level: only then may speculation start
 
     def prefill(self) -> None:
@@ -184,15 +187,22 @@ class _Batch:
         hidden = self.model.base_model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
                                        use_cache=True, **with_cache(self.cache)).last_hidden_state
         self.logits = float_logits(self.model, hidden[:, -1])
-        if self.speculation is not None:
-            self.features = hidden if self.features is None else torch.cat([self.features, hidden], dim=1)
+        if self.features is not None:
+            self.features.append(hidden)
+
+    def _joined_features(self) -> torch.Tensor:
+        """The features of every cache column as one tensor (the chunks go as they are joined)."""
+        chunks, self.features = self.features, None
+        joined = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        del chunks
+        return joined
 
     def _select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.logits.device)
         self.cache.reorder_cache(index)
         self.logits, self.mask = self.logits[index], self.mask[index]
         if self.features is not None:
-            self.features = self.features[index]
+            self.features = [self._joined_features()[index]]
         self.branches = [self.branches[i] for i in rows]
 
     def fork(self, fan_out: int) -> None:
@@ -220,8 +230,9 @@ class _Batch:
         start = time.perf_counter()
         live = len(self.branches)
         tokens, logprobs = self.sample()
-        ended = torch.isin(tokens, self.eos).tolist()
-        for branch, token, logprob in zip(self.branches, tokens.tolist(), logprobs.tolist()):
+        token_list, logprob_list = host_lists(tokens, logprobs)  # the step's one wait for the device
+        ended = [token in self.eos_ids for token in token_list]
+        for branch, token, logprob in zip(self.branches, token_list, logprob_list):
             branch.tokens.append(token)
             branch.logprobs.append(logprob)
         if self.progress is not None:
@@ -259,11 +270,11 @@ class _Batch:
         spec, branches = self.speculation, self.branches
         log.info("adaptive rollout engine: speculative decoding on at %d live sequences (threshold %d), "
                  "%d tokens into the completions", len(branches), spec.threshold, len(branches[0].tokens))
-        eos_ids = set(self.eos.tolist())
+        eos_ids = self.eos_ids
         speculator = Speculator(self.model, spec.drafter, self.params[branches[0].tree], self._spec_generator(),
                                 spec.draft_vocab, self.trace.spec)
-        speculator.resume(self.cache, self._encoded_ids(), self.mask.bool(), self.features, last)
-        self.cache = self.features = None  # the speculator owns them now
+        speculator.resume(self.cache, self._encoded_ids(), self.mask.bool(), self._joined_features(), last)
+        self.cache = None  # the speculator owns it and the features now
 
         def on_round(rows: list[int], draft_len: int, tokens: int, seconds: float, ended: list[int]) -> None:
             for row in rows:
@@ -344,7 +355,7 @@ def sample_trees(
     if speculation is not None and any(p != params[0] for p in params):
         raise ValueError("speculation needs the same SamplingParams for every prompt: the speculative "
                          "phase verifies rows of several trees in one batch under one sampling rule")
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=model.device)
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     batch = _Batch(model, prompts, params, eos, generators, progress, max_new_tokens, speculation)
     with evaluating(model, *([speculation.drafter] if speculation is not None else [])):
         batch.prefill()

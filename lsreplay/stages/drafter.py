@@ -3,8 +3,8 @@
 
 Spot training. The drafter of step t is scheduled while step t+1's rollouts run, on pool
 slots their finished shards free (flows/train.py), and trains until those rollouts end:
-after every `drafter.checkpoint_every` steps it checkpoints (weights, optimizer, sampler
-state) and looks whether step t+1's trees are finished. A preempted or killed trainer
+after every `drafter.checkpoint_every` steps it checkpoints (its float32 master weights,
+optimizer, sampler state) and looks whether step t+1's trees are finished. A preempted or killed trainer
 resumes from its last checkpoint. The last step's drafter, with no rollouts after it,
 trains all `drafter.steps`. Rollouts of step t+2 are the first to use it. Without an
 accelerator the freed slot is CPU time the rollouts share, so the trainer runs at idle
@@ -21,16 +21,17 @@ import torch
 from tqdm.auto import tqdm
 
 from lsreplay import faults
-from lsreplay.checkpoint import (CheckpointError, load_module, load_optimizer, load_rng, save_module,
-                                 save_optimizer, save_rng)
+from lsreplay.checkpoint import (CheckpointError, check_fits, load_module, load_optimizer, load_rng, load_weights,
+                                 save_optimizer, save_rng, save_weights)
 from lsreplay.devices import on_idle_cpu
-from lsreplay.drafter.distill import distill, evaluate
+from lsreplay.drafter.distill import distill, drafter_train_state, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
 from lsreplay.run import Run
 from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
-from lsreplay.storage import CorruptEntry, MissingEntry
+from lsreplay.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ SPOT_STATE = "spot.json"  # written after each spot checkpoint: steps done + the
 @dataclasses.dataclass
 class _Trainer:
     drafter: Drafter
-    optimizer: torch.optim.Optimizer
+    train: TrainState  # AdamW over float32 masters of a bf16 drafter (the drafter itself in float32)
     batches: torch.Generator  # draws the training batches
     steps_done: int = 0
 
@@ -99,7 +100,7 @@ def _train(run: Run, step: int, trainer: _Trainer, sequences, rollouts_ended) ->
         while trainer.steps_done < d.steps:
             chunk = min(d.checkpoint_every, d.steps - trainer.steps_done)
             ran = distill(trainer.drafter, sequences, steps=chunk, lr=d.lr, batch_size=d.batch_size,
-                          generator=trainer.batches, optimizer=trainer.optimizer, progress=False,
+                          generator=trainer.batches, train=trainer.train, progress=False,
                           stop=rollouts_ended)
             if ran.steps:
                 stats = ran
@@ -132,8 +133,8 @@ def _start_or_resume(run: Run, step: int, target) -> _Trainer:
     prefix = run.checkpoint("drafter", step)
     try:
         state = run.store.read_json(f"{prefix}/{SPOT_STATE}")
-        load_module(run.store, prefix, trainer.drafter, state["manifest"])
-        load_optimizer(run.store, prefix, trainer.optimizer, state["manifest"])
+        _load_masters(run.store, prefix, trainer.train, state["manifest"])
+        load_optimizer(run.store, prefix, trainer.train.optimizer, state["manifest"])
         trainer.batches.set_state(load_rng(run.store, prefix, state["manifest"])["batches"])
     except MissingEntry:
         return trainer
@@ -146,15 +147,24 @@ def _start_or_resume(run: Run, step: int, target) -> _Trainer:
 
 
 def _fresh(run: Run, step: int, target) -> _Trainer:
-    """The newest trained drafter (none yet: a new one, seeded per step so that a resumed
-    process starts from the same weights), a new optimizer, a seeded batch sampler."""
+    """The newest trained drafter's masters (none yet: a new drafter, seeded per step so that
+    a resumed process starts from the same weights), a new optimizer, a seeded batch sampler."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run.seed(step, "drafter-init"))
         drafter = Drafter.from_target(target)
+    train = drafter_train_state(drafter, run.cfg.drafter.lr)
     if (previous := newest_drafter(run, step - 1)) is not None:
-        load_drafter(run, previous, drafter)
-    return _Trainer(drafter, torch.optim.AdamW(drafter.parameters(), lr=run.cfg.drafter.lr),
-                    run.generator(step, "drafter"))
+        with run.reading(previous, "drafter"):
+            _load_masters(run.store, run.checkpoint("drafter", previous), train,
+                          run.checkpoint_manifest("drafter", previous))
+    return _Trainer(drafter, train, run.generator(step, "drafter"))
+
+
+def _load_masters(store: Store, prefix: str, train: TrainState, manifest: dict) -> None:
+    """A drafter checkpoint's weights (float32 masters) into `train`; the compute weights follow."""
+    tensors = load_weights(store, prefix, manifest)
+    check_fits(store, prefix, train.model, tensors)
+    train.load_masters(tensors)
 
 
 def newest_drafter(run: Run, step: int) -> int | None:
@@ -167,7 +177,8 @@ def newest_drafter(run: Run, step: int) -> int | None:
 
 
 def load_drafter(run: Run, step: int, drafter: Drafter) -> Drafter:
-    """Load the finished drafter of `step` into `drafter`, verified against its manifest."""
+    """Load the finished drafter of `step` into `drafter` (its masters, rounded to its dtype),
+    verified against its manifest."""
     with run.reading(step, "drafter"):
         load_module(run.store, run.checkpoint("drafter", step), drafter, run.checkpoint_manifest("drafter", step))
     return drafter
@@ -176,9 +187,9 @@ def load_drafter(run: Run, step: int, drafter: Drafter) -> Drafter:
 def _save(run: Run, step: int, trainer: _Trainer) -> list[dict]:
     """Checkpoint the trainer; its state file, written last, makes the checkpoint resumable."""
     prefix = run.checkpoint("drafter", step)
-    parts = [save_module(run.store, prefix, trainer.drafter, {"step": step, "drafter": trainer.drafter.config_dict(),
-                                                               "steps_done": trainer.steps_done}),
-             save_optimizer(run.store, prefix, trainer.optimizer),
+    meta = {"step": step, "drafter": trainer.drafter.config_dict(), "steps_done": trainer.steps_done}
+    parts = [save_weights(run.store, prefix, trainer.train.master_tensors(), meta),
+             save_optimizer(run.store, prefix, trainer.train.optimizer),
              save_rng(run.store, prefix, {"batches": trainer.batches})]
     entries = {name: e for p in parts for name, e in p["files"].items()}
     # Keys and digests only (no absolute URIs): a copied or moved run still resumes.

@@ -12,6 +12,7 @@ from lsreplay import checkpointing, faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, with_kl
+from lsreplay.devices import cuda_determinism
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.resident import RESIDENT
@@ -182,6 +183,7 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        cuda_determinism(cfg.pool)  # a process of its own: Run.begin set it in the stage's only
     run = Run(cfg)
     _, trees = load_trees(run, step)
     prefixes = run.manifest(step, "prefixes")
@@ -227,7 +229,9 @@ def _load_moments(train: TrainState, shared: dict, rank: int, world: int) -> Non
     for master, moments in zip(train.masters, shared["optimizer"]):
         state = train.optimizer.state[master]
         for name, full in moments.items():
-            if name == "step" or not hasattr(master, "to_local"):
+            if name == "step":  # on the host, as AdamW keeps it: on a GPU, each step would read it back
+                state[name] = full.clone()
+            elif not hasattr(master, "to_local"):
                 state[name] = full.to(local(master).device, copy=True)
             else:
                 rows = _rows(full, rank, world).to(master.to_local().device, copy=True)

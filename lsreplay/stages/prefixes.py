@@ -93,7 +93,17 @@ class StoredPrefixKV:
             except StorageError as e:
                 log.warning("tree %d node %d: cached prefix K/V unusable (%s); recomputing it", tree, node.id, e)
                 return None
-        return [k.to(self.device) for k in keys], [v.to(self.device) for v in values]
+        # From page-locked memory (replay.kv_offload=host, on a GPU) without waiting for the device.
+        return ([k.to(self.device, non_blocking=True) for k in keys],
+                [v.to(self.device, non_blocking=True) for v in values])
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory: off a GPU into page-locked memory, which the backward's copy back
+    (StoredPrefixKV) reads without waiting for the device; a CPU tensor as it is."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
 def _capture(run: Run, model, tree, score: bool, keep_hidden: bool) -> TreeActivations:
@@ -132,9 +142,11 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
         read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below)) if store_kv else set()
         for node_id in sorted(read):
             kv = acts.prefix_kv[node_id]
+            if run.cfg.replay.kv_offload == "host":  # one copy off the device, both written and kept
+                kv = tuple([_host_copy(t) for t in half] for half in kv)
             nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
             if run.cfg.replay.kv_offload == "host":
-                HOST_KV[nodes[str(node_id)]["sha256"]] = tuple([t.cpu() for t in half] for half in kv)
+                HOST_KV[nodes[str(node_id)]["sha256"]] = kv
         kv_entries.append(nodes)
         files += nodes.values()
         if score or keep_hidden:
