@@ -110,7 +110,7 @@ def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
     if checkpointing.manifest(run, cfg.steps - 1) is None:  # the run's result must be in the store
         raise StageFailed("policy", cfg.steps - 1, "its checkpoint could not be written: "
                           + "; ".join(checkpointing.WRITER.failures[-3:]))
-    run.store.sweep_interrupted_writes()  # e.g. a Ray host's, killed while writing and replaced
+    run.store.sweep_interrupted_writes()  # a finished run holds nothing half-written, whoever wrote it
     artifacts.summary(run)
     return run.metrics()
 

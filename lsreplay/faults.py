@@ -163,8 +163,8 @@ def partly_written(key: str) -> None:
     from lsreplay.checkpoint import MODEL_FILE
     from lsreplay.run import Run
 
-    folder, name = posixpath.split(key)
-    step = folder.removeprefix(posixpath.dirname(Run.checkpoint("policy", 0)) + "/step_")
+    folder, name = posixpath.split(key)  # checkpoints/policy/step_NNNN, model.safetensors
+    step = folder.removeprefix(Run.checkpoint("policy", 0).removesuffix("0000"))
     if name == MODEL_FILE and step.isdigit() and _take("checkpoint", int(step), ("tear",)):
         log.warning("injected kill in the middle of writing %s", key)
         _kill()

@@ -266,8 +266,8 @@ class Store:
         except StorageError as e:
             log.warning("could not remove what interrupted writes left in %s: %s", self.uri, e)
         if any(found.values()):
-            log.info("removed what interrupted writes left in %s: %d temporary files (%.1f MB), %d incomplete "
-                     "uploads", self.uri, found["files"], found["bytes"] / 1e6, found["uploads"])
+            log.info("removed what interrupted writes left in %s: %d temporary file(s) (%.1f MB), %d incomplete "
+                     "upload(s)", self.uri, found["files"], found["bytes"] / 1e6, found["uploads"])
         return found
 
     def _remove_temporary_files(self) -> dict:
