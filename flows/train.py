@@ -59,6 +59,7 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     logger = get_run_logger()
     run = preflight(cfg, force)
     run.save_or_check_config(force=force)
+    run.store.sweep_interrupted_writes()  # left by a killed run; nothing of this one writes yet
     cfg = run.cfg  # its thread count pinned: every stage computes with it
     ensure_pool(cfg.pool)
     logger.info("run %s: %d steps, storage %s, %d torch threads", cfg.run_dir, cfg.steps, run.store.uri,
@@ -109,6 +110,7 @@ def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
     if checkpointing.manifest(run, cfg.steps - 1) is None:  # the run's result must be in the store
         raise StageFailed("policy", cfg.steps - 1, "its checkpoint could not be written: "
                           + "; ".join(checkpointing.WRITER.failures[-3:]))
+    run.store.sweep_interrupted_writes()  # a finished run holds nothing half-written, whoever wrote it
     artifacts.summary(run)
     return run.metrics()
 

@@ -8,7 +8,7 @@
     lsreplay convert-model                                             the SmolLM2 conversion alone
 
 Exit status: 0 done, 1 a stage failed (the message names it), 2 bad input (config, model,
-data, storage, checkpoint).
+data, storage, checkpoint) or no Prefect server to run on.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def _run_flow(cfg, force: bool, from_step: int | None = None, **flow_args) -> in
         from lsreplay.checkpointing import restart_after
 
         restart_after(run, from_step)
+    from flows.prefect_api import connect
     from flows.train import train
 
+    connect()
     metrics = train(force=force, **flow_args)
     print(f"finished {sum('loss' in m for m in metrics)} steps; metrics in the run directory's metrics.jsonl")
     return 0
@@ -80,8 +82,10 @@ def _serve(args) -> int:
 
     overrides = secrets_to_env(args.overrides)
     load_config(args.config, overrides)
+    from flows.prefect_api import connect
     from flows.serve import serve
 
+    connect()
     config = os.path.abspath(args.config) if args.config else None
     serve(config, overrides, cron=args.cron, interval=args.interval, name=args.name)
     return 0

@@ -10,14 +10,17 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     STAGE[@STEP]:stall[*N]   hold the stage at its middle for LSREPLAY_STALL_SECONDS (default
                              5), N times (default 1): a straggler, e.g. one slow rollout shard
     policy[@STEP]:nan        make the policy loss NaN (the step must not be committed)
+    checkpoint[@STEP]:tear   SIGKILL this process halfway through writing the weights file of
+                             the step's policy checkpoint: a torn write (a partial temporary
+                             file beside a local store's entry, an incomplete S3 multipart upload)
     storage:fail[*N]         the next N store writes raise a transient ConnectionError
 
 STAGE is one of lsreplay.run.STAGES, `eval` (the held-out evaluation), or `checkpoint`
 (the policy checkpoint's write, in the background: `checkpoint@1:kill` kills the process
 after the weights file of step 1's checkpoint is written, before it is complete); without
 @STEP a fault applies at every step. Counts are per process. Stages call `hook(stage,
-step, point)` at "start" and "mid"; the store calls `storage_write(key)`. Unset, every
-hook returns at once.
+step, point)` at "start" and "mid"; the store calls `storage_write(key)` before each write
+and `partly_written(key)` in its middle. Unset, every hook returns at once.
 
     LSREPLAY_FAULTS="trees@1:kill" lsreplay train ...
     LSREPLAY_FAULTS="prefixes@0:fail*2,storage:fail*3" lsreplay train ...
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import posixpath
 import re
 import signal
 import threading
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 ENV = "LSREPLAY_FAULTS"
-ACTIONS = ("kill", "fail", "error", "nan", "stall")
+ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear")
 STALL_ENV = "LSREPLAY_STALL_SECONDS"
 _SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z]+)(?:\*(?P<count>\d+))?$")
 
@@ -80,7 +84,9 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: {item!r}: storage faults are storage:fail[*N]")
         if action == "nan" and target != "policy":
             raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN")
-        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall") else 2**31)
+        if action == "tear" and target != "checkpoint":
+            raise ValueError(f"{ENV}: {item!r}: only a checkpoint's write can be torn (checkpoint[@STEP]:tear)")
+        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall", "tear") else 2**31)
         faults.append(Fault(target, int(m["step"]) if m["step"] else None, action, count))
     return faults
 
@@ -132,9 +138,13 @@ def hook(stage: str, step: int, point: str) -> None:
         time.sleep(seconds)
     elif point == "mid" and _take(stage, step, ("kill",)):
         log.warning("injected kill in the middle of stage %s of step %d", stage, step)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill()
+
+
+def _kill() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def loss(stage: str, step: int, value: float) -> float:
@@ -143,6 +153,21 @@ def loss(stage: str, step: int, value: float) -> float:
         log.warning("injected NaN loss in stage %s of step %d", stage, step)
         return math.nan
     return value
+
+
+def partly_written(key: str) -> None:
+    """Called by the store in the middle of writing entry `key`: part of its bytes are
+    written, the entry is not in place yet."""
+    if not os.environ.get(ENV):
+        return
+    from lsreplay.checkpoint import MODEL_FILE
+    from lsreplay.run import Run
+
+    folder, name = posixpath.split(key)  # checkpoints/policy/step_NNNN, model.safetensors
+    step = folder.removeprefix(Run.checkpoint("policy", 0).removesuffix("0000"))
+    if name == MODEL_FILE and step.isdigit() and _take("checkpoint", int(step), ("tear",)):
+        log.warning("injected kill in the middle of writing %s", key)
+        _kill()
 
 
 def storage_write(key: str) -> None:

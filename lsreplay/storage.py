@@ -9,18 +9,22 @@ so a reader can check it got exactly what the writer wrote.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import posixpath
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import fsspec
+import fsspec.asyn
 import safetensors.torch
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -52,8 +56,22 @@ RETRIES_ENV, BACKOFF_ENV = "LSREPLAY_STORAGE_RETRIES", "LSREPLAY_STORAGE_BACKOFF
 DEFAULT_RETRIES, DEFAULT_BACKOFF = 3, 0.5
 
 # Marks the temporary file of a local write in progress; list() hides such files, which a
-# writer killed between write and rename leaves behind.
+# writer killed between write and rename leaves behind (sweep_interrupted_writes removes them).
 _TMP_MARK = ".lsreplay-tmp-"
+
+# An S3 entry larger than a part goes up as a multipart upload, a part at a time from the
+# entry's pieces (never the whole entry copied in memory), up to the filesystem's
+# max_concurrency parts at once. A writer killed in the middle leaves an incomplete upload,
+# which sweep_interrupted_writes aborts; a smaller entry is one PUT, which S3 publishes only
+# once complete, so a killed one leaves nothing. S3 parts are at least 5 MiB (the last one
+# excepted) and at most 10,000; the environment can set the size (tests make it small).
+PART_BYTES_ENV = "LSREPLAY_STORAGE_PART_BYTES"
+DEFAULT_PART_BYTES, MIN_PART_BYTES, MAX_PARTS = 64 * 2**20, 5 * 2**20, 10_000
+
+# This process's writes in progress: temporary file paths and S3 upload ids. A sweep of
+# interrupted writes leaves them alone, whichever thread writes them.
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
 
 
 class StorageError(RuntimeError):
@@ -76,6 +94,7 @@ class Store:
         fs, root = fsspec.url_to_fs(uri, **_with_defaults(uri, options))
         self._fs = fs
         self._local = isinstance(fs, LocalFileSystem)
+        self._s3 = "s3" in fs.protocol
         self._root = os.path.normpath(root) if self._local else root.rstrip("/")
         self.uri = self._root if self._local else fs.unstrip_protocol(self._root)
         # Kept for error messages only; the credentials stay inside the filesystem object.
@@ -131,7 +150,9 @@ class Store:
         def op() -> None:
             faults.storage_write(key)
             if self._local:
-                _write_local_atomic(path, pieces)
+                _write_local_atomic(path, pieces, lambda: faults.partly_written(key))
+            elif self._s3 and size > _part_bytes(size):
+                self._upload_multipart(path, pieces, size, lambda: faults.partly_written(key))
             else:
                 # An object store publishes an object only once its upload completes.
                 self._fs.pipe_file(path, b"".join(pieces))
@@ -156,11 +177,12 @@ class Store:
                 return
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
-            try:
-                os.link(source, tmp)
-            except OSError:  # another file system, or links refused: copy
-                shutil.copyfile(source, tmp)
-            os.replace(tmp, path)
+            with _write_in_progress(tmp):
+                try:
+                    os.link(source, tmp)
+                except OSError:  # another file system, or links refused: copy
+                    shutil.copyfile(source, tmp)
+                os.replace(tmp, path)
 
         self._call(key, op)
         key = _check_key(key)
@@ -259,6 +281,73 @@ class Store:
 
         self._call(prefix, op)
 
+    def sweep_interrupted_writes(self) -> dict:
+        """Remove what writes cut short (a killed process) left under the root: temporary
+        files of local writes, incomplete multipart uploads in S3; never a write this process
+        has in progress. Entries are untouched: a temporary file or an upload is no entry, and
+        nothing names one. Returns {"files", "bytes", "uploads"}: what was removed. A store that
+        refuses (e.g. no permission to list uploads) is left as it is, with a warning."""
+        found = {"files": 0, "bytes": 0, "uploads": 0}
+        try:
+            if self._local:
+                found.update(self._call("", self._remove_temporary_files))
+            elif self._s3:
+                found["uploads"] = self._call("", self._abort_incomplete_uploads)
+        except StorageError as e:
+            log.warning("could not remove what interrupted writes left in %s: %s", self.uri, e)
+        if any(found.values()):
+            log.info("removed what interrupted writes left in %s: %d temporary file(s) (%.1f MB), %d incomplete "
+                     "upload(s)", self.uri, found["files"], found["bytes"] / 1e6, found["uploads"])
+        return found
+
+    def _remove_temporary_files(self) -> dict:
+        files = size = 0
+        for path, info in self._fs.find(self._root, detail=True).items():
+            if _TMP_MARK in posixpath.basename(path) and not _writing(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    files, size = files + 1, size + int(info["size"])
+        return {"files": files, "bytes": size}
+
+    def _abort_incomplete_uploads(self) -> int:
+        bucket, root, _ = self._fs.split_path(self._root)
+        query = {"Bucket": bucket, "Prefix": f"{root}/" if root else ""}
+        uploads = []
+        while True:  # a page holds up to 1,000 uploads
+            page = self._fs.call_s3("list_multipart_uploads", **query)
+            uploads += [u for u in page.get("Uploads", []) if not _writing(u["UploadId"])]
+            if not page.get("IsTruncated"):
+                break
+            query.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+        for upload in uploads:
+            self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        return len(uploads)
+
+    def _upload_multipart(self, path: str, pieces: list, size: int, midway: Callable[[], None]) -> None:
+        """Upload the `size` bytes of `pieces`, concatenated, to `path` in parts (_part_bytes);
+        `midway()` runs once the first half of the parts are up."""
+        fs, part_bytes = self._fs, _part_bytes(size)
+        bucket, key, _ = fs.split_path(path)
+        upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        count, cut = math.ceil(size / part_bytes), _cut(pieces, part_bytes)
+
+        def send(numbers: range) -> list[dict]:
+            return fsspec.asyn.sync(fs.loop, _upload_parts, fs, bucket, key, upload_id, cut, numbers,
+                                    fs.max_concurrency)
+
+        with _write_in_progress(upload_id):
+            try:
+                parts = send(range(1, count // 2 + 1))
+                midway()  # out of the filesystem's event loop: it may use the store
+                parts += send(range(count // 2 + 1, count + 1))
+                fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                           MultipartUpload={"Parts": parts})
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+                raise
+        fs.invalidate_cache(path)
+
     def _path(self, key: str) -> str:
         return f"{self._root}/{_check_key(key)}"
 
@@ -327,29 +416,104 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_local_atomic(path: str, pieces: list) -> None:
+def _write_local_atomic(path: str, pieces: list, midway: Callable[[], None]) -> None:
     """Write to a temporary file beside the target, flush it to disk, then rename over the
-    target: a rename within one directory is atomic, so readers never see a partial file."""
+    target: a rename within one directory is atomic, so readers never see a partial file.
+    `midway()` runs once the first half of the pieces are in the file."""
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f"{name}{_TMP_MARK}{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            for piece in pieces:
-                f.write(piece)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _write_in_progress(tmp):
+        try:
+            with open(tmp, "wb") as f:
+                for i, piece in enumerate(pieces):
+                    if i == len(pieces) // 2:
+                        f.flush()
+                        midway()
+                    f.write(piece)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     # The rename itself lives in the directory; sync it so it survives a power loss.
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _write_in_progress(name: str) -> Iterator[None]:
+    with _WRITING_LOCK:
+        _WRITING.add(name)
+    try:
+        yield
+    finally:
+        with _WRITING_LOCK:
+            _WRITING.discard(name)
+
+
+def _writing(name: str) -> bool:
+    with _WRITING_LOCK:
+        return name in _WRITING
+
+
+def _part_bytes(size: int) -> int:
+    """The size of an S3 upload's parts for an entry of `size` bytes."""
+    wanted = int(os.environ.get(PART_BYTES_ENV, DEFAULT_PART_BYTES))
+    if wanted < MIN_PART_BYTES:
+        raise ValueError(f"{PART_BYTES_ENV}={wanted}: S3 parts are at least {MIN_PART_BYTES} bytes (5 MiB)")
+    return max(wanted, math.ceil(size / MAX_PARTS))
+
+
+def _cut(pieces: Iterable, part_bytes: int) -> Iterator[bytes]:
+    """The concatenation of `pieces` in parts of `part_bytes` (the last one shorter), each
+    part copied once from the pieces as it is wanted."""
+    part: list[memoryview] = []
+    filled = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        while view.nbytes:
+            take = view[:part_bytes - filled]
+            part.append(take)
+            filled += take.nbytes
+            view = view[take.nbytes:]
+            if filled == part_bytes:
+                yield b"".join(part)
+                part, filled = [], 0
+    if part:
+        yield b"".join(part)
+
+
+async def _upload_parts(fs, bucket: str, key: str, upload_id: str, parts: Iterator[bytes], numbers: range,
+                        concurrency: int) -> list[dict]:
+    """Upload the next parts of multipart upload `upload_id` as part `numbers`, up to
+    `concurrency` at once (a part is cut from the pieces only when it can go). Returns the
+    parts' numbers and ETags, in order, to complete the upload with."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def upload(number: int, body: bytes) -> dict:
+        try:
+            done = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                                     Body=body)
+            return {"PartNumber": number, "ETag": done["ETag"]}
+        finally:
+            slots.release()
+
+    sent: list[asyncio.Future] = []
+    try:
+        for number in numbers:
+            await slots.acquire()
+            sent.append(asyncio.ensure_future(upload(number, next(parts))))
+        return list(await asyncio.gather(*sent))
+    except BaseException:
+        for future in sent:
+            future.cancel()
+        raise
 
 
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

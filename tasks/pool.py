@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-from prefect.exceptions import ObjectNotFound
+from prefect.concurrency.context import ConcurrencyContext
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL
 
 from lsreplay.config import PoolConfig
@@ -23,7 +24,10 @@ log = logging.getLogger(__name__)
 
 # A holder renews its lease while it runs; if its process dies, the slots come back when
 # the lease expires (the server's repossessor looks every 15 s). 60 s is the server's minimum.
+# Renewed every third of that, so that one failed renewal still leaves two more tries before
+# the lease ends. LSREPLAY_LEASE_RENEW_SECONDS sets the interval (tests renew often).
 LEASE_SECONDS = 60
+RENEW_ENV = "LSREPLAY_LEASE_RENEW_SECONDS"
 
 
 def ensure_pool(pool: PoolConfig) -> None:
@@ -119,7 +123,7 @@ class Handoff:
             self._waiting[pool.name] += 1
         try:
             with ExitStack() as locks:
-                locks.enter_context(_slots(pool.name, count))
+                _enter_outside_task_runs(locks, _slots(pool.name, count))
                 devices = locks.enter_context(hold_devices(pool, count))
                 return _Holding(devices, locks.pop_all())
         finally:
@@ -184,6 +188,18 @@ def _forget_parked() -> None:
 os.register_at_fork(after_in_child=_forget_parked)
 
 
+def _enter_outside_task_runs(locks: ExitStack, slots) -> None:
+    """Enter `slots` (acquire the lease) as if no task run were active. A task run's
+    ConcurrencyContext releases, when the task ends, every lease acquired inside it; but a
+    holding outlives the task that asked for it (HANDOFF): the next stage computes on it.
+    Recorded there, the lease was revoked under that next stage: the server counted its slots
+    free while the stage still ran, and every renewal got 410 Gone. Only this call sees the
+    change (a copied context); the holding gives its slots back itself (_Holding.give_back)."""
+    context = contextvars.copy_context()
+    context.run(ConcurrencyContext.__var__.set, None)
+    context.run(locks.enter_context, slots)
+
+
 try:
     from prefect.concurrency._sync import acquire_concurrency_slots_with_lease, release_concurrency_slots_with_lease
 except ImportError:  # a Prefect without these internals: the public context manager does the same
@@ -200,8 +216,9 @@ else:
         2 s for it on exit, on every stage; this renews only when due and exits at once."""
         lease = acquire_concurrency_slots_with_lease([name], count, lease_duration=LEASE_SECONDS, strict=True)
         stop = threading.Event()
-        renewer = threading.Thread(target=_renew, args=(lease.lease_id, stop), daemon=True,
-                                   name=f"lease-{name}")
+        # In this context's copy: renewals go to the server (PREFECT_API_URL) the lease came from.
+        renewer = threading.Thread(target=contextvars.copy_context().run, args=(_renew, lease.lease_id, count, stop),
+                                   daemon=True, name=f"lease-{name}")
         renewer.start()
         try:
             yield
@@ -210,10 +227,17 @@ else:
             release_concurrency_slots_with_lease(lease.lease_id)
 
 
-def _renew(lease_id, stop: threading.Event) -> None:
-    while not stop.wait(LEASE_SECONDS * 0.5):
+def _renew(lease_id, slots: int, stop: threading.Event) -> None:
+    interval = float(os.environ.get(RENEW_ENV, LEASE_SECONDS / 3))
+    while not stop.wait(interval):
         try:
             with get_client(sync_client=True) as client:
                 client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS)
-        except Exception as e:  # the next try may pass; at worst the slot is given back early
-            log.warning("could not renew the pool lease %s: %s: %s", lease_id, type(e).__name__, e)
+        except Exception as e:
+            if isinstance(e, PrefectHTTPStatusError) and e.response.status_code == 410:
+                log.error("the pool lease %s is gone from the Prefect server (expired or revoked): it counts its %d "
+                          "slots free while their stage still runs", lease_id, slots)
+                return
+            # The server may answer the next try, well before the lease ends.
+            log.warning("could not renew the pool lease %s (next try in %.0f s): %s: %s", lease_id, interval,
+                        type(e).__name__, e)
