@@ -447,8 +447,6 @@ def _validate_rollout(cfg: Config) -> None:
     if r.engine == "vllm":
         _check(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "float32 or bfloat16 with "
                "rollout.engine=vllm (vLLM has no float64)", cfg.model.dtype)
-        _check(not cfg.model.arch, "model.arch", "empty with rollout.engine=vllm (vLLM loads a model folder; "
-               "save the random model with save_pretrained and give its folder as model.path)", cfg.model.arch)
         _check(r.vllm.kv_cache_gb > 0 or cfg.pool.accelerator == "cuda", "rollout.vllm.kv_cache_gb",
                "> 0 on a CPU pool (the engine's KV cache in host memory, GiB)", r.vllm.kv_cache_gb)
         _check(0 < r.vllm.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "in (0, 1)",

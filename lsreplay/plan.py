@@ -269,6 +269,7 @@ class RolloutMemory:
     rows: int  # sequences decoding at once after the last fork
     peak_at: str
     lines: list[tuple[str, str, int]]
+    kv_needed: int = 0  # an engine with a KV cache of its own: the bytes the shard's sequences need at once
 
     @property
     def total(self) -> int:
@@ -330,9 +331,35 @@ def hf_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
     return RolloutMemory("hf", cfg.rollout.shards, trees, rows, phase, resident_beside_rollouts(cfg, dims) + lines)
 
 
-# The rollout engines the planner knows, by name: (cfg, dims, shape) -> RolloutMemory. A
-# second engine (rollout.engine) adds its own function and lines here.
-ROLLOUT_ENGINES = {"hf": hf_rollout_memory}
+def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
+    """A vLLM engine (lsreplay.rollout.vllm_engine) on the shard's device, beside what the
+    trainer leaves there: the engine's own copy of the weights (it holds them between
+    steps, updated in place), its drafter, and its KV cache, sized up front
+    (rollout.vllm.kv_cache_gb; on CUDA without it, gpu_memory_utilization of the device).
+    Prefix caching stores a tree's prompt once: at the end of decoding a shard needs its
+    prompts plus every row's completion. A cache smaller than that still works (vLLM
+    preempts and recomputes sequences), but slower: the plan counts the positions it holds."""
+    elt, r = ELT[cfg.model.dtype], cfg.rollout
+    trees = -(-cfg.data.prompts_per_step // r.shards)
+    rows, kvpp = trees * shape.rollouts, kv_bytes_per_position(dims, elt)
+    needed = (trees * shape.prompt + rows * shape.completion) * kvpp
+    if r.vllm.kv_cache_gb or cfg.pool.accelerator != "cuda":
+        cache, sized = int(r.vllm.kv_cache_gb * GiB), f"rollout.vllm.kv_cache_gb={r.vllm.kv_cache_gb:g}"
+    else:
+        cache = int(r.vllm.gpu_memory_utilization * cfg.pool.device_memory_gb * GiB)
+        sized = f"gpu_memory_utilization={r.vllm.gpu_memory_utilization:g} of the device"
+    lines = [("engine", "the engine's copy of the policy weights", dims.params() * elt),
+             ("kv", f"its KV cache ({sized}: {cache // kvpp} positions; the shard needs {needed // kvpp} at once)",
+              cache)]
+    if speculates(cfg):
+        lines.append(("engine", "the engine's drafter (fc + one layer)",
+                      (2 * dims.hidden ** 2 + dims.layer_params()) * elt))
+    return RolloutMemory("vllm", r.shards, trees, rows, "start-up (vLLM allocates its cache up front)",
+                         resident_beside_rollouts(cfg, dims) + lines, kv_needed=needed)
+
+
+# The rollout engines the planner knows, by name (rollout.engine): (cfg, dims, shape) -> RolloutMemory.
+ROLLOUT_ENGINES = {"hf": hf_rollout_memory, "vllm": vllm_rollout_memory}
 
 
 # -- state I/O ------------------------------------------------------------------------------
@@ -505,7 +532,7 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step, state=state_bytes(dims, dtype_name, ranks, fsdp),
                 replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
-                naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES["hf"](cfg, dims, shape),
+                naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES[r.engine](cfg, dims, shape),
                 io=step_io(cfg, dims, shape),
                 budget_bytes=budget, join_below=cfg.replay.join_below)
 
@@ -568,6 +595,9 @@ def format_rollout(p: Plan) -> list[str]:
         (f"reserve: context/NCCL + {FRAGMENTATION:.0%} fragmentation", p.overhead())]
     lines += [f"{label:<66} {gib(b):>10}" for label, b in rows]
     lines.append(f"{'total':<66} {gib(p.rollout_peak()):>10}")
+    if r.kv_needed > r.part("kv"):
+        lines.append(f"the engine's KV cache holds fewer positions than the shard's sequences need at once: vLLM "
+                     "preempts and recomputes sequences (slower); raise rollout.vllm.kv_cache_gb or rollout.shards")
     if p.device_bytes:
         lines.append(f"{'device memory':<66} {gib(p.device_bytes):>10}")
         lines.append(f"{'':<66} {'fits' if p.rollout_fits() else 'DOES NOT FIT':>10}")

@@ -212,3 +212,14 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
     assert planned.part("kv") == rows * columns * kv_bytes_per_position(dims, 4)
     assert held["kv"] == planned.part("kv") * (columns - 1) // columns
     assert held["features"] == planned.part("features") // 2 * (columns - 1) // columns
+
+
+def test_a_vllm_engine_is_planned_by_its_own_cache(capsys):
+    """rollout.engine=vllm: the engine's weights and its KV cache, sized up front, beside what
+    the trainer leaves on the device; a cache smaller than the shard's sequences need is said."""
+    assert main([PROD, "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=20"]) == 0
+    out = capsys.readouterr().out
+    assert "engine vllm" in out and "the engine's copy of the policy weights" in out
+    assert "rollout.vllm.kv_cache_gb=20" in out and "holds fewer positions" not in out
+    assert main([PROD, "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=1"]) == 0
+    assert "holds fewer positions than the shard's sequences need" in capsys.readouterr().out

@@ -227,6 +227,9 @@ def check_engine(cfg, model_dir: Path) -> None:
     fit the free host memory. ConfigError naming the fix otherwise."""
     from lsreplay.config import ConfigError
 
+    if cfg.model.arch:
+        raise ConfigError("config key 'model.arch' must be empty with rollout.engine=vllm: vLLM loads a model folder "
+                          "(save the random model with save_pretrained and give its folder as model.path)")
     python = cfg.rollout.vllm.python
     if not Path(python).is_file():
         raise ConfigError(f"rollout.engine=vllm, but rollout.vllm.python={python} does not exist: `make setup` installs "
