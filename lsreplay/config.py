@@ -205,6 +205,11 @@ class DrafterConfig:
     # Steps between the spot trainer's checkpoints (a preempted drafter resumes from the
     # last one) and its checks whether the rollouts ended.
     checkpoint_every: int = 5
+    # Positions of every rollout path the drafter trains on: its last ones, the completion
+    # and the context just before it. A long prompt every path shares (the default's ~620
+    # tokens) would otherwise be most of each batch: it costs 5-6x more per step, on positions
+    # that speculation in the long tail never drafts.
+    max_len: int = 128
 
 
 @dataclass
@@ -389,6 +394,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.drafter.steps >= 1, "drafter.steps", "must be >= 1", cfg.drafter.steps)
     _check(cfg.drafter.checkpoint_every >= 1, "drafter.checkpoint_every", "must be >= 1",
            cfg.drafter.checkpoint_every)
+    _check(cfg.drafter.max_len >= 2, "drafter.max_len", "must be >= 2 positions per path", cfg.drafter.max_len)
     _check(cfg.replay.mode in ("replay", "naive"), "replay.mode", "replay or naive", cfg.replay.mode)
     _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
     _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)

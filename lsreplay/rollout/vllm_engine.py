@@ -232,8 +232,8 @@ def check_engine(cfg, model_dir: Path) -> None:
                           "(save the random model with save_pretrained and give its folder as model.path)")
     python = cfg.rollout.vllm.python
     if not Path(python).is_file():
-        raise ConfigError(f"rollout.engine=vllm, but rollout.vllm.python={python} does not exist: `make setup` installs "
-                          "vLLM into .venv-vllm, or point rollout.vllm.python at a Python that has vLLM")
+        raise ConfigError(f"rollout.engine=vllm, but rollout.vllm.python={python} does not exist: `make setup` "
+                          "installs vLLM into .venv-vllm, or point rollout.vllm.python at a Python that has vLLM")
     probe = subprocess.run([python, "-P", str(WORKER), "--probe"], capture_output=True, text=True, timeout=120)
     if probe.returncode != 0:
         raise ConfigError(f"rollout.engine=vllm, but {python} cannot run vLLM ({probe.stderr.strip()[-300:]}): "
@@ -269,7 +269,8 @@ def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: s
 def same_engine(a: EngineSpec, b: EngineSpec) -> bool:
     """Whether an engine started as `a` serves `b`: the same everything, drafted or not (a
     newer drafter of the same shape loads in place; the first one needs a new start)."""
-    return replace(a, drafter=None, seed=0) == replace(b, drafter=None, seed=0) and (a.drafter is None) == (b.drafter is None)
+    same = replace(a, drafter=None, seed=0) == replace(b, drafter=None, seed=0)
+    return same and (a.drafter is None) == (b.drafter is None)
 
 
 def policy_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -74,7 +74,8 @@ class Server:
             options["block_size"] = 32  # the CPU attention's smallest: at most 31 prompt tokens recomputed per branch
         if drafter:
             schedule = [(1, spec_threshold, draft_tokens), (spec_threshold + 1, 1 << 20, 0)]
-            options["speculative_config"] = {"method": "eagle", "model": drafter, "num_speculative_tokens": draft_tokens,
+            options["speculative_config"] = {"method": "eagle", "model": drafter,
+                                             "num_speculative_tokens": draft_tokens,
                                              "num_speculative_tokens_per_batch_size": schedule}
         self.llm = vllm.LLM(**options)
         return {"version": vllm.__version__, "seconds": time.perf_counter() - started}

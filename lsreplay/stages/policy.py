@@ -42,7 +42,8 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
                                    subtrees=leaf_subtrees(r) if algo.tree_baseline == "independent" else None)
                   for r, n in zip(records, counts)]
     if algo.tis_cap:
-        advantages = [importance_weighted(a, o, r["logprobs"], algo.tis_cap) for a, o, r in zip(advantages, old, records)]
+        advantages = [importance_weighted(a, o, r["logprobs"], algo.tis_cap)
+                      for a, o, r in zip(advantages, old, records)]
     batch = GRPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
                       max_tokens=max_tokens, counts=counts)
     loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), {}
