@@ -33,7 +33,6 @@ import torch
 from lsreplay import faults
 from lsreplay.checkpoint import MODEL_FILE, CheckpointError, load_weights, save_optimizer, save_rng, save_weights
 from lsreplay.config import ConfigError
-from lsreplay.devices import idle_priority
 from lsreplay.hf_folder import write_hf_folder
 from lsreplay.run import Run
 from lsreplay.storage import CorruptEntry, MissingEntry, Store
@@ -173,11 +172,11 @@ class Writer:
         self._queue.join()
 
     def _loop(self) -> None:
-        # Writing is CPU work (serialising, hashing) next to the run's own: on a CPU pool the
-        # next step's rollouts would lose more than the write takes (their threads wait for
-        # the slowest); at idle priority it fills the gaps. If it falls behind, `submit`
-        # waits, and the step's pause gives it the cores.
-        idle_priority()
+        # At normal priority. The write is mostly copying and hashing in C with the GIL
+        # released, about 2 s of CPU for SmolLM2's 1.5 GB (a few percent of the step it
+        # overlaps). Under SCHED_IDLE, as before, it ran only where the step left a core idle:
+        # one write took 35-135 s, so the next step's `submit` waited for it, and whenever the
+        # starved thread held the GIL the step's own thread waited on it too.
         while True:
             run, snap, context = self._queue.get()
             try:

@@ -167,15 +167,15 @@ def idle_priority() -> bool:
     runs only when no normal thread wants the core. For good: an unprivileged thread may not
     leave SCHED_IDLE. Returns whether it did: where the kernel refuses (some sandboxes,
     gVisor among them, answer EINVAL) the thread goes on at normal priority, said once, since
-    the work must still be done (a dead checkpoint writer would block the next step)."""
+    the work must still be done."""
     try:
         os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
         return True
     except OSError as e:
         if (reason := f"{type(e).__name__}: {e}") not in _IDLE_REFUSED:
             _IDLE_REFUSED.add(reason)
-            log.warning("this kernel refuses the idle scheduling policy (%s): background work (checkpoint "
-                        "writes, the drafter on a CPU pool) runs at normal priority", reason)
+            log.warning("this kernel refuses the idle scheduling policy (%s): the drafter on a CPU pool runs "
+                        "at normal priority", reason)
         return False
 
 
