@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(MAKE is None, reason="needs GNU make")
 def dry_run(tmp_path: Path, nvidia_smi: str | None) -> str:
     """`make -n setup` in a copy of the project's set-up files; nvidia_smi: the stand-in's
     shell body, or None for a PATH without nvidia-smi."""
-    for name in ("Makefile", "pyproject.toml", "constraints.txt"):
+    for name in ("Makefile", "pyproject.toml", "constraints.txt", "constraints-vllm.txt"):
         if not (tmp_path / name).exists():
             shutil.copy(ROOT / name, tmp_path / name)
     bin_dir = tmp_path / "bin"
@@ -39,7 +39,8 @@ def dry_run(tmp_path: Path, nvidia_smi: str | None) -> str:
 
 
 def torch_installed(make_output: str) -> str:
-    (pin,) = re.findall(r"pip install .*?(torch==\S+)", make_output)
+    """The torch pin the training venv gets (the vLLM venv, .venv-vllm, takes its engine's)."""
+    (pin,) = re.findall(r"^\.venv/bin/python -m pip install .*?(torch==\S+)", make_output, re.M)
     return pin
 
 
@@ -60,10 +61,11 @@ def test_both_torch_pins_are_within_pyprojects_range(tmp_path):
 
 def test_a_venv_set_up_for_the_other_kind_is_set_up_again(tmp_path):
     dry_run(tmp_path, None)  # the files in place
-    (tmp_path / ".venv").mkdir()
-    (tmp_path / ".venv" / ".installed-cpu").touch()  # newer than the Makefile's inputs
+    for venv in (".venv", ".venv-vllm"):
+        (tmp_path / venv).mkdir()
+        (tmp_path / venv / ".installed-cpu").touch()  # newer than the Makefile's inputs
     on_cpu = dry_run(tmp_path, None)
     assert "pip install" not in on_cpu and "rm -rf .venv" not in on_cpu  # up to date: nothing redone
     on_gpu = dry_run(tmp_path, GPU_LISTED)
-    assert "rm -rf .venv" in on_gpu and torch_installed(on_gpu) == "torch==2.14.1"
-    assert on_gpu.index("rm -rf .venv") < on_gpu.index("python3 -m venv .venv")
+    assert "rm -rf .venv\n" in on_gpu and torch_installed(on_gpu) == "torch==2.14.1"
+    assert on_gpu.index("rm -rf .venv\n") < on_gpu.index("python3 -m venv .venv\n")
