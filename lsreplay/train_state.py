@@ -65,7 +65,12 @@ class TrainState:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def step(self) -> None:
-        """AdamW on the masters, then the compute weights follow them."""
+        """AdamW on the masters, then the compute weights follow them. A master the backward
+        did not reach (its loss weights all zero: replay skips them) has a zero gradient, so a
+        step that trains nothing moves the moments as AdamW does, not a step that skips it."""
+        for master in self.masters:
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
         self.optimizer.step()
         self.follow_masters()
 

@@ -1,25 +1,32 @@
 """PPO's clipped surrogate over trees, and several epochs / minibatches over one batch.
 
 The loss is GRPO's clipped surrogate with advantages given per completion or per token
-(e.g. GAE from a value model). `ppo_update` makes several optimizer steps on one batch of
-trees. The old logprobs stay those of the first caching pass (the weights that sampled,
-or at least preceded, the update). After every optimizer step the prefix activations and
-current logprobs are stale, so each minibatch runs the caching pass again for the current
-weights before its replay backward.
+(GAE from a critic, lsreplay.algos.critic), optionally plus the critic's clipped value
+loss (then the loss takes scores by head, {"logprob": ..., "value": ...}) and a KL term.
+`ppo_minibatches` makes several optimizer steps on one batch of trees. The old logprobs
+(and old values) stay those of the first caching pass (the weights that sampled, or at
+least preceded, the update). After every optimizer step the prefix activations and
+current scores are stale, so each minibatch after the first runs the caching pass again
+for the current weights before its backward; the first one uses the caching pass that
+gave the old scores (the pipeline's, with its stored K/V), whose weights it still has.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.algos.grpo import NestedCounts, clipped_policy_loss
-from lsreplay.algos.kl import with_kl
-from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
-from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.algos.backward import activations_kv, capture_logprobs
+from lsreplay.algos.critic import VALUE, CriticBatch, value_loss
+from lsreplay.algos.grpo import NestedCounts, NestedMask, clipped_policy_loss
+from lsreplay.algos.kl import kl_loss
+from lsreplay.algos.weights import NestedLogprobs, loss_and_weights
+from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward
+from lsreplay.replay.heads import LOGPROB, Heads
 from lsreplay.tree import RolloutTree
 
 
@@ -31,12 +38,41 @@ class PPOBatch:
     loss_agg: str = "token-mean"  # see grpo.LOSS_AGGS
     max_tokens: int | None = None
     counts: NestedCounts = None  # per tree, per completion: the samples it stands for (see grpo)
+    clip_eps_high: float | None = None  # the upper clip (None: clip_eps)
+    mask: NestedMask = None  # per tree, per completion: in the policy and KL terms (None: all)
+    ref_logprobs: NestedLogprobs | None = None  # with kl_coef: the KL term's reference
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    critic: CriticBatch | None = None  # with vf_coef: the value loss (scores by head then)
+    vf_coef: float = 0.0
+
+    def select(self, idx: list[int]) -> PPOBatch:
+        """The batch of trees `idx` (a minibatch)."""
+        def pick(nested):
+            return None if nested is None else [nested[i] for i in idx]
+
+        critic = None if self.critic is None else replace(
+            self.critic, old_values=pick(self.critic.old_values), returns=pick(self.critic.returns),
+            counts=pick(self.critic.counts))
+        return replace(self, advantages=pick(self.advantages), old_logprobs=pick(self.old_logprobs),
+                       counts=pick(self.counts), mask=pick(self.mask), ref_logprobs=pick(self.ref_logprobs),
+                       critic=critic)
 
 
-def ppo_loss(logprobs: NestedLogprobs, batch: PPOBatch) -> torch.Tensor:
-    """Negative clipped surrogate, aggregated over the batch's completion tokens."""
-    return clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps,
-                               batch.loss_agg, batch.max_tokens, batch.counts)
+def ppo_loss(scores, batch: PPOBatch) -> torch.Tensor:
+    """Negative clipped surrogate aggregated over the batch's completion tokens, plus
+    kl_coef x KL and, with a critic, vf_coef x the value loss (`scores` by head then)."""
+    logprobs = scores[LOGPROB] if batch.critic is not None else scores
+    loss = clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps, batch.loss_agg,
+                               batch.max_tokens, batch.counts, batch.clip_eps_high, batch.mask)
+    if batch.kl_coef:
+        if batch.ref_logprobs is None:
+            raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
+        loss = loss + batch.kl_coef * kl_loss(logprobs, batch.ref_logprobs, batch.kl_estimator, batch.loss_agg,
+                                              batch.max_tokens, batch.counts, batch.mask)
+    if batch.critic is not None:
+        loss = loss + batch.vf_coef * value_loss(scores[VALUE], batch.critic)
+    return loss
 
 
 def minibatch_orders(num_trees: int, epochs: int, minibatch_trees: int | None,
@@ -52,6 +88,62 @@ def minibatch_orders(num_trees: int, epochs: int, minibatch_trees: int | None,
     return out
 
 
+@dataclass
+class Minibatch:
+    """What one optimizer step of `ppo_minibatches` computed, before the step."""
+
+    index: int  # 0, 1, ... over all epochs
+    trees: list[int]
+    loss: float
+    scores: dict | NestedLogprobs  # the current scores the loss was evaluated at
+    stats: BackwardStats
+
+
+# The first minibatch's caching pass: (scores of all trees, a prefix K/V source over all trees).
+FirstPass = tuple[dict | NestedLogprobs, PrefixKVSource | None]
+
+
+def ppo_minibatches(model: PreTrainedModel, trees: list[RolloutTree], batch: PPOBatch,
+                    orders: list[list[list[int]]], take_step: Callable[[Minibatch], None],
+                    mode: str = "replay", heads: Heads | None = None, first: FirstPass | None = None,
+                    budget_bytes: int | None = None, join_below: int = 0) -> list[Minibatch]:
+    """For every minibatch of `orders`: the scores of its trees at the current weights (the
+    `first` pass's for the first minibatch, whose weights it has; a caching pass now for
+    the others), the loss and its per-head weights, the backward into `.grad` (replay or
+    the per-rollout baseline), then `take_step` (clip, optimizer step, zero the grads).
+    heads: what the loss scores (None: logprobs alone). Returns every minibatch's record."""
+    if mode not in ("replay", "naive"):
+        raise ValueError(f"mode must be 'replay' or 'naive', got {mode!r}")
+    done = []
+    for idx in (m for epoch in orders for m in epoch):
+        sub = [trees[i] for i in idx]
+        if not done and first is not None:
+            scores, kv = first
+            scores = _select(scores, idx)
+            kv = None if kv is None else (lambda j, node, kv=kv, idx=idx: kv(idx[j], node))
+        else:
+            scores, acts = capture_logprobs(model, sub, keep_kv=mode == "replay", heads=heads)
+            kv = activations_kv(acts)
+        minibatch = batch.select(idx)
+        loss, weights = loss_and_weights(lambda s, b=minibatch: ppo_loss(s, b), scores)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite PPO loss {loss} at minibatch {len(done)}")
+        if mode == "replay":
+            stats = replay_backward(model, sub, weights, prefix_kv=kv, budget_bytes=budget_bytes,
+                                    join_below=join_below, heads=heads)
+        else:
+            stats = naive_backward(model, sub, weights, heads=heads)
+        done.append(Minibatch(len(done), idx, loss, scores, stats))
+        take_step(done[-1])
+    return done
+
+
+def _select(scores, idx: list[int]):
+    if isinstance(scores, dict):
+        return {name: [nested[i] for i in idx] for name, nested in scores.items()}
+    return [scores[i] for i in idx]
+
+
 def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: list[RolloutTree],
                advantages: list[list], epochs: int = 1, minibatch_trees: int | None = None,
                mode: str = "replay", clip_eps: float = 0.2, loss_agg: str = "token-mean",
@@ -59,8 +151,8 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
                ref_logprobs: NestedLogprobs | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
                max_grad_norm: float | None = None, generator: torch.Generator | None = None,
                budget_bytes: int | None = None, counts: NestedCounts = None) -> list[float]:
-    """`epochs` passes over `trees` in minibatches of `minibatch_trees` trees, one optimizer
-    step each; returns each minibatch's loss (at the weights before its step).
+    """`epochs` passes over `trees` in minibatches of `minibatch_trees` trees, one step of a
+    plain torch optimizer each; returns each minibatch's loss (at the weights before its step).
 
     old_logprobs: None runs the caching pass now (its activations also serve the first
     minibatch, whose weights they are). ref_logprobs + kl_coef: KL penalty to a reference
@@ -72,46 +164,31 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
         raise ValueError(f"mode must be 'replay' or 'naive', got {mode!r}")
     if len(advantages) != len(trees):
         raise ValueError(f"advantages for {len(advantages)} trees, got {len(trees)} trees")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
     orders = minibatch_orders(len(trees), epochs, minibatch_trees, generator)
-    fresh = None  # activations valid for the current weights (until the next optimizer step)
+    first = None
     if old_logprobs is None:
-        first = set(orders[0][0]) if orders and orders[0] and mode == "replay" else set()
+        keep = set(orders[0][0]) if orders and orders[0] and mode == "replay" else set()
         old_logprobs, acts = [], []
         for i, tree in enumerate(trees):  # one tree at a time: only the first minibatch's K/V is kept
-            lps, a = capture_logprobs(model, [tree], keep_kv=i in first)
+            lps, a = capture_logprobs(model, [tree], keep_kv=i in keep)
             old_logprobs += lps
             acts += a
-        fresh = acts if first else None
+        first = (old_logprobs, activations_kv(acts))
     old_logprobs = [[lp.detach() for lp in row] for row in old_logprobs]
+    batch = PPOBatch(advantages=advantages, old_logprobs=old_logprobs, clip_eps=clip_eps, loss_agg=loss_agg,
+                     max_tokens=max_tokens, counts=counts, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+                     kl_estimator=kl_estimator)
 
-    losses = []
-    for epoch in orders:
-        for idx in epoch:
-            sub = [trees[i] for i in idx]
-            sub_counts = None if counts is None else [counts[i] for i in idx]
-            batch = PPOBatch(advantages=[advantages[i] for i in idx], old_logprobs=[old_logprobs[i] for i in idx],
-                             clip_eps=clip_eps, loss_agg=loss_agg, max_tokens=max_tokens, counts=sub_counts)
+    def take_step(_: Minibatch) -> None:
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
 
-            def loss_fn(lp, batch=batch):
-                return ppo_loss(lp, batch)
-
-            if kl_coef:
-                if ref_logprobs is None:
-                    raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
-                loss_fn = with_kl(loss_fn, [ref_logprobs[i] for i in idx], kl_coef, kl_estimator, loss_agg, max_tokens,
-                                  sub_counts)
-            model.zero_grad(set_to_none=True)
-            optimizer.zero_grad(set_to_none=True)
-            if mode == "replay":
-                acts = [fresh[i] for i in idx] if fresh is not None else None  # None: capture now
-                loss, _ = replay_loss_backward(model, sub, loss_fn, activations=acts, budget_bytes=budget_bytes)
-            else:
-                loss = naive_loss_backward(model, sub, loss_fn)
-            fresh = None  # the step below makes every cached activation stale
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"non-finite PPO loss {loss} at minibatch {len(losses)}")
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
-            losses.append(loss)
-    return losses
+    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    return [m.loss for m in ppo_minibatches(model, trees, batch, orders, take_step, mode, first=first,
+                                            budget_bytes=budget_bytes)]
