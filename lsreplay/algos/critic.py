@@ -127,15 +127,18 @@ def value_loss(values: NestedLogprobs, batch: CriticBatch) -> torch.Tensor:
     return aggregate(losses, batch.loss_agg, batch.max_tokens, flat_counts(batch.counts, values))
 
 
-def value_stats(values: NestedLogprobs, batch: CriticBatch) -> dict:
-    """Explained variance of the returns by `values` (1 - Var(R - V) / Var(R): 1 is perfect, 0
-    no better than their mean), and the share of tokens whose value the clip holds back."""
-    v = torch.cat([x.double() for row in values for x in row])
-    r = torch.cat([x.double() for row in batch.returns for x in row])
-    o = torch.cat([x.double() for row in batch.old_values for x in row])
-    if not r.numel():
-        return {}
-    var = r.var(unbiased=False)
-    explained = float(1 - (r - v).var(unbiased=False) / var) if var > 0 else 0.0
-    clipped = float(((v - o).abs() > batch.clip).double().mean()) if batch.clip else 0.0
-    return {"value_explained_variance": explained, "value_clip_fraction": clipped}
+def _flat(nested: NestedLogprobs) -> torch.Tensor:
+    return torch.cat([x.double() for row in nested for x in row] or [torch.zeros(0, dtype=torch.float64)])
+
+
+def explained_variance(values: NestedLogprobs, returns: NestedLogprobs) -> float:
+    """1 - Var(R - V) / Var(R) over the tokens: 1 is perfect, 0 no better than their mean."""
+    v, r = _flat(values), _flat(returns)
+    var = r.var(unbiased=False) if r.numel() else torch.zeros(())
+    return float(1 - (r - v).var(unbiased=False) / var) if var > 0 else 0.0
+
+
+def value_clip_fraction(values: NestedLogprobs, batch: CriticBatch) -> float:
+    """The share of tokens whose value moved further from the old one than the clip."""
+    moved = (_flat(values) - _flat(batch.old_values)).abs()
+    return float((moved > batch.clip).double().mean()) if batch.clip and moved.numel() else 0.0

@@ -3,18 +3,14 @@
 The loss is GRPO's clipped surrogate with advantages given per completion or per token
 (GAE from a critic, lsreplay.algos.critic), optionally plus the critic's clipped value
 loss (then the loss takes scores by head, {"logprob": ..., "value": ...}) and a KL term.
-`ppo_minibatches` makes several optimizer steps on one batch of trees. The old logprobs
-(and old values) stay those of the first caching pass (the weights that sampled, or at
-least preceded, the update). After every optimizer step the prefix activations and
-current scores are stale, so each minibatch after the first runs the caching pass again
-for the current weights before its backward; the first one uses the caching pass that
-gave the old scores (the pipeline's, with its stored K/V), whose weights it still has.
+`ppo_update` makes several optimizer steps on one batch of trees (updates.py): the old
+logprobs (and old values) stay those of the first caching pass (the weights that sampled,
+or at least preceded, the update); every minibatch is scored at the weights it sees.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,9 +20,9 @@ from lsreplay.algos.backward import activations_kv, capture_logprobs
 from lsreplay.algos.critic import VALUE, CriticBatch, value_loss
 from lsreplay.algos.grpo import NestedCounts, NestedMask, clipped_policy_loss
 from lsreplay.algos.kl import kl_loss
-from lsreplay.algos.weights import NestedLogprobs, loss_and_weights
-from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward
-from lsreplay.replay.heads import LOGPROB, Heads
+from lsreplay.algos.updates import Minibatch, minibatch_updates
+from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.replay.heads import LOGPROB
 from lsreplay.tree import RolloutTree
 
 
@@ -88,62 +84,6 @@ def minibatch_orders(num_trees: int, epochs: int, minibatch_trees: int | None,
     return out
 
 
-@dataclass
-class Minibatch:
-    """What one optimizer step of `ppo_minibatches` computed, before the step."""
-
-    index: int  # 0, 1, ... over all epochs
-    trees: list[int]
-    loss: float
-    scores: dict | NestedLogprobs  # the current scores the loss was evaluated at
-    stats: BackwardStats
-
-
-# The first minibatch's caching pass: (scores of all trees, a prefix K/V source over all trees).
-FirstPass = tuple[dict | NestedLogprobs, PrefixKVSource | None]
-
-
-def ppo_minibatches(model: PreTrainedModel, trees: list[RolloutTree], batch: PPOBatch,
-                    orders: list[list[list[int]]], take_step: Callable[[Minibatch], None],
-                    mode: str = "replay", heads: Heads | None = None, first: FirstPass | None = None,
-                    budget_bytes: int | None = None, join_below: int = 0) -> list[Minibatch]:
-    """For every minibatch of `orders`: the scores of its trees at the current weights (the
-    `first` pass's for the first minibatch, whose weights it has; a caching pass now for
-    the others), the loss and its per-head weights, the backward into `.grad` (replay or
-    the per-rollout baseline), then `take_step` (clip, optimizer step, zero the grads).
-    heads: what the loss scores (None: logprobs alone). Returns every minibatch's record."""
-    if mode not in ("replay", "naive"):
-        raise ValueError(f"mode must be 'replay' or 'naive', got {mode!r}")
-    done = []
-    for idx in (m for epoch in orders for m in epoch):
-        sub = [trees[i] for i in idx]
-        if not done and first is not None:
-            scores, kv = first
-            scores = _select(scores, idx)
-            kv = None if kv is None else (lambda j, node, kv=kv, idx=idx: kv(idx[j], node))
-        else:
-            scores, acts = capture_logprobs(model, sub, keep_kv=mode == "replay", heads=heads)
-            kv = activations_kv(acts)
-        minibatch = batch.select(idx)
-        loss, weights = loss_and_weights(lambda s, b=minibatch: ppo_loss(s, b), scores)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"non-finite PPO loss {loss} at minibatch {len(done)}")
-        if mode == "replay":
-            stats = replay_backward(model, sub, weights, prefix_kv=kv, budget_bytes=budget_bytes,
-                                    join_below=join_below, heads=heads)
-        else:
-            stats = naive_backward(model, sub, weights, heads=heads)
-        done.append(Minibatch(len(done), idx, loss, scores, stats))
-        take_step(done[-1])
-    return done
-
-
-def _select(scores, idx: list[int]):
-    if isinstance(scores, dict):
-        return {name: [nested[i] for i in idx] for name, nested in scores.items()}
-    return [scores[i] for i in idx]
-
-
 def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: list[RolloutTree],
                advantages: list[list], epochs: int = 1, minibatch_trees: int | None = None,
                mode: str = "replay", clip_eps: float = 0.2, loss_agg: str = "token-mean",
@@ -181,14 +121,20 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
                      max_tokens=max_tokens, counts=counts, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
                      kl_estimator=kl_estimator)
 
-    def take_step(_: Minibatch) -> None:
+    def take_step(m: Minibatch) -> None:
+        if not math.isfinite(m.loss):
+            raise FloatingPointError(f"non-finite PPO loss {m.loss} at minibatch {m.index}")
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         model.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
 
+    def loss_for(idx: list[int]):
+        minibatch = batch.select(idx)
+        return lambda scores: ppo_loss(scores, minibatch)
+
     model.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
-    return [m.loss for m in ppo_minibatches(model, trees, batch, orders, take_step, mode, first=first,
-                                            budget_bytes=budget_bytes)]
+    return [m.loss for m in minibatch_updates(model, trees, loss_for, orders, take_step, mode, first=first,
+                                              budget_bytes=budget_bytes)]
