@@ -127,11 +127,22 @@ def _capture(run: Run, model, tree, score: bool, keep_hidden: bool, heads: Heads
 
 def capture_now(run: Run, model, trees, heads: Heads | None):
     """The caching pass of the current weights over `trees`, kept in memory: (their scores,
-    by head if `heads`, and a prefix K/V source over them). PPO's later minibatches."""
+    by head if `heads`, and a prefix K/V source over them). PPO's later minibatches: the
+    K/V replay reads wait in host memory (off a GPU, page-locked) until it does."""
     extra = {name: head for name, head in (heads or {}).items() if name != LOGPROB}
     acts = [_capture(run, model, tree, True, False, extra) for tree in trees]
+    for tree, a in zip(trees, acts):
+        read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below))
+        a.prefix_kv = {n: tuple([_host_copy(t) for t in half] for half in kv) for n, kv in a.prefix_kv.items()
+                       if n in read}
     scores = completion_scores(trees, acts, heads) if heads else completion_logprobs(trees, acts)
-    return scores, activations_kv(acts)
+    device = next(model.parameters()).device
+
+    def source(index: int, node):
+        kv = activations_kv(acts)(index, node)
+        return None if kv is None else tuple([t.to(device, non_blocking=True) for t in half] for half in kv)
+
+    return scores, source
 
 
 def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dict:
