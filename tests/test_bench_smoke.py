@@ -57,6 +57,16 @@ def test_replay_bench_smoke():
     assert float(pairs["grad_rel_diff"]) <= 1e-4
 
 
+def test_dpo_bench_smoke():
+    """bench/dpo.py --smoke: offline DPO through replay and per pair, the same loss and gradient."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "dpo.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert float(pairs["speedup"]) > 0 and float(pairs["ideal"]) > 1 and float(pairs["mem_ratio"]) < 1
+    assert float(pairs["grad_rel_diff"]) <= 1e-4 and float(pairs["loss_gap"]) <= 1e-6
+
+
 def test_rollout_bench_smoke():
     """bench/rollout.py --smoke: plain and adaptive stages run and the summary line has the ratio."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--smoke"],
