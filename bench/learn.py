@@ -1,15 +1,21 @@
 """Does the policy learn? Held-out accuracy of SmolLM2-135M-Instruct before and after GRPO,
-branch replay next to the per-rollout baseline, on the same prompts.
+branch replay next to the per-rollout baseline, on the same prompts; and PPO with a critic
+and online DPO from the same start.
 
     .venv/bin/python bench/learn.py [--config configs/learn.yaml] [--out runs/learn]
-                                    [--plot docs/learn_curves.png] [--threads N] [--smoke] [key=value ...]
+                                    [--runs replay,baseline] [--plot docs/learn_curves.png]
+                                    [--threads N] [--smoke] [key=value ...]
 
-Two real `lsreplay train` flow runs of one config, one after another, in fresh run
-directories under --out (same seed, so the same prompts each step and the same held-out set):
+Real `lsreplay train` flow runs of one config, one after another, in fresh run directories
+under --out (same seed, so the same prompts each step and the same held-out set), those
+--runs names (default replay,baseline; replay,ppo,dpo compares the algorithms):
 
-    replay    the config as it is: branch replay
+    replay    the config as it is: GRPO through branch replay
     baseline  replay.mode=naive: every rollout's full sequence forward and backward, as a
               per-rollout GRPO trainer does
+    ppo       PPO with a critic (a value head on the policy's trunk), GAE advantages, 2
+              epochs of 2 minibatches a step (docs/algorithms.md)
+    dpo       online DPO: each tree's best leaf against its worst, the base model as reference
 
 Each evaluates its policy after 0, eval.every, ..., steps updates on the held-out prompts
 (lsreplay.stages.evaluate). The accuracy this bench reports is the sampled one: the share
@@ -19,11 +25,13 @@ interval) is printed next to it. Wall time to an accuracy is the training time u
 policy existed: from step 0's first stage to the last update before it (evaluation time
 left out; both runs evaluate alike).
 
-Printed: each run's evaluations; on the replay run, how many held-out prompts' greedy
-answers went from wrong to right and back between the first and the last evaluation, with
-McNemar's exact p-value, and the greedy figures; last line
+Printed: each run's evaluations; with ppo or dpo, a line `replay_acc_start= replay_acc_end=
+ppo_acc_start= ... dpo_acc_end=` (sampled accuracy before and after each run's updates, their
+95% intervals in the table above it); with replay and baseline, on the replay run, how many
+held-out prompts' greedy answers went from wrong to right and back between the first and the
+last evaluation, with McNemar's exact p-value, and the greedy figures; then the last line
 `acc_start= acc_end= baseline_acc_end= wall_ratio=` (sampled accuracy; wall_ratio: the
-baseline's wall time to its final accuracy over replay's). `lsreplay report` of both runs
+baseline's wall time to its final accuracy over replay's). `lsreplay report` of the runs
 goes to --out/report; --plot also writes the held-out curves alone to that PNG.
 --smoke: a few prompts and one step, for the test suite.
 """
@@ -43,8 +51,10 @@ sys.path.insert(0, str(REPO))
 from lsreplay import cli  # noqa: E402
 from lsreplay.report import curves, plot, read_metrics, write_report  # noqa: E402
 
-RUNS = {"replay": ["replay.mode=replay"], "baseline": ["replay.mode=naive"]}
-SMOKE = ["steps=1", "eval.every=1", "eval.size=4", "eval.samples=1", "data.size=16", "data.prompts_per_step=1",
+RUNS = {"replay": ["replay.mode=replay"], "baseline": ["replay.mode=naive"],
+        "ppo": ["algo.name=ppo", "algo.critic=true", "algo.advantage=gae", "algo.epochs=2", "algo.minibatches=2"],
+        "dpo": ["algo.name=dpo"]}
+SMOKE = ["steps=1", "eval.every=1", "eval.size=4", "eval.samples=1", "data.size=16", "data.prompts_per_step=2",
          "rollout.branching=[2]", "rollout.max_new_tokens=4"]
 
 
@@ -93,9 +103,15 @@ def table(name: str, run_dir: Path, rows: list[dict]) -> list[str]:
             for r in evaluations(rows)]
 
 
+def algorithms(metrics: dict[str, list[dict]]) -> str:
+    """Each run's sampled held-out accuracy before and after its updates, key=value."""
+    return " ".join(f"{name}_acc_{when}={evaluations(rows)[i]['eval_sample_accuracy']:.3f}"
+                    for name, rows in metrics.items() for when, i in (("start", 0), ("end", -1)))
+
+
 def summary(out: Path, metrics: dict[str, list[dict]]) -> list[str]:
     """The paired greedy comparison and the greedy figures, then the key=value headline."""
-    replay, baseline = (evaluations(rows) for rows in metrics.values())
+    replay, baseline = evaluations(metrics["replay"]), evaluations(metrics["baseline"])
     first, last = replay[0], replay[-1]
     before, after = greedy_correct(out / "replay", first["step"]), greedy_correct(out / "replay", last["step"])
     improved = sum(after[i] and not before[i] for i in before)
@@ -117,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs/learn.yaml"))
     parser.add_argument("--out", default=str(REPO / "runs/learn"))
-    parser.add_argument("--plot", help="also write the held-out curves of both runs to this PNG")
+    parser.add_argument("--runs", default="replay,baseline", help=f"comma-separated, of {', '.join(RUNS)}")
+    parser.add_argument("--plot", help="also write the held-out curves of the runs to this PNG")
     parser.add_argument("--smoke", action="store_true", help="one step on a few prompts (the test suite)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to both runs")
     args = parser.parse_args(argv)
+    runs = args.runs.split(",")
+    if unknown := [r for r in runs if r not in RUNS]:
+        parser.error(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
     if args.threads:
         import torch
 
@@ -129,14 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     common = (SMOKE if args.smoke else []) + args.overrides
-    metrics = {name: train(args.config, out / name, [*common, *extra]) for name, extra in RUNS.items()}
+    metrics = {name: train(args.config, out / name, [*common, *RUNS[name]]) for name in runs}
     for name, rows in metrics.items():
         print("\n".join(table(name, out / name, rows)))
     write_report([out / name for name in metrics], out / "report")
     if args.plot:
         plot(curves(metrics), Path(args.plot), keys=("eval_sample_accuracy", "eval_accuracy"))
 
-    print("\n".join(summary(out, metrics)))
+    if {"ppo", "dpo"} & set(runs):
+        print(algorithms(metrics))
+    if {"replay", "baseline"} <= set(runs):
+        print("\n".join(summary(out, metrics)))
     return 0
 
 

@@ -19,6 +19,9 @@ from lsreplay.storage import CorruptEntry, MissingEntry, Store
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
+# A policy's critic (its value head, lsreplay.algos.critic): beside the model file, which
+# stays exactly the HF model's weights.
+CRITIC_FILE = "critic.safetensors"
 META_FILE = "meta.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
@@ -49,8 +52,12 @@ def save_weights(store: Store, prefix: str, tensors: dict[str, torch.Tensor], me
 
 
 def load_weights(store: Store, prefix: str, manifest: dict | None = None) -> dict[str, torch.Tensor]:
-    """The named weights of a checkpoint, as saved (verified against `manifest` if given)."""
-    return _read(store, prefix, MODEL_FILE, manifest, store.read_tensors)
+    """The named weights of a checkpoint, as saved (verified against `manifest` if given),
+    its critic's too where the manifest lists one."""
+    tensors = _read(store, prefix, MODEL_FILE, manifest, store.read_tensors)
+    if manifest is not None and CRITIC_FILE in manifest.get("files", {}):
+        tensors.update(_read(store, prefix, CRITIC_FILE, manifest, store.read_tensors))
+    return tensors
 
 
 def load_module(

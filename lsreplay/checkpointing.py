@@ -8,7 +8,8 @@ and the files have those sizes: a process killed at any moment of a write leaves
 file, and a resume starts from the newest complete checkpoint (lsreplay.resume).
 
 Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights),
-optimizer.safetensors, optimizer.json, rng.safetensors, meta.json, hf/ (the policy as an HF
+critic.safetensors (the value head's, with algo.critic), optimizer.safetensors,
+optimizer.json, rng.safetensors, meta.json, hf/ (the policy as an HF
 model folder in the compute dtype: lsreplay.hf_folder; its weights a hard link to the
 masters where they are the same bytes), checkpoint.json}.
 Drafter checkpoints older than the one a resume from the oldest kept policy checkpoint
@@ -31,7 +32,9 @@ from pathlib import Path
 import torch
 
 from lsreplay import faults
-from lsreplay.checkpoint import MODEL_FILE, CheckpointError, load_weights, save_optimizer, save_rng, save_weights
+from lsreplay.algos.critic import split_critic
+from lsreplay.checkpoint import (CRITIC_FILE, MODEL_FILE, CheckpointError, load_weights, save_optimizer, save_rng,
+                                 save_weights)
 from lsreplay.config import ConfigError
 from lsreplay.hf_folder import write_hf_folder
 from lsreplay.run import Run
@@ -83,11 +86,14 @@ def write(run: Run, snap: Snapshot) -> dict:
     checkpoint.json holds."""
     start = time.perf_counter()
     prefix = run.checkpoint("policy", snap.step)
-    masters = save_weights(run.store, prefix, snap.weights, {"step": snap.step})
+    weights, critic = split_critic(snap.weights)
+    masters = save_weights(run.store, prefix, weights, {"step": snap.step})
     faults.hook("checkpoint", snap.step, "mid")  # weights written, no checkpoint.json yet
     parts = [masters, save_optimizer(run.store, prefix, snap.optimizer), save_rng(run.store, prefix, snap.rng)]
     files = {name: entry for part in parts for name, entry in part["files"].items()}
-    hf = write_hf_folder(run.store, f"{prefix}/{HF}", snap.weights, run.cfg.model,
+    if critic:
+        files[CRITIC_FILE] = run.store.write_tensors(f"{prefix}/{CRITIC_FILE}", critic)
+    hf = write_hf_folder(run.store, f"{prefix}/{HF}", weights, run.cfg.model,
                          int(run.cfg.checkpoint.hf_shard_gb * 2**30), same_bytes_as=masters["files"][MODEL_FILE])
     files.update({f"{HF}/{name}": entry for name, entry in hf.items()})
     record = {"step": snap.step, "config_hash": run.config_hash, "snapshot_seconds": snap.seconds,
@@ -264,7 +270,7 @@ def export_policy(run: Run, out: str, step: int | None = None) -> tuple[int, dic
     if target.exists():
         raise ConfigError(f"{out} already exists; export into a new folder (nothing is overwritten)")
     found = manifest(run, step)
-    weights = load_weights(run.store, found["prefix"], found)
+    weights, _ = split_critic(load_weights(run.store, found["prefix"], found))
     partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
         files = write_hf_folder(Store(str(partial.parent)), partial.name, weights, run.cfg.model,

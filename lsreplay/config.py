@@ -116,8 +116,18 @@ class RolloutConfig:
     draft_lens: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
 
 
+ALGOS = ("grpo", "ppo", "dpo")
+ADVANTAGES = ("group", "gae")
+DPO_SOURCES = ("rollouts", "dataset")
+OVERLONG = ("none", "mask", "penalty")
+SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass
 class AlgoConfig:
+    # grpo, ppo (several epochs and minibatches per batch, optionally a critic) or dpo
+    # (online over each tree's best and worst leaf, or offline from a preference dataset):
+    # docs/algorithms.md.
     name: str = "grpo"
     # token-mean: every completion token counts equally across the batch;
     # seq-mean: each completion's token mean, averaged over completions;
@@ -135,10 +145,43 @@ class AlgoConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     clip_eps: float = 0.2
+    # The ratio's upper clip, 1 + clip_eps_high (DAPO's clip-higher, e.g. 0.28); 0 = clip_eps.
+    clip_eps_high: float = 0.0
     # Truncated importance sampling: weight every token's advantage by min(p_trainer /
     # p_engine, tis_cap) of that token, for a rollout engine whose probabilities differ from
     # the trainer's (vLLM; the step's engine_logprob_gap_* say by how much). 0 = off.
     tis_cap: float = 0.0
+    # PPO: passes over each step's trees, and minibatches (of whole trees) per pass; one
+    # optimizer update per minibatch.
+    epochs: int = 1
+    minibatches: int = 1
+    # PPO's advantages: "group" (GRPO's, over each tree's leaves) or "gae" (from the critic).
+    advantage: str = "group"
+    # PPO: a critic, a value head on the policy's own trunk trained with a clipped value loss.
+    critic: bool = False
+    gamma: float = 1.0
+    lam: float = 0.95
+    # The value loss's weight next to the policy loss, its clip range around the old values
+    # (0 = no clip), and the value head's learning rate (the trunk learns at optim.lr).
+    vf_coef: float = 0.1
+    value_clip: float = 0.2
+    value_lr: float = 1.0e-4
+    # DPO: beta, and where the pairs come from: "rollouts" (each tree's best leaf against
+    # its worst, online) or "dataset" (offline: data.path is a preference dataset with
+    # prompt, chosen and rejected columns; no rollouts).
+    dpo_beta: float = 0.1
+    dpo_source: str = "rollouts"
+    # Dynamic sampling (DAPO): a tree whose leaves all got the same reward carries no
+    # gradient; its prompt is replaced by another, drawn in advance by the prompts stage,
+    # for up to this many rounds of draws in all (the first included).
+    dynamic_sampling: bool = False
+    dynamic_sampling_draws: int = 4
+    # Answers cut at rollout.max_new_tokens: "none"; "mask" (left out of the policy loss);
+    # "penalty": a reward minus overlong_penalty x (length - (max_new_tokens -
+    # overlong_buffer)) / overlong_buffer over the last overlong_buffer tokens (DAPO's).
+    overlong: str = "none"
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -149,6 +192,12 @@ class OptimConfig:
     beta2: float = 0.999
     # Max global gradient norm; 0 = no clipping.
     grad_clip: float = 1.0
+    # The learning rate over the run's optimizer updates (one per step; algo.epochs x
+    # algo.minibatches per step with PPO): constant, or decaying to 0 at the last step
+    # (linear, cosine, which makes `steps` change the results), after a linear warmup of
+    # warmup_steps updates from lr / warmup_steps.
+    schedule: str = "constant"
+    warmup_steps: int = 0
 
 
 @dataclass
@@ -461,7 +510,7 @@ def _validate_rollout(cfg: Config) -> None:
 
 def _validate_learning(cfg: Config) -> None:
     a, o = cfg.algo, cfg.optim
-    _check(a.name in ("grpo",), "algo.name", "grpo", a.name)
+    _check(a.name in ALGOS, "algo.name", "one of " + ", ".join(ALGOS), a.name)
     _check(a.tree_baseline in TREE_BASELINES, "algo.tree_baseline", " or ".join(TREE_BASELINES), a.tree_baseline)
     _check(a.tree_baseline == "group" or cfg.rollout.branching[0] >= 2, "algo.tree_baseline",
            "independent needs rollout.branching[0] >= 2 (leaves of different first-level subtrees to compare "
@@ -470,15 +519,87 @@ def _validate_learning(cfg: Config) -> None:
     _check(a.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS), a.kl_estimator)
     _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0", a.kl_coef)
     _check(a.clip_eps > 0, "algo.clip_eps", "must be > 0 (the ratio's clip range, e.g. 0.2)", a.clip_eps)
+    _check(a.clip_eps_high >= 0, "algo.clip_eps_high", "must be >= 0 (0 = algo.clip_eps)", a.clip_eps_high)
     _check(a.tis_cap == 0 or a.tis_cap >= 1, "algo.tis_cap", "0 (off) or a cap >= 1 on the importance weights "
            "(e.g. 2)", a.tis_cap)
+    _validate_ppo(cfg)
+    _validate_dpo(cfg)
+    _validate_refinements(cfg)
     _check(0 < o.lr < math.inf, "optim.lr", "a finite number > 0", o.lr)
     _check(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 = no clipping)", o.grad_clip)
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
     for key, beta in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         _check(0 <= beta < 1, key, "in [0, 1): AdamW's moment decay (1 makes its bias correction divide by zero)", beta)
+    _check(o.schedule in SCHEDULES, "optim.schedule", " or ".join(SCHEDULES), o.schedule)
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0 (optimizer updates; 0 = no warmup)",
+           o.warmup_steps)
     _check(0 < cfg.drafter.lr < math.inf, "drafter.lr", "a finite number > 0", cfg.drafter.lr)
     _check(cfg.drafter.batch_size >= 1, "drafter.batch_size", "must be >= 1", cfg.drafter.batch_size)
+
+
+def _validate_ppo(cfg: Config) -> None:
+    a = cfg.algo
+    _check(a.epochs >= 1, "algo.epochs", "must be >= 1", a.epochs)
+    _check(1 <= a.minibatches <= cfg.data.prompts_per_step, "algo.minibatches",
+           f"between 1 and data.prompts_per_step = {cfg.data.prompts_per_step} (a minibatch holds whole trees)",
+           a.minibatches)
+    several = a.epochs * a.minibatches > 1
+    _check(a.name == "ppo" or not several, "algo.name", "ppo for several updates per batch (algo.epochs = "
+           f"{a.epochs}, algo.minibatches = {a.minibatches}); {a.name} makes one", a.name)
+    _check(cfg.pool.devices_per_step == 1 or not several, "pool.devices_per_step",
+           "1 with several PPO updates per batch (algo.epochs x algo.minibatches > 1): the data-parallel update "
+           "makes one per step", cfg.pool.devices_per_step)
+    _check(a.advantage in ADVANTAGES, "algo.advantage", " or ".join(ADVANTAGES), a.advantage)
+    _check(a.advantage == "group" or a.critic, "algo.advantage", "gae needs a critic to estimate values: set "
+           "algo.critic=true (with algo.name=ppo), or algo.advantage=group", a.advantage)
+    _check(a.name == "ppo" or not a.critic, "algo.critic", f"false with algo.name={a.name}: the critic trains "
+           "with PPO (algo.name=ppo)", a.critic)
+    for key, value in (("algo.gamma", a.gamma), ("algo.lam", a.lam)):
+        _check(0 <= value <= 1, key, "in [0, 1]", value)
+    _check(a.vf_coef > 0, "algo.vf_coef", "must be > 0 (the value loss's weight)", a.vf_coef)
+    _check(a.value_clip >= 0, "algo.value_clip", "must be >= 0 (0 = no clip)", a.value_clip)
+    _check(0 < a.value_lr < math.inf, "algo.value_lr", "a finite number > 0", a.value_lr)
+
+
+def _validate_dpo(cfg: Config) -> None:
+    a = cfg.algo
+    _check(a.dpo_beta > 0, "algo.dpo_beta", "must be > 0", a.dpo_beta)
+    _check(a.dpo_source in DPO_SOURCES, "algo.dpo_source", " or ".join(DPO_SOURCES), a.dpo_source)
+    if a.name != "dpo":
+        _check(a.dpo_source == "rollouts", "algo.dpo_source", f"rollouts with algo.name={a.name} (a preference "
+               "dataset trains DPO: algo.name=dpo)", a.dpo_source)
+        return
+    _check(a.kl_coef == 0, "algo.kl_coef", "0 with algo.name=dpo: DPO's loss holds the reference already "
+           "(algo.dpo_beta)", a.kl_coef)
+    _check(a.tis_cap == 0, "algo.tis_cap", "0 with algo.name=dpo (it weights advantages; DPO has none)", a.tis_cap)
+    if a.dpo_source != "dataset":
+        return
+    _check(bool(cfg.data.path), "data.path", "a preference dataset (prompt, chosen, rejected columns) with "
+           "algo.dpo_source=dataset", cfg.data.path)
+    # Offline DPO samples no rollouts: a key that only shapes rollouts would silently do nothing.
+    for key, value, ok, fix in (
+            ("rollout.engine", cfg.rollout.engine, cfg.rollout.engine == "hf", "hf"),
+            ("rollout.shards", cfg.rollout.shards, cfg.rollout.shards == 1, "1"),
+            ("drafter.enabled", cfg.drafter.enabled, not cfg.drafter.enabled, "false"),
+            ("algo.dynamic_sampling", a.dynamic_sampling, not a.dynamic_sampling, "false"),
+            ("algo.overlong", a.overlong, a.overlong == "none", "none")):
+        _check(ok, key, f"{fix} with algo.dpo_source=dataset: offline DPO samples no rollouts, so this rollout "
+               "key would do nothing", value)
+    _check(cfg.eval.every == 0 or bool(cfg.eval.path), "eval.path", "a prompt file (question, answer, task "
+           "columns) to evaluate on with algo.dpo_source=dataset: the preference dataset holds no answers to check",
+           cfg.eval.path)
+
+
+def _validate_refinements(cfg: Config) -> None:
+    a = cfg.algo
+    _check(a.dynamic_sampling_draws >= 1, "algo.dynamic_sampling_draws", "must be >= 1 (rounds of draws, the first "
+           "included)", a.dynamic_sampling_draws)
+    _check(a.overlong in OVERLONG, "algo.overlong", " or ".join(OVERLONG), a.overlong)
+    _check(a.overlong != "penalty" or 0 < a.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
+           f"between 1 and rollout.max_new_tokens - 1 = {cfg.rollout.max_new_tokens - 1} with algo.overlong=penalty "
+           "(the tokens before the limit over which the penalty grows)", a.overlong_buffer)
+    _check(a.overlong_penalty > 0, "algo.overlong_penalty", "must be > 0 (the penalty at max_new_tokens)",
+           a.overlong_penalty)
 
 
 def _validate_state(cfg: Config) -> None:
@@ -521,7 +642,12 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
 
 
+def non_result_keys(cfg: Config) -> tuple[str, ...]:
+    """NON_RESULT_KEYS, less `steps` where a decaying learning rate ends at the last step."""
+    return tuple(k for k in NON_RESULT_KEYS if k != "steps" or cfg.optim.schedule == "constant")
+
+
 def result_hash(cfg: Config) -> str:
     """Hash of everything that changes what a run computes (cache keys, resume checks)."""
-    d = {k: v for k, v in to_dict(cfg, redact=True).items() if k not in NON_RESULT_KEYS}
+    d = {k: v for k, v in to_dict(cfg, redact=True).items() if k not in non_result_keys(cfg)}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

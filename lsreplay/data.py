@@ -291,9 +291,14 @@ class PromptSet:
             metadata={**_jsonable(extra), **_metadata(row.get("metadata"))},
         )
 
-    def sample(self, step: int, batch_size: int, seed: int) -> list[Prompt]:
+    def sample(self, step: int, batch_size: int, seed: int, draw: int = 0) -> list[Prompt]:
         """The batch for `step`: a pure function of (seed, step), so reruns and resumed
-        runs see the same prompts. Repeats only when the batch exceeds the set."""
-        rng = np.random.default_rng([seed, step])
-        picks = rng.choice(len(self), size=batch_size, replace=batch_size > len(self))
-        return [self[int(i)] for i in picks]
+        runs see the same prompts. Repeats only when the batch exceeds the set. `draw` > 0:
+        another batch of the step (dynamic sampling's replacements)."""
+        return [self[i] for i in sample_rows(len(self), step, batch_size, seed, draw)]
+
+
+def sample_rows(size: int, step: int, batch_size: int, seed: int, draw: int = 0) -> list[int]:
+    """`batch_size` of `size` rows for (seed, step, draw): distinct unless the batch exceeds them."""
+    rng = np.random.default_rng([seed, step] + ([draw] if draw else []))
+    return [int(i) for i in rng.choice(size, size=batch_size, replace=batch_size > size)]

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+ALGO_KEYS = ("lr", "updates", "clip_fraction", "value_loss", "value_explained_variance", "value_clip_fraction",
+             "dpo_pairs", "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy")
+
+
 def step_record(step: int, manifests: dict[str, dict]) -> dict:
     trees, prefixes, policy = manifests["trees"], manifests["prefixes"], manifests["policy"]
     record = {
@@ -27,6 +31,14 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     }
     if "kl" in policy:
         record["kl"] = policy["kl"]
+    # The algorithm's figures (docs/algorithms.md): learning rate, updates, clipping, the
+    # critic's, DPO's pairs and implicit rewards; and the trees that train nothing.
+    for key in ALGO_KEYS:
+        if key in policy:
+            record[key] = policy[key]
+    for key in ("trees_all_alike", "prompts_drawn", "trees_dropped"):
+        if key in trees:
+            record[key] = trees[key]
     # The rollout engine's logprobs against the trainer's, per token (whenever the caching pass scores).
     for key in ("engine_logprob_gap_mean", "engine_logprob_gap_max"):
         if key in prefixes:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward
+from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
 from lsreplay.tree import RolloutTree
 
 
@@ -189,8 +190,8 @@ def all_reduce_grads(params: list[torch.Tensor], group=None, bucket_bytes: int =
 def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: int, world_size: int,
                            mode: str = "replay", fsdp: bool | None = None,
                            prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                           join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None
-                           ) -> BackwardStats:
+                           join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None,
+                           heads: Heads | None = None) -> BackwardStats:
     """This rank's share of the batch gradient, summed over ranks into `.grad`.
 
     `trees` and `weights` are the WHOLE batch (same on every rank; weights computed
@@ -200,12 +201,14 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     batch's tree index. fsdp: None = whether `model` was passed through `shard_model`.
 
     grad_params: where the gradients accumulate, plain DP (default: the model's trainable
-    parameters; a mixed-precision TrainState's float32 masters).
+    parameters; a mixed-precision TrainState's float32 masters). heads, weights: as for
+    replay_backward (weights by head name with heads).
 
     Returns stats summed over ranks (objective, positions), the max peak and this
     rank's wall time (compute + communication)."""
-    if len(weights) != len(trees):
-        raise ValueError(f"got weights for {len(weights)} trees, expected {len(trees)}")
+    by_head, _ = per_head(weights, heads)
+    if any(len(w) != len(trees) for w in by_head.values()):
+        raise ValueError(f"got weights for {[len(w) for w in by_head.values()]} trees, expected {len(trees)}")
     if mode not in ("replay", "naive"):
         raise ValueError(f"mode must be 'replay' or 'naive', got {mode!r}")
     fsdp = is_sharded(model) if fsdp is None else fsdp
@@ -214,15 +217,15 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     start = time.perf_counter()
     mine = split_trees(trees, world_size, mode)[rank]
     local_trees = [trees[i] for i in mine]
-    local_w = [weights[i] for i in mine]
+    local_w = {name: [w[i] for i in mine] for name, w in by_head.items()}
     if fsdp:
         _fsdp_gather(model)
     if mode == "replay":
         source = None if prefix_kv is None else (lambda j, node: prefix_kv(mine[j], node))
         stats = replay_backward(model, local_trees, local_w, prefix_kv=source, budget_bytes=budget_bytes,
-                                join_below=join_below)
+                                join_below=join_below, heads=heads or LOGPROB_HEADS)
     else:
-        stats = naive_backward(model, local_trees, local_w)
+        stats = naive_backward(model, local_trees, local_w, heads=heads or LOGPROB_HEADS)
     if fsdp:
         _fsdp_reduce(model)
     else:

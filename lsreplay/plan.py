@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from lsreplay.replay.attention_kernels import kernel_for
+from lsreplay.stages.objectives import updates_per_step
+from lsreplay.stages.prefixes import scores_logprobs, scores_reference
 from lsreplay.train_state import master_dtype
 from lsreplay.tree import RolloutTree
 from lsreplay.replay.view import joins
@@ -227,10 +229,17 @@ class StateBytes:
         return self.weights + self.grads + self.master + self.moments + self.grad_shard
 
 
-def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool) -> StateBytes:
+def critic_params(cfg, dims: ModelDims) -> int:
+    """The critic's parameters: a value head (hidden -> 1) on the policy's trunk, with
+    algo.critic (lsreplay.algos.critic); it has no K/V, caching pass or model of its own."""
+    return dims.hidden + 1 if cfg.algo.critic else 0
+
+
+def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool, extra_params: int = 0) -> StateBytes:
     """bfloat16 means mixed precision: bf16 compute weights, float32 master weights,
-    AdamW moments and gradient accumulation. float32/float64: one copy in that dtype."""
-    n = dims.params()
+    AdamW moments and gradient accumulation. float32/float64: one copy in that dtype.
+    extra_params: trained beside the model's (a critic's value head)."""
+    n = dims.params() + extra_params
     elt = ELT[dtype]
     mixed = dtype == "bfloat16"
     opt_elt = 4 if mixed else elt
@@ -243,8 +252,8 @@ def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool) -> StateByt
     if fsdp and not mixed:  # the sharded parameter is the master copy
         master = n * elt // shard
     return StateBytes(weights, grads, master, moments, grad_shard,
-                      notes=f"{n / 1e9:.3f}B params, {'mixed bf16/fp32' if mixed else dtype}, "
-                            f"{'FSDP over ' + str(ranks) if fsdp else 'replicated'}")
+                      notes=f"{n / 1e9:.3f}B params{f' ({extra_params} of them the critic)' if extra_params else ''}, "
+                            f"{'mixed bf16/fp32' if mixed else dtype}, {'FSDP over ' + str(ranks) if fsdp else 'replicated'}")
 
 
 def workspace_bytes(dims: ModelDims, elt: int, run: RunPeak) -> int:
@@ -286,13 +295,13 @@ def resident_beside_rollouts(cfg, dims: ModelDims) -> list[tuple[str, str, int]]
     and AdamW moments stay on it between steps); the reference with a KL term; the drafter
     the long tail decodes with."""
     n, elt = dims.params(), ELT[cfg.model.dtype]
-    state = state_bytes(dims, cfg.model.dtype, 1, False)
-    lines = [("weights", "policy weights (the resident compute copy)", n * elt)]
+    state = state_bytes(dims, cfg.model.dtype, 1, False, critic_params(cfg, dims))
+    lines = [("weights", "policy weights (the resident compute copy)", (n + critic_params(cfg, dims)) * elt)]
     if cfg.pool.devices_per_step == 1:
         lines.append(("state", "the update's state held (masters, gradients, AdamW)",
                       state.grads + state.master + state.moments))
-    if cfg.algo.kl_coef > 0:
-        lines.append(("reference", "the KL term's reference model", n * elt))
+    if scores_reference(cfg):
+        lines.append(("reference", "the reference model (KL term, DPO)", n * elt))
     if speculates(cfg):
         lines.append(("drafter", "the drafter (fc + one layer)", (2 * dims.hidden ** 2 + dims.hidden
                                                                    + dims.layer_params()) * elt))
@@ -401,13 +410,15 @@ def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
     branching_positions = TreeShape(root, levels[:-1]).unique_positions if levels else 0
     trees = cfg.data.prompts_per_step
     kv = trees * branching_positions * kv_bytes_per_position(dims, elt) if cfg.replay.mode == "replay" else 0
-    # The caching pass scores entries only for the KL term (the policy's and the reference's
-    # logprobs), and keeps hidden states only for the drafter.
-    logprobs = (shape.unique_positions - shape.prompt) * 2 * 8 if cfg.algo.kl_coef > 0 else 0
+    # The caching pass scores entries (float64) where a loss reads them: the policy's
+    # logprobs (KL, PPO, DPO), the reference's (KL, DPO), the critic's values; it keeps
+    # hidden states only for the drafter.
+    scored = scores_logprobs(cfg) + scores_reference(cfg) + cfg.algo.critic
+    logprobs = (shape.unique_positions - shape.prompt) * scored * 8
     hidden = shape.unique_positions * dims.hidden * elt if cfg.drafter.enabled else 0
     master = ELT[master_dtype(cfg.model.dtype)]
-    checkpoint = 3 * n * master  # masters + two AdamW moments
-    loads = (cfg.rollout.shards + 1 + (cfg.algo.kl_coef > 0)) * n * master
+    checkpoint = 3 * (n + critic_params(cfg, dims)) * master  # masters + two AdamW moments
+    loads = (cfg.rollout.shards + 1 + scores_reference(cfg)) * n * master
     return StepIO(kv, trees * (logprobs + hidden), checkpoint, cfg.checkpoint.every, loads,
                   cfg.storage.bandwidth_gbps * 1e9)
 
@@ -433,6 +444,11 @@ class Plan:
     io: StepIO | None = None
     budget_bytes: int | None = None
     join_below: int = 0
+    algo: str = "grpo"
+    updates: int = 1  # optimizer updates a step makes (PPO: epochs x minibatches)
+    # PPO's later minibatches: the caching pass again, its prefix K/V held in host memory
+    minibatch_kv: int = 0
+    critic: int = 0  # the critic's parameters (a value head on the trunk)
 
     @property
     def trees_per_device(self) -> int:
@@ -528,13 +544,18 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     replay = replay_peak(dims, dtype, shape, budget, accelerator=values["pool.accelerator"] == "cuda",
                          join_below=cfg.replay.join_below)
     naive = naive_peak(dims, elt, shape)
+    io = step_io(cfg, dims, shape)
+    updates = updates_per_step(cfg)
+    minibatch = math.ceil(cfg.data.prompts_per_step / cfg.algo.minibatches)
     return Plan(model=model_name, dims=dims, dtype=dtype_name, mode=cfg.replay.mode, ranks=ranks, fsdp=fsdp,
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
-                trees=cfg.data.prompts_per_step, state=state_bytes(dims, dtype_name, ranks, fsdp),
+                trees=cfg.data.prompts_per_step,
+                state=state_bytes(dims, dtype_name, ranks, fsdp, critic_params(cfg, dims)),
                 replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
                 naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES[r.engine](cfg, dims, shape),
-                io=step_io(cfg, dims, shape),
-                budget_bytes=budget, join_below=cfg.replay.join_below)
+                io=io, budget_bytes=budget, join_below=cfg.replay.join_below, algo=cfg.algo.name, updates=updates,
+                minibatch_kv=io.prefix_kv * minibatch // cfg.data.prompts_per_step if updates > 1 else 0,
+                critic=critic_params(cfg, dims))
 
 
 def format_plan(p: Plan) -> str:
@@ -549,6 +570,7 @@ def format_plan(p: Plan) -> str:
         (f"step      {p.trees} trees on {p.ranks} device(s), {p.trees_per_device} per device (whole trees); "
          f"per-rollout positions {p.positions_per_step:,}, replay positions {p.replay_positions_per_step:,}"),
         f"peak run  replay: {p.replay.what} (past {p.replay.past}); naive: {p.naive.what} ({p.naive.width} positions)",
+        format_update(p),
         "",
         f"{'per device, GiB':<44} {'replay':>10} {'naive':>10}",
     ]
@@ -574,7 +596,7 @@ def format_plan(p: Plan) -> str:
     if p.io is not None:
         lines += ["", *format_io(p.io)]
     fits = p.step_fits()
-    kv = dict(mode=p.mode, devices=p.ranks, fsdp=str(p.fsdp).lower(), trees=p.trees, rollouts_per_tree=s.rollouts,
+    kv = dict(algo=p.algo, updates_per_step=p.updates, mode=p.mode, devices=p.ranks, fsdp=str(p.fsdp).lower(), trees=p.trees, rollouts_per_tree=s.rollouts,
               positions_per_step=p.positions_per_step, replay_positions_per_step=p.replay_positions_per_step,
               positions_ratio=f"{s.total_positions / s.unique_positions:.3f}",
               peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
@@ -585,6 +607,17 @@ def format_plan(p: Plan) -> str:
                                           "io_s_per_step_not_resident": f"{p.io.seconds(resident=False):.1f}"}))
     lines.append(" ".join(f"{k}={v}" for k, v in kv.items()))
     return "\n".join(lines)
+
+
+def format_update(p: Plan) -> str:
+    """The algorithm's update: how many optimizer updates, what the later ones hold, the critic."""
+    line = f"update    {p.algo}: {p.updates} optimizer update(s) a step"
+    if p.updates > 1:
+        line += (f"; the first on the stored prefix K/V, each later minibatch runs the caching pass again and holds "
+                 f"its trees' K/V in host memory ({gib(p.minibatch_kv)} GiB)")
+    if p.critic:
+        line += f"; critic: a value head on the policy's trunk ({p.critic} params), no K/V or model of its own"
+    return line
 
 
 def format_rollout(p: Plan) -> list[str]:

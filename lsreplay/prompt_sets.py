@@ -94,13 +94,13 @@ def _distinct(prompts: PromptSet, order: Iterable[int], size: int) -> list[int]:
     return rows
 
 
-def check_prompts(cfg: Config, render) -> None:
+def check_prompts(cfg: Config, render, training: bool = True) -> None:
     """Every data problem a config can show, before any work: the source loads (generated
     first if need be), the held-out set and the training set are there, every task the
     default reward must score is a reasoning-gym task, and the longest prompts fit
-    data.max_prompt_tokens once `render`ed (render(prompt) -> token ids)."""
-    training = training_prompts(cfg)
-    sets = [training] + [s for s in [heldout_prompts(cfg)] if s is not None]
+    data.max_prompt_tokens once `render`ed (render(prompt) -> token ids). training=False:
+    the held-out set only (offline DPO trains on a preference dataset)."""
+    sets = ([training_prompts(cfg)] if training else []) + [s for s in [heldout_prompts(cfg)] if s is not None]
     if not cfg.reward.function:
         for prompts in sets:
             unknown = unscorable_tasks({str(t) for t in prompts.column("task")})

@@ -32,7 +32,9 @@ import torch
 from transformers import PreTrainedModel
 
 from lsreplay import checkpointing
+from lsreplay.algos.critic import attach_value_head
 from lsreplay.checkpoint import CheckpointError, load_module, load_optimizer, load_weights
+from lsreplay.config import Config
 from lsreplay.models import load_model, resolve_model_dir
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec, same_engine
 from lsreplay.run import InputCorrupt, Run
@@ -92,7 +94,7 @@ class Resident:
                 return copy.model
             self._drop_other_runs(run, device)
             if (weights := self._held_weights(run, step)) is not None:
-                model = copy.model if copy is not None else load_model(run.cfg.model, device=device)
+                model = copy.model if copy is not None else policy_model(run.cfg, device)
                 model.load_state_dict(weights)
             else:
                 if copy is not None:
@@ -207,7 +209,7 @@ class Resident:
 
     @staticmethod
     def _load(run: Run, step: int, device: torch.device) -> PreTrainedModel:
-        model = load_model(run.cfg.model, device=device)
+        model = policy_model(run.cfg, device)
         if step > 0:
             manifest = _checkpoint(run, step - 1)
             with _verified(run, step - 1):
@@ -218,10 +220,10 @@ class Resident:
     def _load_train_state(run: Run, step: int, model: PreTrainedModel) -> TrainState:
         """Masters and AdamW for `model`: float32 masters of the base (step 0), or the
         checkpoint of step - 1's masters and optimizer state."""
-        train = TrainState(model, run.cfg.optim)
+        train = policy_train_state(run.cfg, model)
         if step == 0:
             if train.mixed:  # masters from the float32 weights, not from their bf16 rounding
-                base = load_model(run.cfg.model, dtype=master_dtype(run.cfg.model.dtype))
+                base = policy_model(run.cfg, "cpu", dtype=master_dtype(run.cfg.model.dtype))
                 train.load_masters(dict(base.named_parameters()))
             return train
         manifest = _checkpoint(run, step - 1)
@@ -229,6 +231,18 @@ class Resident:
             train.load_masters(load_weights(run.store, manifest["prefix"], manifest))
             load_optimizer(run.store, manifest["prefix"], train.optimizer, manifest)
         return train
+
+
+def policy_model(cfg: Config, device: torch.device | str, dtype: str | None = None) -> PreTrainedModel:
+    """The base policy on `device` (models.load_model), with its critic's value head where
+    the run trains one (algo.critic): every copy of a run's policy has the same parameters."""
+    model = load_model(cfg.model, device=device, dtype=dtype)
+    return attach_value_head(model) if cfg.algo.critic else model
+
+
+def policy_train_state(cfg: Config, model: PreTrainedModel) -> TrainState:
+    """The trainable state of a run's policy `model`: the value head in a group of its own."""
+    return TrainState(model, cfg.optim, cfg.algo.value_lr if cfg.algo.critic else None)
 
 
 def _run_id(run: Run) -> str:

@@ -126,7 +126,8 @@ class Run:
         if saved["result_hash"] != self.config_hash and not force:
             raise ConfigError(
                 f"the run at {self.store.uri} was started with a different config "
-                f"({_diff(saved['config'], config_mod.to_dict(self.cfg))}); use a new run_dir, "
+                f"({_diff(saved['config'], config_mod.to_dict(self.cfg), config_mod.non_result_keys(self.cfg))}); "
+                "use a new run_dir, "
                 "or pass --force to continue with the new values")
         return True
 
@@ -290,6 +291,7 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     DatasetError with a message that says what to do. Returns the run with its thread count
     pinned (`Run.with_pinned_threads`)."""
     from lsreplay.models import load_tokenizer, resolve_model_dir
+    from lsreplay.preferences import check_preferences, offline
     from lsreplay.prompt_sets import check_prompts
     from lsreplay.rewards import Reward
     from lsreplay.rollout.vllm_engine import check_engine
@@ -306,7 +308,10 @@ def preflight(cfg: Config, force: bool = False) -> Run:
         check_drafters(run)
     Reward(cfg)  # reward.function imports and takes (prompt, completion)
     tokenizer, d = load_tokenizer(cfg.model), cfg.data
-    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, d.system_prompt, d.max_prompt_tokens))
+    if offline(cfg):  # the preference dataset trains; prompts only evaluate
+        check_preferences(cfg, tokenizer)
+    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, d.system_prompt, d.max_prompt_tokens),
+                  training=not offline(cfg))
     return run.with_pinned_threads()
 
 
@@ -359,14 +364,14 @@ def _common_dir(keys: list[str]) -> str:
     return "" if common == "." else common
 
 
-def _diff(old: dict, new: dict, prefix: str = "") -> str:
+def _diff(old: dict, new: dict, skip: tuple[str, ...] = config_mod.NON_RESULT_KEYS, prefix: str = "") -> str:
     changed = []
     for k in sorted(set(old) | set(new)):
-        if prefix == "" and k in config_mod.NON_RESULT_KEYS:
+        if prefix == "" and k in skip:
             continue
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
-            inner = _diff(a, b, f"{prefix}{k}.")
+            inner = _diff(a, b, skip, f"{prefix}{k}.")
             if inner:
                 changed.append(inner)
         elif a != b:

@@ -20,11 +20,13 @@ no hooks, exactly the plain training of before.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lsreplay.algos.critic import is_critic
 from lsreplay.config import OptimConfig
 from lsreplay.logits import FULL_PRECISION
 
@@ -34,10 +36,25 @@ def master_dtype(compute: str) -> str:
     return compute if getattr(torch, compute) in FULL_PRECISION else "float32"
 
 
-class TrainState:
-    """`model` (computing in its dtype) plus master parameters, their gradients, AdamW."""
+def lr_factor(optim: OptimConfig, update: int, total: int) -> float:
+    """The learning rate of optimizer update `update` (0-based) of `total`, over the
+    configured one (optim.schedule, optim.warmup_steps): a pure function of the update's
+    index, so a resumed run continues the schedule exactly where the checkpoint left it."""
+    warmup = optim.warmup_steps
+    if update < warmup:
+        return (update + 1) / warmup
+    if optim.schedule == "constant":
+        return 1.0
+    done = min((update - warmup) / max(total - warmup, 1), 1.0)
+    return 1.0 - done if optim.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
 
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig):
+
+class TrainState:
+    """`model` (computing in its dtype) plus master parameters, their gradients, AdamW.
+    value_lr: the learning rate of a critic's value head on the model (lsreplay.algos.critic),
+    in an AdamW parameter group of its own; None = every parameter at optim.lr."""
+
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, value_lr: float | None = None):
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
@@ -48,9 +65,21 @@ class TrainState:
                 _route_to_master(param, master)
         else:
             self.masters = self.params
-        self.optimizer = torch.optim.AdamW(self.masters, lr=optim.lr, betas=(optim.beta1, optim.beta2),
+        groups = [{"params": self.masters, "lr": optim.lr}]
+        if value_lr is not None:
+            critic = [is_critic(n) for n in self.names]
+            groups = [{"params": [m for m, c in zip(self.masters, critic) if not c], "lr": optim.lr},
+                      {"params": [m for m, c in zip(self.masters, critic) if c], "lr": value_lr}]
+        self.base_lrs = [g["lr"] for g in groups]
+        self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2),
                                            weight_decay=optim.weight_decay)
-        self.optim = optim
+        self.optim, self.value_lr = optim, value_lr
+
+    def schedule(self, update: int, total: int) -> None:
+        """Set every parameter group's learning rate for optimizer update `update` of `total`."""
+        factor = lr_factor(self.optim, update, total)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
 
     def zero_grad(self) -> None:
         for master in self.masters:
@@ -65,7 +94,12 @@ class TrainState:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def step(self) -> None:
-        """AdamW on the masters, then the compute weights follow them."""
+        """AdamW on the masters, then the compute weights follow them. A master the backward
+        did not reach (its loss weights all zero: replay skips them) has a zero gradient, so a
+        step that trains nothing moves the moments as AdamW does, not a step that skips it."""
+        for master in self.masters:
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
         self.optimizer.step()
         self.follow_masters()
 
@@ -99,7 +133,7 @@ class TrainState:
     def moved_to(self, model: torch.nn.Module) -> TrainState:
         """This state for `model` (the same weights on another device): masters and AdamW
         moments move there."""
-        moved = TrainState(model, self.optim)
+        moved = TrainState(model, self.optim, self.value_lr)
         with torch.no_grad():
             for master, old in zip(moved.masters, self.masters):
                 master.copy_(old)

@@ -1,4 +1,5 @@
-"""Losses over trees: advantages, aggregations, PPO clip, KL estimators, DPO, ppo_update."""
+"""Losses over trees: advantages, aggregations, PPO clip, KL estimators, DPO, ppo_update, the critic,
+and the GRPO refinements (clip-higher, overlong, LR schedules)."""
 
 import copy
 import logging
@@ -10,13 +11,18 @@ import transformers
 
 import lsreplay.algos.backward as naive_module
 import lsreplay.algos.ppo as ppo_module
-from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs, sequence_logprobs
-from lsreplay.algos.grpo import LOSS_AGGS, GRPOBatch, aggregate, group_advantages, grpo_loss
+from lsreplay.algos.critic import (CriticBatch, attach_value_head, explained_variance, gae, split_critic,
+                                   value_clip_fraction, value_loss, value_scores, whiten)
+from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, reference_sequence_logprobs, sequence_logprobs
+from lsreplay.algos.grpo import LOSS_AGGS, GRPOBatch, aggregate, clip_fraction, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, kl_per_token, reference_logprobs, with_kl
 from lsreplay.algos.backward import capture_logprobs, naive_logprobs, naive_loss_backward, replay_loss_backward
+from lsreplay.algos.overlong import length_penalty
 from lsreplay.algos.ppo import PPOBatch, ppo_loss, ppo_update
 from lsreplay.algos.weights import loss_and_weights
+from lsreplay.config import OptimConfig
 from lsreplay.replay.capture import capture_tree
+from lsreplay.train_state import lr_factor
 from lsreplay.tree import RolloutTree
 
 
@@ -387,3 +393,88 @@ def test_ppo_update_rejects_bad_arguments():
         ppo_update(model, optimizer, trees, advantages_for(trees), mode="fast")
     with pytest.raises(ValueError, match="ref_logprobs"):
         ppo_update(model, optimizer, trees, advantages_for(trees), kl_coef=0.1)
+
+
+# -- the refinements: clip-higher, overlong, dynamic sampling's test, LR schedules ---------------
+
+def test_clip_higher_lets_a_positive_advantage_grow_further():
+    """Ratios 1.25 and 0.75: with eps 0.2 both clip; clip_eps_high=0.28 frees the ratio
+    above 1 (its token keeps a gradient), the one below stays clipped at 0.8."""
+    old = [[torch.zeros(2, dtype=torch.float64)]]
+    lp = [[torch.log(torch.tensor([1.25, 0.75], dtype=torch.float64))]]
+    adv = [[torch.tensor([1.0, -1.0], dtype=torch.float64)]]
+    _, sym = loss_and_weights(lambda x: ppo_loss(x, PPOBatch(advantages=adv, old_logprobs=old)), lp)
+    _, high = loss_and_weights(lambda x: ppo_loss(x, PPOBatch(advantages=adv, old_logprobs=old, clip_eps_high=0.28)),
+                               lp)
+    assert sym[0][0].tolist() == [0.0, 0.0]
+    assert high[0][0][0] == pytest.approx(-1.25 / 2) and high[0][0][1] == 0.0
+    assert clip_fraction(lp, old, 0.2) == 1.0 and clip_fraction(lp, old, 0.2, 0.28) == 0.5
+
+
+def test_masked_completions_count_nowhere():
+    """A masked completion is out of the loss and of every aggregation's denominator: the
+    loss equals the loss of the batch without it, for every loss_agg."""
+    lp = [[-torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(n)) for n in (2, 4, 3)]]
+    adv = [torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)]
+    for agg in LOSS_AGGS:
+        masked = GRPOBatch(advantages=adv, old_logprobs=lp, loss_agg=agg, max_tokens=8, counts=[[1, 2, 1]],
+                           mask=[[True, False, True]])
+        without = GRPOBatch(advantages=[adv[0][[0, 2]]], old_logprobs=[[lp[0][0], lp[0][2]]], loss_agg=agg,
+                            max_tokens=8, counts=[[1, 1]])
+        moved = [[x + 0.1 for x in lp[0]]]
+        assert float(grpo_loss(moved, masked)) == pytest.approx(float(grpo_loss([[moved[0][0], moved[0][2]]], without)))
+        _, w = loss_and_weights(lambda x, b=masked: grpo_loss(x, b), moved)
+        assert not w[0][1].any()
+
+
+def test_overlong_penalty_grows_over_the_buffer():
+    assert [length_penalty(n, 10, 4) for n in (5, 6, 7, 8, 10)] == [0.0, 0.0, 0.25, 0.5, 1.0]
+    assert length_penalty(10, 10, 4, factor=0.5) == 0.5
+
+
+def test_best_worst_pairs():
+    assert best_worst_pairs([[0.0, 1.0, 1.0, 0.0], [0.5, 0.5], [2.0, -1.0, 0.0]]) == [[(1, 0)], [], [(0, 1)]]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_schedules_warm_up_then_decay_to_the_last_update(schedule):
+    optim = OptimConfig(schedule=schedule, warmup_steps=2)
+    factors = [lr_factor(optim, u, 6) for u in range(6)]
+    assert factors[:3] == [0.5, 1.0, 1.0]
+    if schedule == "constant":
+        assert factors == [0.5] + [1.0] * 5
+    else:
+        assert all(a > b > 0 for a, b in zip(factors[2:], factors[3:]))  # down, never to 0 inside the run
+        assert factors[4] == pytest.approx(0.5)  # half way through the decay
+    assert lr_factor(OptimConfig(), 0, 1) == 1.0
+
+
+# -- the critic ---------------------------------------------------------------------------------
+
+def test_gae_and_returns():
+    values = torch.tensor([0.5, 0.25, 1.0], dtype=torch.float64)
+    adv, ret = gae(values, 2.0, gamma=0.9, lam=0.5)
+    d = [0.9 * 0.25 - 0.5, 0.9 * 1.0 - 0.25, 2.0 - 1.0]
+    expected = [d[0] + 0.45 * (d[1] + 0.45 * d[2]), d[1] + 0.45 * d[2], d[2]]
+    assert adv.tolist() == pytest.approx(expected)
+    assert ret.tolist() == pytest.approx([a + v for a, v in zip(expected, values.tolist())])
+    _, mc = gae(values, 2.0, gamma=1.0, lam=1.0)  # Monte Carlo: every token's return is the reward
+    assert mc.tolist() == pytest.approx([2.0, 2.0, 2.0])
+    white = whiten([[torch.tensor([1.0, 2.0]), torch.tensor([3.0])]], counts=[[1, 2]])
+    flat = torch.cat([white[0][0], white[0][1], white[0][1]])  # the count-2 completion twice
+    assert float(flat.mean()) == pytest.approx(0.0, abs=1e-12) and float(flat.std(unbiased=False)) == pytest.approx(1.0)
+
+
+def test_value_loss_clips_and_the_head_starts_at_zero():
+    old, ret = [[torch.tensor([0.0, 0.0], dtype=torch.float64)]], [[torch.tensor([1.0, -1.0], dtype=torch.float64)]]
+    batch = CriticBatch(old_values=old, returns=ret, clip=0.2)
+    # V moved +0.5 on both: token 0 towards its return (the clipped value 0.2 is further: loss 0.5 * 0.8^2),
+    # token 1 away from it (unclipped 0.5 * 1.5^2 is the larger)
+    values = [[torch.tensor([0.5, 0.5], dtype=torch.float64)]]
+    assert float(value_loss(values, batch)) == pytest.approx((0.5 * 0.8 ** 2 + 0.5 * 1.5 ** 2) / 2)
+    assert value_clip_fraction(values, batch) == 1.0
+    assert explained_variance(ret, ret) == 1.0 and explained_variance(old, ret) == 0.0
+    model = attach_value_head(tiny_llama())
+    hidden = torch.randn(4, 32, dtype=torch.float64)
+    assert torch.equal(value_scores(model, hidden, [0, 2], [0, 0]), torch.zeros(2, dtype=torch.float64))
+    assert split_critic(dict(model.named_parameters()))[1].keys() == {"value_head.weight", "value_head.bias"}

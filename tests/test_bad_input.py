@@ -56,6 +56,16 @@ def test_missing_dataset_file_and_field(tmp_path, tiny_model_dir, capsys):
     assert "required field 'answer' is missing" in err and "Add 'answer' to every row" in err
 
 
+def test_preference_dataset_missing_a_column(tmp_path, tiny_model_dir, capsys):
+    rows = tmp_path / "prefs.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1?", "chosen": str(i + 1)}) + "\n" for i in range(4)))
+    offline = ["algo.name=dpo", "algo.dpo_source=dataset", f"data.path={rows}", "drafter.enabled=false"]
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", *offline]) == 2
+    err = error(capsys)
+    assert "needs the columns ['prompt', 'chosen', 'rejected']" in err and "['rejected'] missing" in err, err
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
 @pytest.mark.parametrize("overrides", [["data.tasks=[gsm_symbolic]"], ["CONFIG", "data.tasks=[basic_arithmetic]"]])
 def test_task_args_of_tasks_not_asked_for_do_not_stop_a_run(overrides, tmp_path, tiny_model_dir):
     """The default data.task_args belong to tasks these runs leave out: ignored, so the run

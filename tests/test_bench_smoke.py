@@ -57,6 +57,16 @@ def test_replay_bench_smoke():
     assert float(pairs["grad_rel_diff"]) <= 1e-4
 
 
+def test_dpo_bench_smoke():
+    """bench/dpo.py --smoke: offline DPO through replay and per pair, the same loss and gradient."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "dpo.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert float(pairs["speedup"]) > 0 and float(pairs["ideal"]) > 1 and float(pairs["mem_ratio"]) < 1
+    assert float(pairs["grad_rel_diff"]) <= 1e-4 and float(pairs["loss_gap"]) <= 1e-6
+
+
 def test_rollout_bench_smoke():
     """bench/rollout.py --smoke: plain and adaptive stages run and the summary line has the ratio."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--smoke"],
@@ -90,14 +100,17 @@ def test_gpu_smoke_on_cpu():
 
 
 def test_learn_bench_smoke(prefect_server, tiny_model_dir, tmp_path):
-    """bench/learn.py --smoke: both flow runs evaluate before and after their update, the
-    curves are drawn, and the last line carries the four figures."""
+    """bench/learn.py --smoke with every run: GRPO through replay and per rollout, PPO with a
+    critic, online DPO; each flow run evaluates before and after its update, the curves are
+    drawn, the algorithms' line carries each one's accuracy before and after, and the last
+    line the four figures of replay against the baseline."""
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     plot = tmp_path / "learn.png"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--smoke", "--out", str(tmp_path / "runs"),
-                           "--plot", str(plot), f"model.path={tiny_model_dir}", f"pool.name=learn-{uuid.uuid4().hex[:8]}"],
+                           "--runs", "replay,baseline,ppo,dpo", "--plot", str(plot), f"model.path={tiny_model_dir}",
+                           f"pool.name=learn-{uuid.uuid4().hex[:8]}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
@@ -105,5 +118,9 @@ def test_learn_bench_smoke(prefect_server, tiny_model_dir, tmp_path):
     assert list(pairs) == ["acc_start", "acc_end", "baseline_acc_end", "wall_ratio"]
     assert all(0 <= float(pairs[k]) <= 1 for k in ("acc_start", "acc_end", "baseline_acc_end"))
     assert float(pairs["wall_ratio"]) > 0
-    assert sum("held-out accuracy" in line for line in lines) == 4  # two runs, before and after the update
+    assert sum("held-out accuracy" in line for line in lines) == 8  # four runs, before and after the update
+    algos = dict(item.split("=", 1) for item in lines[-3].split())
+    assert list(algos) == [f"{run}_acc_{when}" for run in ("replay", "baseline", "ppo", "dpo") for when in ("start", "end")]
+    assert all(0 <= float(v) <= 1 for v in algos.values())
+    assert len({algos[f"{run}_acc_start"] for run in ("replay", "ppo", "dpo")}) == 1  # the same start, the same set
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "runs/report/curves.png").is_file()

@@ -34,6 +34,39 @@ def test_bad_values_name_the_key(override, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.name=reinforce"], "'algo.name' = 'reinforce' is not allowed: one of grpo, ppo, dpo"),
+    (["algo.name=ppo", "algo.advantage=gae"], "gae needs a critic to estimate values: set algo.critic=true"),
+    (["algo.critic=true"], "false with algo.name=grpo: the critic trains with PPO"),
+    (["algo.epochs=2"], "ppo for several updates per batch"),
+    (["algo.name=ppo", "algo.minibatches=5"], "between 1 and data.prompts_per_step = 4"),
+    (["algo.name=ppo", "algo.epochs=2", "pool.slots=2", "pool.devices_per_step=2"],
+     "1 with several PPO updates per batch"),
+    (["algo.name=dpo", "algo.kl_coef=0.1"], "DPO's loss holds the reference already"),
+    (["algo.dpo_source=dataset"], "rollouts with algo.name=grpo"),
+    (["algo.name=dpo", "algo.dpo_source=dataset"], "'data.path' = '' is not allowed: a preference dataset"),
+    (["algo.name=dpo", "algo.dpo_source=dataset", "data.path=p.jsonl"],
+     "'drafter.enabled' = True is not allowed: false with algo.dpo_source=dataset: offline DPO samples no rollouts"),
+    (["algo.name=dpo", "algo.dpo_source=dataset", "data.path=p.jsonl", "drafter.enabled=false",
+      "rollout.engine=vllm"], "'rollout.engine' = 'vllm' is not allowed: hf with algo.dpo_source=dataset"),
+    (["algo.name=dpo", "algo.dpo_source=dataset", "data.path=p.jsonl", "drafter.enabled=false", "eval.every=1"],
+     "a prompt file (question, answer, task columns) to evaluate on"),
+    (["algo.overlong=penalty"], "between 1 and rollout.max_new_tokens - 1 = 47 with algo.overlong=penalty"),
+    (["algo.overlong=truncate"], "none or mask or penalty"),
+    (["optim.schedule=step"], "constant or linear or cosine"),
+])
+def test_algorithm_settings_that_cannot_work_together(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_a_decaying_schedule_makes_steps_part_of_the_result():
+    assert result_hash(load_config(None, ["steps=2"])) == result_hash(load_config(None, ["steps=5"]))
+    decaying = ["optim.schedule=cosine"]
+    assert result_hash(load_config(None, [*decaying, "steps=2"])) != result_hash(load_config(None, [*decaying, "steps=5"]))
+
+
 def test_defaults_file_and_overrides_merge():
     cfg = load_config("configs/default.yaml", ["steps=2", "rollout.branching=[8,2]"])
     assert cfg.steps == 2 and cfg.rollout.branching == [8, 2] and cfg.data.tasks == ["basic_arithmetic", "chain_sum"]

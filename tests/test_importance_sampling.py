@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lsreplay.config import ConfigError, load_config
-from lsreplay.stages.policy import importance_weighted
+from lsreplay.stages.objectives import importance_weighted
 
 
 def test_each_token_is_weighted_by_its_capped_ratio():

@@ -223,3 +223,26 @@ def test_a_vllm_engine_is_planned_by_its_own_cache(capsys):
     assert "rollout.vllm.kv_cache_gb=20" in out and "holds fewer positions" not in out
     assert main([PROD, "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=1"]) == 0
     assert "holds fewer positions than the shard's sequences need" in capsys.readouterr().out
+
+
+def test_the_plan_counts_the_algorithms_state_and_updates(capsys):
+    """PPO with a critic: its value head in the state and the checkpoint, its old values and
+    old logprobs in the caching pass's files, 2 x 4 updates a step, the later minibatches'
+    K/V in host memory; DPO: the reference, and its logprobs with the policy's."""
+    one = ["pool.devices_per_step=1", "replay.fsdp=false"]  # several updates a step run on one device
+    grpo, ppo_cfg, dpo_cfg = (load_plan_config(PROD, [*one, *extra]) for extra in (
+        [], ["algo.name=ppo", "algo.critic=true", "algo.advantage=gae", "algo.epochs=2", "algo.minibatches=4"],
+        ["algo.name=dpo"]))
+    base, ppo, dpo = (make_plan(*c) for c in (grpo, ppo_cfg, dpo_cfg))
+    hidden = base.dims.hidden
+    assert ppo.critic == hidden + 1 and base.critic == 0
+    assert ppo.state.total - base.state.total == (hidden + 1) * (2 + 4 + 4 + 4 + 4)  # bf16 weights; fp32 grads, masters, moments
+    assert ppo.io.checkpoint - base.io.checkpoint == 3 * (hidden + 1) * 4
+    entries = base.shape.unique_positions - base.shape.prompt
+    assert ppo.io.activations - base.io.activations == base.trees * entries * 2 * 8  # logprobs + values
+    assert dpo.io.activations - base.io.activations == base.trees * entries * 2 * 8  # policy + reference
+    assert ppo.updates == 8 and ppo.minibatch_kv == base.io.prefix_kv // 4 and base.minibatch_kv == 0
+    assert "reference" in {k for k, _, _ in dpo.rollout.lines} - {k for k, _, _ in base.rollout.lines}
+    main([PROD, *one, "algo.name=ppo", "algo.critic=true", "algo.epochs=2"])  # one device holds less than fits
+    out = capsys.readouterr().out
+    assert "critic: a value head on the policy's trunk" in out and "algo=ppo updates_per_step=2" in out

@@ -5,6 +5,10 @@ The same loss function is differentiated two ways: the replay path (caching-pass
 naive path (per-rollout forward with grad -> loss -> backward). Loss values and every
 parameter gradient must agree: per tensor max|diff| <= tol * max|grad|, tol 1e-6 in
 float64 (HF's RMSNorm computes in float32 even then) and 1e-4 in float32.
+
+The critic's losses are per-position losses on the last hidden state through a value
+head, not weighted logprobs: `value` (the clipped value loss alone) and `ppo-critic` (PPO's
+surrogate plus the value loss, both heads in one backward) replay through heads.
 """
 
 import copy
@@ -18,6 +22,7 @@ from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import reference_logprobs, with_kl
 from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
+from lsreplay.algos.critic import CRITIC_HEADS, VALUE, CriticBatch, attach_value_head, gae, value_loss
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
 from lsreplay.tree import RolloutTree
 
@@ -47,7 +52,7 @@ TREES = {
         ([60, 61], [[1, 1, 1], [1, 1, 2, 3], [1, 4, 4, 4, 4, 4], [1, 1, 2, 5, 6]]),
     ],
 }
-LOSSES = ["grpo-token-mean", "grpo-seq-mean", "dr-grpo", "ppo", "kl-k1", "kl-k3", "dpo"]
+LOSSES = ["grpo-token-mean", "grpo-seq-mean", "dr-grpo", "ppo", "kl-k1", "kl-k3", "dpo", "value", "ppo-critic"]
 
 
 
@@ -75,8 +80,12 @@ def _reference(kind: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
     return ref
 
 
-def fresh_model(kind, dtype):
+def fresh_model(kind, dtype, critic: bool = False):
     model = copy.deepcopy(_model(kind, dtype))
+    if critic:  # a random head: a zero one would send the trunk no gradient at all
+        attach_value_head(model)
+        with torch.no_grad():
+            model.value_head.weight.normal_(std=1.0, generator=torch.Generator().manual_seed(2))
     model.zero_grad(set_to_none=True)
     return model
 
@@ -115,9 +124,39 @@ def token_advantages(trees, seed=1):
     return [[torch.randn(len(c), generator=g, dtype=torch.float64) for c in t.completions] for t in trees]
 
 
+def critic_batch(model, trees, clip=0.1):
+    """Old values from the caching pass, GAE returns of random rewards; the model then moves
+    one SGD step along the value loss's gradient, so that some values clip and some do not."""
+    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=CRITIC_HEADS)
+    old = scores[VALUE]
+    returns = [[gae(v, float(r), gamma=0.9, lam=0.8)[1] for v, r in zip(vs, rs)]
+               for vs, rs in zip(old, rewards_for(trees))]
+    batch = CriticBatch(old_values=old, returns=returns, clip=clip)
+    replay_loss_backward(model, trees, lambda s: value_loss(s[VALUE], batch), heads=CRITIC_HEADS)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    torch.optim.SGD(model.parameters(), lr=0.01 / float(norm)).step()
+    model.zero_grad(set_to_none=True)
+    now, _ = capture_logprobs(model, trees, keep_kv=False, heads=CRITIC_HEADS)
+    moved = torch.cat([(n - o).abs() for tn, to in zip(now[VALUE], old) for n, o in zip(tn, to)])
+    return batch, {"clipped": float((moved > clip).double().mean())}
+
+
 def build_loss(name: str, kind: str, dtype, model, trees):
-    """(loss_fn, info) for `model` at its current weights. PPO first moves the model by one
-    optimizer step away from the weights its old logprobs came from."""
+    """(loss_fn, heads, info) for `model` at its current weights (heads None: the loss takes
+    logprobs alone). PPO first moves the model by one optimizer step away from the weights
+    its old logprobs came from, the value losses one along the value loss."""
+    if name in ("value", "ppo-critic"):
+        batch, info = critic_batch(model, trees)
+        if name == "value":
+            return (lambda s: value_loss(s[VALUE], batch)), CRITIC_HEADS, info
+        old, _ = capture_logprobs(model, trees, keep_kv=False)
+        ppo = PPOBatch(advantages=token_advantages(trees), old_logprobs=old, clip_eps=0.1, critic=batch, vf_coef=0.5)
+        return (lambda s: ppo_loss(s, ppo)), CRITIC_HEADS, info
+    loss_fn, info = build_logprob_loss(name, kind, dtype, model, trees)
+    return loss_fn, None, info
+
+
+def build_logprob_loss(name: str, kind: str, dtype, model, trees):
     old, _ = capture_logprobs(model, trees, keep_kv=False)
     adv = [group_advantages(r) for r in rewards_for(trees)]
     info = {}
@@ -152,12 +191,12 @@ def build_loss(name: str, kind: str, dtype, model, trees):
 
 
 def compare(kind: str, dtype, depth: int, name: str):
-    model = fresh_model(kind, dtype)
+    model = fresh_model(kind, dtype, critic=name in ("value", "ppo-critic"))
     trees = make_trees(depth)
-    loss_fn, info = build_loss(name, kind, dtype, model, trees)
-    replay_loss, stats = replay_loss_backward(model, trees, loss_fn)
+    loss_fn, heads, info = build_loss(name, kind, dtype, model, trees)
+    replay_loss, stats = replay_loss_backward(model, trees, loss_fn, heads=heads)
     replay = grads(model)
-    naive_loss = naive_loss_backward(model, trees, loss_fn)
+    naive_loss = naive_loss_backward(model, trees, loss_fn, heads=heads)
     naive = grads(model)
     return replay_loss, naive_loss, max_rel_diff(replay, naive), stats, info
 
@@ -172,7 +211,7 @@ def test_replay_matches_naive(dtype, kind, depth, name):
     assert abs(replay_loss - naive_loss) <= tol * max(1.0, abs(naive_loss)), (replay_loss, naive_loss)
     assert rel <= tol, f"max relative gradient difference {rel:.3g} > {tol}"
     assert stats.positions < stats.per_rollout_positions  # replay shared something
-    if name == "ppo":  # the step moved the policy: some tokens clip, some do not
+    if name in ("ppo", "value", "ppo-critic"):  # the step moved the policy: some tokens clip, some do not
         assert 0.0 < info["clipped"] < 1.0, info
 
 
@@ -195,7 +234,7 @@ def test_bfloat16_smoke(kind, name):
     max|diff|/max|grad| up to 6e-2, losses equal to 4 digits."""
     model = fresh_model(kind, torch.bfloat16)
     trees = make_trees(3)
-    loss_fn, _ = build_loss(name, kind, torch.bfloat16, model, trees)
+    loss_fn, _, _ = build_loss(name, kind, torch.bfloat16, model, trees)
     replay_loss, _ = replay_loss_backward(model, trees, loss_fn)
     replay = grads(model)
     naive_loss = naive_loss_backward(model, trees, loss_fn)

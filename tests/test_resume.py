@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from flowrun import digests, lsreplay_chain, reference_run, step0_copy, tiny, unique_pool
 
 from lsreplay import cli
@@ -50,6 +52,40 @@ def test_killed_in_each_stage_then_resumed_is_bit_identical(prefect_server, tiny
     assert digests(run_dir, "checkpoints") == digests(ref.run_dir, "checkpoints")
     assert executions(run_dir) == {(1, s): 2 for s in STAGES}  # the killed try and the finishing one
     assert [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())] == [0, 1]
+
+
+# PPO with a critic (its checkpoint, its AdamW group), over 2 epochs, at a cosine learning rate
+# after a warmup, rewards with an overlong penalty, and dynamic sampling drawing replacements
+# for the prompts whose leaves all score alike (those of even index).
+PPO = ["algo.name=ppo", "algo.critic=true", "algo.advantage=gae", "algo.epochs=2", "optim.schedule=cosine",
+       "optim.warmup_steps=1", "algo.dynamic_sampling=true", "algo.dynamic_sampling_draws=3", "algo.overlong=penalty",
+       "algo.overlong_buffer=2", "reward.function=tests.varied_rewards:alike_on_even_prompts", "drafter.enabled=false"]
+
+
+def test_ppo_with_a_critic_a_schedule_and_dynamic_sampling_resumes_bit_identical(prefect_server, tiny_model_dir,
+                                                                                 tmp_path, monkeypatch):
+    """A run stopped as step 1's rollouts start (an injected permanent error; the flow's
+    process lets go of what it held, as a killed one would have) and resumed in a process
+    that holds nothing: it draws step 1's trees and their replacements with the policy and
+    critic of step 0's checkpoint, updates from there (both AdamW groups) at the same place
+    in the schedule, and ends as an uninterrupted run, bit for bit. (SIGKILLs in each stage:
+    the test above; here the state a PPO run resumes from.)"""
+    from flows.train import train
+
+    ref = tmp_path / "reference"
+    train(overrides=[*tiny(ref, tiny_model_dir), *PPO])
+    drawn = [json.loads((ref / f"step_{s:04d}/trees.done.json").read_text())["prompts_drawn"] for s in (0, 1)]
+    assert max(drawn) > 1, drawn  # a tree was dropped and its prompt replaced
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:error")
+    with pytest.raises(Exception, match="stage trees of step 1 failed"):
+        train(overrides=[*tiny(run_dir, tiny_model_dir), *PPO])
+    monkeypatch.delenv("LSREPLAY_FAULTS")
+    assert not done(run_dir, 1, "trees") and done(run_dir, 0, "policy")
+    train(resume=str(run_dir), overrides=[unique_pool()])
+    assert (run_dir / "checkpoints/policy/step_0000/critic.safetensors").is_file()
+    assert digests(run_dir, "checkpoints", "step_0000", *STEP1) == digests(ref, "checkpoints", "step_0000", *STEP1)
+    assert executions(run_dir)[(1, "trees")] == 2 and executions(run_dir)[(1, "policy")] == 1
 
 
 def test_damaged_outputs_are_recomputed(prefect_server, tiny_model_dir, tmp_path_factory, tmp_path):

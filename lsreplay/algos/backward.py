@@ -12,7 +12,9 @@ tree i). Two ways to get its parameter gradient, which must agree:
   replaying the cached prefix K/V.
 
 Both evaluate the loss on float64 logprobs, so the loss function sees the same precision
-whichever path runs it.
+whichever path runs it. With `heads` (lsreplay.replay.heads: e.g. logprobs and a critic's
+values), the loss takes the scores by head name, {name: nested}, and both paths score and
+differentiate every head.
 """
 
 from __future__ import annotations
@@ -22,58 +24,79 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.algos.weights import NestedLogprobs, loss_and_weights
+from lsreplay.algos.weights import NestedLogprobs, NestedScores, loss_and_weights
 from lsreplay.replay.backward import BackwardStats, replay_backward
 from lsreplay.replay.capture import TreeActivations, capture_tree
-from lsreplay.replay.segments import forward_segments, target_logprobs
+from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS, Heads
+from lsreplay.replay.segments import forward_segments
 from lsreplay.tree import RolloutTree
 
 LossFn = Callable[[NestedLogprobs], torch.Tensor]
 
 
-def naive_logprobs(model: PreTrainedModel, trees: list[RolloutTree]) -> NestedLogprobs:
-    """Per-token logprobs of every completion, one full-sequence forward per rollout, with
-    grad (when grad is enabled). Keeps every rollout's graph alive: a reference, not a
-    memory-efficient path."""
-    out = []
+def naive_scores(model: PreTrainedModel, trees: list[RolloutTree], heads: Heads = LOGPROB_HEADS) -> dict:
+    """Every head's per-token scores of every completion, {name: nested}, one full-sequence
+    forward per rollout, with grad (when grad is enabled). Keeps every rollout's graph
+    alive: a reference, not a memory-efficient path."""
+    param = next(model.parameters())
+    out = {name: [] for name in heads}
     for tree in trees:
-        row = []
+        rows = {name: [] for name in heads}
         for comp in tree.completions:
             if not comp:
-                dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-                row.append(torch.zeros(0, dtype=dtype, device=next(model.parameters()).device))
+                for row in rows.values():
+                    row.append(torch.zeros(0, dtype=torch.promote_types(param.dtype, torch.float32),
+                                           device=param.device))
                 continue
             hidden, _ = forward_segments(model, [tree.prompt_ids + comp], 0, None)
-            at = range(tree.prompt_len - 1, tree.prompt_len - 1 + len(comp))
-            row.append(target_logprobs(model, hidden[0], list(at), comp))
-        out.append(row)
+            at = list(range(tree.prompt_len - 1, tree.prompt_len - 1 + len(comp)))
+            for name, head in heads.items():
+                rows[name].append(head(model, hidden[0], at, comp))
+        for name, row in rows.items():
+            out[name].append(row)
     return out
 
 
-def naive_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_fn: LossFn) -> float:
-    """loss_fn over per-rollout logprobs, backpropagated into `.grad`; returns the loss."""
-    logprobs = [[lp.double() for lp in row] for row in naive_logprobs(model, trees)]
-    loss = loss_fn(logprobs)
+def naive_logprobs(model: PreTrainedModel, trees: list[RolloutTree]) -> NestedLogprobs:
+    """Per-token logprobs of every completion, per rollout (naive_scores of the logprob)."""
+    return naive_scores(model, trees)[LOGPROB]
+
+
+def naive_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_fn: LossFn,
+                        heads: Heads | None = None) -> float:
+    """loss_fn over per-rollout scores (logprobs, or {name: nested} with heads),
+    backpropagated into `.grad`; returns the loss."""
+    scores = {name: [[s.double() for s in row] for row in nested]
+              for name, nested in naive_scores(model, trees, heads or LOGPROB_HEADS).items()}
+    loss = loss_fn(scores if heads else scores[LOGPROB])
     if loss.requires_grad:
         loss.backward()
     return float(loss.detach())
 
 
-def capture_logprobs(model: PreTrainedModel, trees: list[RolloutTree],
-                     keep_kv: bool = True) -> tuple[NestedLogprobs, list[TreeActivations]]:
-    """The no-grad caching pass over each tree: per-completion token logprobs (float64,
-    on CPU) and the activations (prefix K/V unless keep_kv=False; no hidden states)."""
+def capture_logprobs(model: PreTrainedModel, trees: list[RolloutTree], keep_kv: bool = True,
+                     heads: Heads | None = None) -> tuple[NestedLogprobs | NestedScores, list[TreeActivations]]:
+    """The no-grad caching pass over each tree: per-completion token logprobs (float64, on
+    CPU; with heads, every head's scores by name) and the activations (prefix K/V unless
+    keep_kv=False; no hidden states)."""
+    extra = {name: head for name, head in (heads or {}).items() if name != LOGPROB}
     acts = []
     for tree in trees:
-        a = capture_tree(model, tree, keep_hidden=False)
+        a = capture_tree(model, tree, keep_hidden=False, heads=extra)
         if not keep_kv:
             a.prefix_kv = {}
         acts.append(a)
-    return completion_logprobs(trees, acts), acts
+    return (completion_scores(trees, acts, heads) if heads else completion_logprobs(trees, acts)), acts
 
 
 def completion_logprobs(trees: list[RolloutTree], acts: list[TreeActivations]) -> NestedLogprobs:
     return [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
+
+
+def completion_scores(trees: list[RolloutTree], acts: list[TreeActivations], heads: Heads) -> dict:
+    """{head name: per-completion token scores} from the caching pass's entries."""
+    return {name: completion_logprobs(trees, acts) if name == LOGPROB else
+            [t.completion_values(a.entry_scores[name]) for t, a in zip(trees, acts)] for name in heads}
 
 
 def activations_kv(acts: list[TreeActivations]):
@@ -83,14 +106,15 @@ def activations_kv(acts: list[TreeActivations]):
 
 def replay_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_fn: LossFn,
                          activations: list[TreeActivations] | None = None,
-                         budget_bytes: int | None = None) -> tuple[float, BackwardStats]:
+                         budget_bytes: int | None = None, heads: Heads | None = None) -> tuple[float, BackwardStats]:
     """loss_fn's gradient by branch replay, accumulated into `.grad`; returns (loss, stats).
 
     activations: caching-pass results of *the current weights* for `trees` (captured here
-    if None). Logprobs and prefix K/V of other weights would give another gradient."""
+    if None). Scores and prefix K/V of other weights would give another gradient."""
     if activations is None:
-        _, activations = capture_logprobs(model, trees)
-    loss, weights = loss_and_weights(loss_fn, completion_logprobs(trees, activations))
+        _, activations = capture_logprobs(model, trees, heads=heads)
+    scores = completion_scores(trees, activations, heads) if heads else completion_logprobs(trees, activations)
+    loss, weights = loss_and_weights(loss_fn, scores)
     stats = replay_backward(model, trees, weights, prefix_kv=activations_kv(activations),
-                            budget_bytes=budget_bytes)
+                            budget_bytes=budget_bytes, heads=heads)
     return loss, stats

@@ -13,6 +13,14 @@ stand for n_c * n_r pairs of samples, and the mean weighs it so.
 
 The policy's sequence logprobs come from the caching pass (no grad), `loss_and_weights`
 gives the per-token weights, and the replay backward injects them.
+
+Online, the pairs of a tree are its best leaf against its worst (`best_worst_pairs`): one
+pair per tree, as Self-Rewarding LMs and online DPO recipes pick them, so every tree weighs
+the same whatever its leaf count, and the leaves between the two carry no weight (replay
+skips them). Every pair with a margin would weigh a tree by its spread of rewards and cost
+quadratically many pairs. Each leaf of a pair stands for itself: the copies a count says
+a leaf stands for would be the same completion, and a best-against-worst pick of a flat
+group of them picks one.
 """
 
 from __future__ import annotations
@@ -28,6 +36,16 @@ from lsreplay.tree import RolloutTree
 
 # per tree: (chosen completion index, rejected completion index) pairs
 Pairs = list[list[tuple[int, int]]]
+
+
+def best_worst_pairs(rewards: list[list[float]]) -> Pairs:
+    """Per tree: [(the first leaf of the highest reward, the first of the lowest)], or [] when
+    every leaf scored alike (no preference to learn)."""
+    pairs = []
+    for r in rewards:
+        best, worst = max(range(len(r)), key=lambda j: (r[j], -j)), min(range(len(r)), key=lambda j: (r[j], j))
+        pairs.append([(best, worst)] if r[best] != r[worst] else [])
+    return pairs
 
 
 def sequence_logprobs(logprobs: NestedLogprobs) -> list[torch.Tensor]:

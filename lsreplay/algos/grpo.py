@@ -132,22 +132,31 @@ def flat_counts(counts: NestedCounts, logprobs: list[list]) -> list[int] | None:
 
 
 def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages,
-                      clip_eps: float) -> torch.Tensor:
-    """Per-token -min(r A, clip(r, 1-eps, 1+eps) A), r = exp(logp - old logp).
+                      clip_eps: float, clip_eps_high: float | None = None) -> torch.Tensor:
+    """Per-token -min(r A, clip(r, 1-eps, 1+eps_high) A), r = exp(logp - old logp).
 
-    advantages: a scalar (one per completion) or one per token."""
+    advantages: a scalar (one per completion) or one per token. clip_eps_high: the upper
+    clip (DAPO's clip-higher: a wider one lets unlikely tokens that earn a positive
+    advantage grow faster); None = clip_eps, symmetric."""
     adv = torch.as_tensor(advantages).to(logprobs)
     ratio = torch.exp(logprobs - old_logprobs.to(logprobs))
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    clipped = ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
     return -torch.minimum(ratio * adv, clipped * adv)
+
+
+# mask[i][j]: whether completion j of tree i is in the policy loss (None: all are).
+NestedMask = list[list[bool]] | None
 
 
 def clipped_policy_loss(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, advantages,
                         clip_eps: float, loss_agg: str = "token-mean",
-                        max_tokens: int | None = None, counts: NestedCounts = None) -> torch.Tensor:
+                        max_tokens: int | None = None, counts: NestedCounts = None,
+                        clip_eps_high: float | None = None, mask: NestedMask = None) -> torch.Tensor:
     """The clipped surrogate of every completion of every tree, aggregated over the batch.
 
-    advantages[i][j]: a scalar, or a 1-D tensor with one advantage per token."""
+    advantages[i][j]: a scalar, or a 1-D tensor with one advantage per token. mask: the
+    completions left out are out of the aggregation too (DAPO's overlong filtering: neither
+    their tokens nor their samples count)."""
     if not (len(logprobs) == len(old_logprobs) == len(advantages)):
         raise ValueError(f"logprobs, old logprobs and advantages cover {len(logprobs)}, "
                          f"{len(old_logprobs)} and {len(advantages)} trees")
@@ -157,8 +166,29 @@ def clipped_policy_loss(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, 
             raise ValueError(f"tree {i}: {len(lps)} completions, {len(olds)} old logprobs, "
                              f"{len(advs)} advantages")
         for lp, old, a in zip(lps, olds, advs):
-            token_losses.append(clipped_surrogate(lp, old, a, clip_eps))
-    return aggregate(token_losses, loss_agg, max_tokens, flat_counts(counts, logprobs))
+            token_losses.append(clipped_surrogate(lp, old, a, clip_eps, clip_eps_high))
+    losses, flat = kept(token_losses, flat_counts(counts, logprobs), mask)
+    return aggregate(losses, loss_agg, max_tokens, flat)
+
+
+def kept(token_losses: list[torch.Tensor], counts: list[int] | None, mask: NestedMask):
+    """(token losses, counts) of the completions `mask` keeps; all without a mask."""
+    if mask is None:
+        return token_losses, counts
+    keep = [m for row in mask for m in row]
+    if len(keep) != len(token_losses):
+        raise ValueError(f"mask covers {len(keep)} completions, the loss {len(token_losses)}")
+    losses = [t for t, k in zip(token_losses, keep) if k]
+    return losses, None if counts is None else [c for c, k in zip(counts, keep) if k]
+
+
+def clip_fraction(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, clip_eps: float,
+                  clip_eps_high: float | None = None) -> float:
+    """The share of tokens whose ratio lies outside the clip range (0 at ratio 1)."""
+    ratios = [torch.exp(lp - old.to(lp)) for lps, olds in zip(logprobs, old_logprobs) for lp, old in zip(lps, olds)]
+    ratio = torch.cat(ratios) if ratios else torch.zeros(0)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    return float(((ratio < 1 - clip_eps) | (ratio > 1 + high)).double().mean()) if ratio.numel() else 0.0
 
 
 @dataclass
@@ -169,9 +199,11 @@ class GRPOBatch:
     loss_agg: str = "token-mean"  # see LOSS_AGGS
     max_tokens: int | None = None  # seq-mean-token-sum-norm's constant (the generation limit)
     counts: NestedCounts = None  # per tree, per completion: the samples it stands for
+    clip_eps_high: float | None = None  # the upper clip (None: clip_eps)
+    mask: NestedMask = None  # per tree, per completion: in the loss (None: all)
 
 
 def grpo_loss(logprobs: NestedLogprobs, batch: GRPOBatch) -> torch.Tensor:
     """Negative clipped surrogate, aggregated over the batch's completion tokens."""
     return clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps,
-                               batch.loss_agg, batch.max_tokens, batch.counts)
+                               batch.loss_agg, batch.max_tokens, batch.counts, batch.clip_eps_high, batch.mask)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.algos.grpo import NestedCounts, aggregate, flat_counts
+from lsreplay.algos.grpo import NestedCounts, NestedMask, aggregate, flat_counts, kept
 from lsreplay.algos.backward import LossFn, capture_logprobs
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.tree import RolloutTree
@@ -40,9 +40,10 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
 
 def kl_loss(logprobs: NestedLogprobs, ref_logprobs: NestedLogprobs, estimator: str = "k3",
             loss_agg: str = "token-mean", max_tokens: int | None = None,
-            counts: NestedCounts = None) -> torch.Tensor:
+            counts: NestedCounts = None, mask: NestedMask = None) -> torch.Tensor:
     """The per-token KL estimate of every completion, aggregated over the batch (a leaf
-    counted as many times as the samples it stands for, see grpo.aggregate)."""
+    counted as many times as the samples it stands for, see grpo.aggregate; those `mask`
+    leaves out not at all, as in the policy loss)."""
     if len(logprobs) != len(ref_logprobs):
         raise ValueError(f"{len(logprobs)} trees of logprobs but {len(ref_logprobs)} of reference logprobs")
     per_token = []
@@ -50,11 +51,13 @@ def kl_loss(logprobs: NestedLogprobs, ref_logprobs: NestedLogprobs, estimator: s
         if len(lps) != len(refs):
             raise ValueError(f"tree {i}: {len(lps)} completions but {len(refs)} reference logprobs")
         per_token.extend(kl_per_token(lp, ref, estimator) for lp, ref in zip(lps, refs))
-    return aggregate(per_token, loss_agg, max_tokens, flat_counts(counts, logprobs))
+    losses, flat = kept(per_token, flat_counts(counts, logprobs), mask)
+    return aggregate(losses, loss_agg, max_tokens, flat)
 
 
 def with_kl(loss_fn: LossFn, ref_logprobs: NestedLogprobs, kl_coef: float, estimator: str = "k3",
-            loss_agg: str = "token-mean", max_tokens: int | None = None, counts: NestedCounts = None) -> LossFn:
+            loss_agg: str = "token-mean", max_tokens: int | None = None, counts: NestedCounts = None,
+            mask: NestedMask = None) -> LossFn:
     """total(logprobs) = loss_fn(logprobs) + kl_coef * kl_loss(logprobs, ref_logprobs)."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -62,7 +65,8 @@ def with_kl(loss_fn: LossFn, ref_logprobs: NestedLogprobs, kl_coef: float, estim
         return loss_fn
 
     def total(logprobs: NestedLogprobs) -> torch.Tensor:
-        return loss_fn(logprobs) + kl_coef * kl_loss(logprobs, ref_logprobs, estimator, loss_agg, max_tokens, counts)
+        return loss_fn(logprobs) + kl_coef * kl_loss(logprobs, ref_logprobs, estimator, loss_agg, max_tokens, counts,
+                                                     mask)
 
     return total
 

@@ -1,25 +1,28 @@
 """PPO's clipped surrogate over trees, and several epochs / minibatches over one batch.
 
 The loss is GRPO's clipped surrogate with advantages given per completion or per token
-(e.g. GAE from a value model). `ppo_update` makes several optimizer steps on one batch of
-trees. The old logprobs stay those of the first caching pass (the weights that sampled,
-or at least preceded, the update). After every optimizer step the prefix activations and
-current logprobs are stale, so each minibatch runs the caching pass again for the current
-weights before its replay backward.
+(GAE from a critic, lsreplay.algos.critic), optionally plus the critic's clipped value
+loss (then the loss takes scores by head, {"logprob": ..., "value": ...}) and a KL term.
+`ppo_update` makes several optimizer steps on one batch of trees (updates.py): the old
+logprobs (and old values) stay those of the first caching pass (the weights that sampled,
+or at least preceded, the update); every minibatch is scored at the weights it sees.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.algos.grpo import NestedCounts, clipped_policy_loss
-from lsreplay.algos.kl import with_kl
-from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
+from lsreplay.algos.backward import activations_kv, capture_logprobs
+from lsreplay.algos.critic import VALUE, CriticBatch, value_loss
+from lsreplay.algos.grpo import NestedCounts, NestedMask, clipped_policy_loss
+from lsreplay.algos.kl import kl_loss
+from lsreplay.algos.updates import Minibatch, minibatch_updates
 from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.replay.heads import LOGPROB
 from lsreplay.tree import RolloutTree
 
 
@@ -31,12 +34,41 @@ class PPOBatch:
     loss_agg: str = "token-mean"  # see grpo.LOSS_AGGS
     max_tokens: int | None = None
     counts: NestedCounts = None  # per tree, per completion: the samples it stands for (see grpo)
+    clip_eps_high: float | None = None  # the upper clip (None: clip_eps)
+    mask: NestedMask = None  # per tree, per completion: in the policy and KL terms (None: all)
+    ref_logprobs: NestedLogprobs | None = None  # with kl_coef: the KL term's reference
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    critic: CriticBatch | None = None  # with vf_coef: the value loss (scores by head then)
+    vf_coef: float = 0.0
+
+    def select(self, idx: list[int]) -> PPOBatch:
+        """The batch of trees `idx` (a minibatch)."""
+        def pick(nested):
+            return None if nested is None else [nested[i] for i in idx]
+
+        critic = None if self.critic is None else replace(
+            self.critic, old_values=pick(self.critic.old_values), returns=pick(self.critic.returns),
+            counts=pick(self.critic.counts))
+        return replace(self, advantages=pick(self.advantages), old_logprobs=pick(self.old_logprobs),
+                       counts=pick(self.counts), mask=pick(self.mask), ref_logprobs=pick(self.ref_logprobs),
+                       critic=critic)
 
 
-def ppo_loss(logprobs: NestedLogprobs, batch: PPOBatch) -> torch.Tensor:
-    """Negative clipped surrogate, aggregated over the batch's completion tokens."""
-    return clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps,
-                               batch.loss_agg, batch.max_tokens, batch.counts)
+def ppo_loss(scores, batch: PPOBatch) -> torch.Tensor:
+    """Negative clipped surrogate aggregated over the batch's completion tokens, plus
+    kl_coef x KL and, with a critic, vf_coef x the value loss (`scores` by head then)."""
+    logprobs = scores[LOGPROB] if batch.critic is not None else scores
+    loss = clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps, batch.loss_agg,
+                               batch.max_tokens, batch.counts, batch.clip_eps_high, batch.mask)
+    if batch.kl_coef:
+        if batch.ref_logprobs is None:
+            raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
+        loss = loss + batch.kl_coef * kl_loss(logprobs, batch.ref_logprobs, batch.kl_estimator, batch.loss_agg,
+                                              batch.max_tokens, batch.counts, batch.mask)
+    if batch.critic is not None:
+        loss = loss + batch.vf_coef * value_loss(scores[VALUE], batch.critic)
+    return loss
 
 
 def minibatch_orders(num_trees: int, epochs: int, minibatch_trees: int | None,
@@ -59,8 +91,8 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
                ref_logprobs: NestedLogprobs | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
                max_grad_norm: float | None = None, generator: torch.Generator | None = None,
                budget_bytes: int | None = None, counts: NestedCounts = None) -> list[float]:
-    """`epochs` passes over `trees` in minibatches of `minibatch_trees` trees, one optimizer
-    step each; returns each minibatch's loss (at the weights before its step).
+    """`epochs` passes over `trees` in minibatches of `minibatch_trees` trees, one step of a
+    plain torch optimizer each; returns each minibatch's loss (at the weights before its step).
 
     old_logprobs: None runs the caching pass now (its activations also serve the first
     minibatch, whose weights they are). ref_logprobs + kl_coef: KL penalty to a reference
@@ -72,46 +104,37 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
         raise ValueError(f"mode must be 'replay' or 'naive', got {mode!r}")
     if len(advantages) != len(trees):
         raise ValueError(f"advantages for {len(advantages)} trees, got {len(trees)} trees")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
     orders = minibatch_orders(len(trees), epochs, minibatch_trees, generator)
-    fresh = None  # activations valid for the current weights (until the next optimizer step)
+    first = None
     if old_logprobs is None:
-        first = set(orders[0][0]) if orders and orders[0] and mode == "replay" else set()
+        keep = set(orders[0][0]) if orders and orders[0] and mode == "replay" else set()
         old_logprobs, acts = [], []
         for i, tree in enumerate(trees):  # one tree at a time: only the first minibatch's K/V is kept
-            lps, a = capture_logprobs(model, [tree], keep_kv=i in first)
+            lps, a = capture_logprobs(model, [tree], keep_kv=i in keep)
             old_logprobs += lps
             acts += a
-        fresh = acts if first else None
+        first = (old_logprobs, activations_kv(acts))
     old_logprobs = [[lp.detach() for lp in row] for row in old_logprobs]
+    batch = PPOBatch(advantages=advantages, old_logprobs=old_logprobs, clip_eps=clip_eps, loss_agg=loss_agg,
+                     max_tokens=max_tokens, counts=counts, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+                     kl_estimator=kl_estimator)
 
-    losses = []
-    for epoch in orders:
-        for idx in epoch:
-            sub = [trees[i] for i in idx]
-            sub_counts = None if counts is None else [counts[i] for i in idx]
-            batch = PPOBatch(advantages=[advantages[i] for i in idx], old_logprobs=[old_logprobs[i] for i in idx],
-                             clip_eps=clip_eps, loss_agg=loss_agg, max_tokens=max_tokens, counts=sub_counts)
+    def take_step(m: Minibatch) -> None:
+        if not math.isfinite(m.loss):
+            raise FloatingPointError(f"non-finite PPO loss {m.loss} at minibatch {m.index}")
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
 
-            def loss_fn(lp, batch=batch):
-                return ppo_loss(lp, batch)
+    def loss_for(idx: list[int]):
+        minibatch = batch.select(idx)
+        return lambda scores: ppo_loss(scores, minibatch)
 
-            if kl_coef:
-                if ref_logprobs is None:
-                    raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
-                loss_fn = with_kl(loss_fn, [ref_logprobs[i] for i in idx], kl_coef, kl_estimator, loss_agg, max_tokens,
-                                  sub_counts)
-            model.zero_grad(set_to_none=True)
-            optimizer.zero_grad(set_to_none=True)
-            if mode == "replay":
-                acts = [fresh[i] for i in idx] if fresh is not None else None  # None: capture now
-                loss, _ = replay_loss_backward(model, sub, loss_fn, activations=acts, budget_bytes=budget_bytes)
-            else:
-                loss = naive_loss_backward(model, sub, loss_fn)
-            fresh = None  # the step below makes every cached activation stale
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"non-finite PPO loss {loss} at minibatch {len(losses)}")
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
-            losses.append(loss)
-    return losses
+    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    return [m.loss for m in minibatch_updates(model, trees, loss_for, orders, take_step, mode, first=first,
+                                              budget_bytes=budget_bytes)]

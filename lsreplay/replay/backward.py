@@ -4,6 +4,10 @@ Both accumulate into each parameter's `.grad` the gradient of
 
     sum over trees i, completions j, tokens t of weights[i][j][t] * log p(token t of completion j)
 
+or, with `heads` (heads.py), of sum over heads h of weights[h][i][j][t] * head_h(the
+hidden state that predicts token t): any per-position loss on the last hidden states
+(a critic's value loss, a logprob loss, both at once) reduces to such weights.
+
 Replay walks each tree depth first. At a branching node it takes the node's keys/values
 as leaf tensors (from the caching pass, or computed here without grad), runs every child
 subtree on top of them (so their dK/dV accumulates in the leaves' .grad), then runs the
@@ -14,6 +18,10 @@ its ancestors' K/V, whatever the number of branches. Where the model allows it (
 cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row.
 The walk is over the tree's replay view (view.py), where branching nodes too short to be
 worth a run of their own are joined into their children.
+
+A subtree whose every weight is zero (a DPO leaf outside its pair, a masked completion, a
+tree whose leaves all scored alike) adds nothing to the gradient, and both backwards
+skip it; `per_rollout_positions` counts the rollouts that carry weight.
 """
 
 from __future__ import annotations
@@ -27,10 +35,10 @@ import torch
 from transformers import PreTrainedModel
 
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
+from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
 from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows,
                                     reset_device_peak)
-from lsreplay.replay.segments import (PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv,
-                                      rollout_logprobs, target_logprobs)
+from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
 from lsreplay.replay.view import Span, replay_view
 from lsreplay.tree import Node, RolloutTree
 
@@ -42,9 +50,9 @@ PrefixKVSource = Callable[[int, Node], PrefixKV | None]
 
 @dataclass
 class BackwardStats:
-    objective: float  # sum of weights * logprobs (what was differentiated)
+    objective: float  # sum of weights * scores (what was differentiated)
     positions: int  # token positions run forward+backward (padding included)
-    per_rollout_positions: int  # what a per-rollout pipeline runs
+    per_rollout_positions: int  # what a per-rollout pipeline runs (the rollouts that carry weight)
     seconds: float
     peak_activation_bytes: int  # saved-for-backward + held K/V, see memory.py
     device_peak_bytes: int | None = None
@@ -58,8 +66,8 @@ class _Replay:
     """State of one replay_backward call."""
 
     def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None,
-                 join_below: int):
-        self.model, self.meter, self.prefix_kv, self.join_below = model, meter, prefix_kv, join_below
+                 join_below: int, heads: Heads = LOGPROB_HEADS):
+        self.model, self.meter, self.prefix_kv, self.join_below, self.heads = model, meter, prefix_kv, join_below, heads
         self.dims = ModelDims.from_hf(model.config)
         self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
@@ -69,24 +77,32 @@ class _Replay:
         self.positions = 0
         self.recomputed = 0
 
-    def tree(self, index: int, tree: RolloutTree, entry_weights: torch.Tensor) -> None:
-        self.index, self.t, self.w = index, tree, entry_weights.to(self.objective.device)
+    def tree(self, index: int, tree: RolloutTree, entry_weights: dict[str, torch.Tensor]) -> None:
+        self.index, self.t = index, tree
+        # A head of no weight in the tree is not run at all (a value loss alone needs no LM head).
+        self.w = {name: w.to(self.objective.device) for name, w in entry_weights.items() if w.ne(0).any()}
         self.spans = replay_view(tree, self.join_below)
+        self.live = _live_spans(self.spans, entry_weights)
         # Unless configured, a leaf micro-batch (with the K/V held for it) may use what the
         # per-rollout backward needs for this tree's longest rollout.
         longest = max(n.end for n in tree.nodes)
         self.budget = self.budget_bytes or default_leaf_budget(self.dims, self.elt, longest, longest - tree.prompt_len)
         root = self.spans[0]
+        if not self.live[root.id]:
+            return
         if root.is_leaf:
             self.run([root], [], None)
         else:
             self.node(root, [])
 
     def node(self, span: Span, ancestors: list[PrefixKV]) -> None:
+        children = [self.spans[c] for c in span.children if self.live[c]]
+        if not children:  # only its own entries carry weight
+            self.run([span], ancestors, None)
+            return
         kv = self.leaf_kv(span, ancestors)
         with self.meter.hold(kv_bytes(kv), tensors=kv[0] + kv[1]):  # the K/V and its gradient
             below = ancestors + [kv]
-            children = [self.spans[c] for c in span.children]
             for batch in self.leaf_batches([c for c in children if c.is_leaf], span.end):
                 self.run(batch, below, None)
             for child in children:
@@ -149,17 +165,18 @@ class _Replay:
 
     def run(self, nodes: list[Span], ancestors: list[PrefixKV], kv_grads) -> None:
         """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward their
-        entries' weighted logprobs, with `kv_grads` (dK, dV) injected at a node's own K/V."""
+        entries' weighted scores, with `kv_grads` (dK, dV) injected at a node's own K/V."""
         hidden, own_kv = self.forward(nodes, ancestors)
         self.positions += hidden.shape[0] * hidden.shape[1]
         objective = hidden.new_zeros(())
         for row, n in enumerate(nodes):
             if n.entry_ids:
-                lp = target_logprobs(self.model, hidden[row], n.entry_pos, n.entry_targets)
-                w = self.w[device_index(n.entry_ids, lp.device)].to(lp)
-                term = (lp * w).sum()
-                self.objective += term.detach().double()
-                objective = objective + term
+                ids = device_index(n.entry_ids, hidden.device)
+                for name, w in self.w.items():
+                    score = self.heads[name](self.model, hidden[row], n.entry_pos, n.entry_targets)
+                    term = (score * w[ids].to(score)).sum()
+                    self.objective += term.detach().double()
+                    objective = objective + term
         outputs, grads = [objective], [torch.ones_like(objective)]
         if kv_grads is not None:
             for own, grad in zip(own_kv[0] + own_kv[1], kv_grads[0] + kv_grads[1]):
@@ -172,24 +189,44 @@ class _Replay:
             torch.autograd.backward([o for o, _ in live], [g for _, g in live])
 
 
-def _entry_weights(trees: list[RolloutTree], weights) -> list[torch.Tensor]:
-    if len(weights) != len(trees):
-        raise ValueError(f"got weights for {len(weights)} trees, expected {len(trees)}")
-    return [t.entry_weights(w) for t, w in zip(trees, weights)]
+def _live_spans(spans: list[Span], entry_weights: dict[str, torch.Tensor]) -> list[bool]:
+    """Per span: whether it or a span below it has an entry of nonzero weight."""
+    nonzero = torch.stack([w != 0 for w in entry_weights.values()]).any(0)
+    live = [False] * len(spans)
+    for span in reversed(spans):  # depth-first order: children after their parent
+        live[span.id] = bool(nonzero[span.entry_ids].any()) or any(live[c] for c in span.children)
+    return live
+
+
+def _entry_weights(trees: list[RolloutTree], weights: dict) -> list[dict[str, torch.Tensor]]:
+    for name, w in weights.items():
+        if len(w) != len(trees):
+            raise ValueError(f"got {name} weights for {len(w)} trees, expected {len(trees)}")
+    return [{name: t.entry_weights(w[i]) for name, w in weights.items()} for i, t in enumerate(trees)]
+
+
+def _weighted_positions(trees: list[RolloutTree], weights: dict) -> int:
+    """Positions a per-rollout pipeline runs for the rollouts that carry any weight."""
+    return sum(t.prompt_len + len(c) for i, t in enumerate(trees) for j, c in enumerate(t.completions)
+               if any(bool(torch.as_tensor(w[i][j]).ne(0).any()) for w in weights.values()))
 
 
 def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                     prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                    meter: ActivationMeter | None = None, join_below: int = 0) -> BackwardStats:
-    """Accumulate the weighted-logprob gradient of `trees` into `.grad`, branch replay style.
+                    meter: ActivationMeter | None = None, join_below: int = 0,
+                    heads: Heads | None = None) -> BackwardStats:
+    """Accumulate the weighted-score gradient of `trees` into `.grad`, branch replay style.
 
+    heads: what is scored (heads.py); None = the token logprob alone, with `weights` the
+    nested per-token weights, else `weights[name]` per head.
     prefix_kv: where cached K/V of branching nodes come from (None: computed here without
     grad). budget_bytes: memory allowed to one micro-batch of sibling leaves, the K/V held
     for them included (default: what the per-rollout backward saves for the longest rollout).
     join_below: join short branching nodes into their children, see view.py (0: never)."""
+    weights, heads = per_head(weights, heads)
     entry_w = _entry_weights(trees, weights)
     meter = meter or ActivationMeter(model)
-    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below)
+    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below, heads)
     device = next(model.parameters()).device
     reset_device_peak(device)
     start = time.perf_counter()
@@ -200,35 +237,41 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
         log.warning("recomputed %d prefix K/V entries that were missing or corrupt in the cache", state.recomputed)
     return BackwardStats(
         objective=float(state.objective), positions=state.positions,
-        per_rollout_positions=sum(t.total_positions for t in trees),
+        per_rollout_positions=_weighted_positions(trees, weights),
         seconds=time.perf_counter() - start, peak_activation_bytes=meter.peak,
         device_peak_bytes=device_peak_bytes(device))
 
 
 def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
-                   meter: ActivationMeter | None = None) -> BackwardStats:
-    """The per-rollout reference: every completion's full sequence, forward and backward."""
-    if len(weights) != len(trees):
-        raise ValueError(f"got weights for {len(weights)} trees, expected {len(trees)}")
+                   meter: ActivationMeter | None = None, heads: Heads | None = None) -> BackwardStats:
+    """The per-rollout reference: every completion's full sequence, forward and backward
+    (those that carry weight). `heads`, `weights`: as for replay_backward."""
+    weights, heads = per_head(weights, heads)
+    for name, w in weights.items():
+        if len(w) != len(trees):
+            raise ValueError(f"got {name} weights for {len(w)} trees, expected {len(trees)}")
     meter = meter or ActivationMeter(model)
     device = next(model.parameters()).device
     objective, positions = torch.zeros((), dtype=torch.float64, device=device), 0
     reset_device_peak(device)
     start = time.perf_counter()
     with meter.measure():
-        for tree, tree_w in zip(trees, weights):
-            for comp, w in zip(tree.completions, tree_w):
-                if not comp:
+        for i, tree in enumerate(trees):
+            for j, comp in enumerate(tree.completions):
+                comp_w = {name: torch.as_tensor(w[i][j]) for name, w in weights.items()}
+                comp_w = {name: w for name, w in comp_w.items() if w.ne(0).any()}
+                if not comp or not comp_w:
                     continue
                 hidden, _ = forward_segments(model, [tree.prompt_ids + comp], 0, None)
                 positions += hidden.shape[1]
-                lp = rollout_logprobs(model, hidden[0], tree.prompt_len, comp)
-                term = (lp * torch.as_tensor(w).to(lp)).sum()
+                at = list(range(tree.prompt_len - 1, tree.prompt_len - 1 + len(comp)))
+                scores = {name: heads[name](model, hidden[0], at, comp) for name in comp_w}
+                term = sum((s * comp_w[name].to(s)).sum() for name, s in scores.items())
                 objective += term.detach().double()
                 if term.requires_grad:
                     term.backward()
     return BackwardStats(
         objective=float(objective), positions=positions,
-        per_rollout_positions=sum(t.total_positions for t in trees),
+        per_rollout_positions=_weighted_positions(trees, weights),
         seconds=time.perf_counter() - start, peak_activation_bytes=meter.peak,
         device_peak_bytes=device_peak_bytes(device))

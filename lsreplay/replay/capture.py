@@ -2,8 +2,9 @@
 
 It visits every trie position once and records what the later stages need: the K/V of
 every branching node (replayed by the backward), the logprob of every entry (for the KL
-term) and the last hidden state of every position (drafter training). A pass that needs
-neither logprobs nor hidden states visits only the branching nodes.
+term, PPO's old logprobs, DPO), every other head's score of every entry (a critic's old
+values, heads.py) and the last hidden state of every position (drafter training). A pass
+that needs none of them visits only the branching nodes.
 It computes each node exactly as the replay backward recomputes it, so the cached K/V
 are bit-identical to what the backward would produce itself.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.replay.heads import Heads
 from lsreplay.replay.segments import (PrefixKV, concat_kv, forward_segments, new_kv, rollout_logprobs,
                                       target_logprobs)
 from lsreplay.tree import Node, RolloutTree
@@ -26,6 +28,7 @@ class TreeActivations:
     entry_logprobs: torch.Tensor | None = None  # (num_entries,); None: not scored
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node id -> (len, d)
     ref_entry_logprobs: torch.Tensor | None = None  # the reference model's, when a KL penalty needs them
+    entry_scores: dict[str, torch.Tensor] = field(default_factory=dict)  # head name -> (num_entries,)
 
     def path_sequences(self, tree: RolloutTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(tokens, hidden states) of every root-to-leaf path: the drafter's training data."""
@@ -38,17 +41,31 @@ class TreeActivations:
         return out
 
 
+def _new_activations(tree: RolloutTree, score: bool, heads: Heads) -> TreeActivations:
+    def zeros():
+        return torch.zeros(tree.num_entries, dtype=torch.float64)
+
+    return TreeActivations(entry_logprobs=zeros() if score else None,
+                           entry_scores={name: zeros() for name in heads})
+
+
 @torch.no_grad()
 def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = True,
-                 leaf_batch: int = 16, score: bool = True) -> TreeActivations:
-    """score: record every entry's logprob; keep_hidden: every position's last hidden state."""
-    acts = TreeActivations(entry_logprobs=torch.zeros(tree.num_entries, dtype=torch.float64) if score else None)
+                 leaf_batch: int = 16, score: bool = True, heads: Heads | None = None) -> TreeActivations:
+    """score: record every entry's logprob; heads: every entry's score by each of them too;
+    keep_hidden: every position's last hidden state."""
+    heads = heads or {}
+    acts = _new_activations(tree, score, heads)
 
     def record(nodes: list[Node], hidden: torch.Tensor) -> None:
         for row, n in enumerate(nodes):
             if score and n.entry_ids:
                 lp = target_logprobs(model, hidden[row], n.entry_pos, n.entry_targets)
                 acts.entry_logprobs[n.entry_ids] = lp.double().cpu()
+            for name, head in heads.items():
+                if n.entry_ids:
+                    values = head(model, hidden[row], n.entry_pos, n.entry_targets)
+                    acts.entry_scores[name][n.entry_ids] = values.double().cpu()
             if keep_hidden:
                 acts.hidden[n.id] = hidden[row, : len(n.tokens)].cpu().clone()
 
@@ -61,7 +78,8 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
         del cache  # the concatenated past is no longer needed
         acts.prefix_kv[node.id] = kv
         below = ancestors + [kv]
-        leaves = [tree.nodes[c] for c in node.children if tree.nodes[c].is_leaf] if score or keep_hidden else []
+        scored = score or keep_hidden or bool(heads)
+        leaves = [tree.nodes[c] for c in node.children if tree.nodes[c].is_leaf] if scored else []
         for i in range(0, len(leaves), leaf_batch):
             batch = leaves[i : i + leaf_batch]
             hidden, _ = forward_segments(model, [n.tokens for n in batch], batch[0].start, concat_kv(below))
@@ -75,11 +93,13 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
 
 
 @torch.no_grad()
-def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16) -> TreeActivations:
+def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16,
+                     heads: Heads | None = None) -> TreeActivations:
     """The per-rollout baseline's logprob pass: every rollout's full sequence (prompt and
-    completion) forward, `batch` rollouts at a time, right-padded. Entry logprobs only: a
-    shared entry gets the value of the last rollout that holds it."""
-    acts = TreeActivations(entry_logprobs=torch.zeros(tree.num_entries, dtype=torch.float64))
+    completion) forward, `batch` rollouts at a time, right-padded. Entry logprobs (and
+    `heads`' scores) only: a shared entry gets the value of the last rollout that holds it."""
+    heads = heads or {}
+    acts = _new_activations(tree, True, heads)
     rollouts = [(j, c) for j, c in enumerate(tree.completions) if c]
     for i in range(0, len(rollouts), batch):
         chunk = rollouts[i : i + batch]
@@ -87,4 +107,7 @@ def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16)
         for row, (j, completion) in enumerate(chunk):
             lp = rollout_logprobs(model, hidden[row], tree.prompt_len, completion)
             acts.entry_logprobs[tree.entry_index[j]] = lp.double().cpu()
+            at = list(range(tree.prompt_len - 1, tree.prompt_len - 1 + len(completion)))
+            for name, head in heads.items():
+                acts.entry_scores[name][tree.entry_index[j]] = head(model, hidden[row], at, completion).double().cpu()
     return acts

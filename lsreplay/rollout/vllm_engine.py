@@ -35,6 +35,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from lsreplay.algos.critic import is_critic
 from lsreplay.rollout.tree_sampler import TreeRollout
 
 log = logging.getLogger(__name__)
@@ -274,9 +275,11 @@ def same_engine(a: EngineSpec, b: EngineSpec) -> bool:
 
 
 def policy_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights by HF name, a tied weight once (what vLLM's loader takes), on the CPU."""
+    """The model's weights by HF name, a tied weight once (what vLLM's loader takes), on the CPU;
+    a critic's value head is not the HF model's."""
     state = model.state_dict()
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n in state]
+    names = [n for n, _ in model.named_parameters() if not is_critic(n)] + \
+        [n for n, _ in model.named_buffers() if n in state]
     return {n: state[n].detach().to("cpu").contiguous() for n in names}
 
 

@@ -7,6 +7,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.algos.overlong import length_penalty
 from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
 from lsreplay.tree import RolloutTree
@@ -53,3 +54,18 @@ def leaf_subtrees(record: dict) -> list[int]:
     if "paths" not in record:
         return list(range(len(record["completions"])))
     return [path[0] for path in record["paths"]]
+
+
+def training_rewards(cfg, record: dict) -> list[float]:
+    """The rewards the update learns from: the reward function's, less DAPO's soft overlong
+    penalty with algo.overlong=penalty (lsreplay.algos.overlong)."""
+    a = cfg.algo
+    if a.overlong != "penalty":
+        return list(record["rewards"])
+    return [r - length_penalty(len(c), cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+            for r, c in zip(record["rewards"], record["completions"])]
+
+
+def all_alike(rewards: list[float]) -> bool:
+    """Whether every leaf of a tree got the same reward: no GRPO gradient, no DPO pair."""
+    return max(rewards) == min(rewards)

@@ -1,8 +1,10 @@
-"""Stage 4: the policy update. GRPO weights from the caching pass's logprobs, branch
-replay (or the per-rollout baseline) backward, clip, AdamW step, checkpoint."""
+"""Stage 4: the policy update. The objective of the configured algorithm over the caching
+pass's scores (lsreplay.stages.objectives), branch replay (or the per-rollout baseline)
+backward, clip, AdamW step at the scheduled learning rate (several with PPO), checkpoint."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -10,57 +12,20 @@ import torch
 
 from lsreplay import checkpointing, faults
 from lsreplay.algos import loss_and_weights
-from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
-from lsreplay.algos.kl import kl_loss, with_kl
+from lsreplay.algos.updates import Minibatch, minibatch_updates
 from lsreplay.devices import cuda_determinism
-from lsreplay.replay import naive_backward, replay_backward
-from lsreplay.replay.capture import TreeActivations
-from lsreplay.resident import RESIDENT
+from lsreplay.resident import RESIDENT, policy_model, policy_train_state
 from lsreplay.run import Run
-from lsreplay.stages.common import StateClock, leaf_counts, leaf_subtrees, load_trees
-from lsreplay.stages.prefixes import StoredPrefixKV, load_activations
+from lsreplay.stages.common import StateClock, all_alike, load_trees, training_rewards
+from lsreplay.stages.objectives import Objective, objective, updates_per_step
+from lsreplay.stages.prefixes import StoredPrefixKV, capture_now
 from lsreplay.train_state import TrainState, local, master_dtype
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(FloatingPointError):
     """A step whose loss or gradient is NaN/inf; it is never checkpointed."""
-
-
-def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
-    """Loss value and dL/dlogp per completion token, at ratio 1: one update per batch starts
-    from the parameters the caching pass scored with. So old logprobs are the caching pass's
-    where the KL term needs their values, and zeros (any value gives the same loss and
-    weights) where it did not score them."""
-    algo = run.cfg.algo
-    acts = ([load_activations(run, step, i, prefixes) for i in range(len(trees))] if algo.kl_coef > 0 or algo.tis_cap
-            else [TreeActivations()] * len(trees))  # the drafter's hidden states are not read here
-    old = [t.completion_values(torch.zeros(t.num_entries, dtype=torch.float64) if a.entry_logprobs is None
-                               else a.entry_logprobs) for t, a in zip(trees, acts)]
-    max_tokens = run.cfg.rollout.max_new_tokens
-    counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
-    advantages = [group_advantages(torch.tensor(r["rewards"]), algo.scale_rewards, counts=n,
-                                   subtrees=leaf_subtrees(r) if algo.tree_baseline == "independent" else None)
-                  for r, n in zip(records, counts)]
-    if algo.tis_cap:
-        advantages = [importance_weighted(a, o, r["logprobs"], algo.tis_cap)
-                      for a, o, r in zip(advantages, old, records)]
-    batch = GRPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
-                      max_tokens=max_tokens, counts=counts)
-    loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), {}
-    if algo.kl_coef > 0:
-        ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)]
-        loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens, counts)
-        extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens, counts))
-    return *loss_and_weights(loss_fn, old), extras
-
-
-def importance_weighted(advantages: torch.Tensor, trainer: list[torch.Tensor], engine: list[list[float]],
-                        cap: float) -> list[torch.Tensor]:
-    """Truncated importance sampling (algo.tis_cap): each token's advantage times
-    min(p_trainer / p_engine, cap) of the token, correcting for the rollout engine sampling
-    from slightly other probabilities than the trainer computes (vLLM's kernels, bf16)."""
-    return [a * torch.exp(t - torch.tensor(e, dtype=torch.float64)).clamp(max=cap)
-            for a, t, e in zip(advantages, trainer, engine)]
 
 
 def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
@@ -73,40 +38,76 @@ def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
     run.begin(step, "policy")
     records, trees = load_trees(run, step)
     prefixes = run.manifest(step, "prefixes")
-    loss, weights, extras = grpo_weights(run, step, records, trees, prefixes)
-    loss = faults.loss("policy", step, loss)
+    goal = objective(run, step, records, trees, prefixes)
     start = time.perf_counter()
     if run.cfg.pool.devices_per_step > 1:
-        out = _data_parallel_update(run, step, weights, loss, devices)
+        out = _data_parallel_update(run, step, goal, devices)
     else:
-        out = _update(run, step, trees, weights, loss, prefixes, run.device(devices))
-    return run.finish(step, "policy", {**out, "loss": loss, "seconds": time.perf_counter() - start, **extras})
+        out = _update(run, step, trees, goal, prefixes, run.device(devices))
+    if not out["positions"]:
+        _trains_nothing(run.cfg, step, records)
+    return run.finish(step, "policy", {**out, "seconds": time.perf_counter() - start, **goal.extras})
 
 
-def _update(run: Run, step: int, trees, weights, loss: float, prefixes: dict, device: torch.device) -> dict:
-    """Backward, clip, AdamW step on the held state of `device`, checkpoint if due."""
-    clock = StateClock()
+def _trains_nothing(cfg, step: int, records: list[dict]) -> None:
+    """Say why a step's update had no nonzero loss weight (it still steps AdamW's moments)."""
+    alike = sum(all_alike(training_rewards(cfg, r)) for r in records)
+    why = [f"{alike} of {len(records)} trees have leaves that all got the same reward"
+           + ("" if cfg.algo.dynamic_sampling else " (algo.dynamic_sampling=true replaces them by other prompts)")]
+    if cfg.algo.overlong == "mask":
+        cut = sum(not f for r in records for f in r["finished"])
+        why.append(f"algo.overlong=mask left {cut} of {sum(len(r['finished']) for r in records)} answers out")
+    log.warning("step %d trains nothing: no loss weight is nonzero; %s", step, "; ".join(why))
+
+
+def _update(run: Run, step: int, trees, goal: Objective, prefixes: dict, device: torch.device) -> dict:
+    """The objective's minibatches on the held state of `device`: backward, clip, AdamW
+    step each; checkpoint if due."""
+    clock, cfg = StateClock(), run.cfg
     train = clock(RESIDENT.train_state, run, step, device)
     train.zero_grad()
-    if run.cfg.replay.mode == "replay":
-        stats = replay_backward(train.model, trees, weights, prefix_kv=StoredPrefixKV(run, prefixes, device),
-                                budget_bytes=run.cfg.replay.budget_mb * 2**20 or None,
-                                join_below=run.cfg.replay.join_below)
-    else:
-        stats = naive_backward(train.model, trees, weights)
-    grad_norm = _commit_step(run, step, train, loss, lambda: RESIDENT.drop(run, device))
+    per_step, norms, figures = updates_per_step(cfg), [], []
+
+    def take_step(m: Minibatch) -> None:
+        train.schedule(step * per_step + m.index, cfg.steps * per_step)
+        norms.append(_commit_step(run, step, train, faults.loss("policy", step, m.loss),
+                                  lambda: RESIDENT.drop(run, device)))
+        figures.append(goal.figures(m.trees, m.scores))
+        train.zero_grad()
+
+    replay = cfg.replay.mode == "replay"
+    try:
+        done = minibatch_updates(
+            train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, goal.heads,
+            first=(goal.old, StoredPrefixKV(run, prefixes, device) if replay else None),
+            budget_bytes=cfg.replay.budget_mb * 2**20 or None, join_below=cfg.replay.join_below,
+            capture=lambda sub: capture_now(run, train.model, sub, goal.heads))
+    except BaseException:
+        if norms:  # the held state is part of the way through the update: unusable
+            RESIDENT.drop(run, device)
+        raise
     RESIDENT.updated(run, step, device)
     saved = clock(checkpointing.save, run, step, train)
     faults.hook("policy", step, "mid")  # updated in memory, the checkpoint maybe half written, no done marker
-    return {"checkpoint": saved["checkpoint"], "grad_norm": grad_norm, "device": str(device),
-            "state_seconds": clock.seconds, **_stats_fields(stats)}
+    return {"checkpoint": saved["checkpoint"], "grad_norm": sum(norms) / len(norms), "device": str(device),
+            "state_seconds": clock.seconds, "loss": sum(m.loss for m in done) / len(done), "updates": len(done),
+            "lr": train.optimizer.param_groups[0]["lr"], **_mean(figures), **_stats_fields([m.stats for m in done])}
 
 
-def _stats_fields(stats) -> dict:
-    return {"objective": stats.objective, "positions": stats.positions,
-            "per_rollout_positions": stats.per_rollout_positions, "positions_ratio": stats.positions_ratio,
-            "peak_activation_bytes": stats.peak_activation_bytes, "device_peak_bytes": stats.device_peak_bytes,
-            "backward_seconds": stats.seconds}
+def _mean(figures: list[dict]) -> dict:
+    """Each figure's mean over the minibatches that have it."""
+    keys = {k for f in figures for k in f}
+    return {k: sum(f[k] for f in figures if k in f) / sum(k in f for f in figures) for k in sorted(keys)}
+
+
+def _stats_fields(stats: list) -> dict:
+    """The backward's figures over an update's minibatches: summed, the peaks their max."""
+    positions, per_rollout = sum(s.positions for s in stats), sum(s.per_rollout_positions for s in stats)
+    peaks = [s.device_peak_bytes for s in stats if s.device_peak_bytes is not None]
+    return {"objective": sum(s.objective for s in stats), "positions": positions,
+            "per_rollout_positions": per_rollout, "positions_ratio": per_rollout / max(positions, 1),
+            "peak_activation_bytes": max(s.peak_activation_bytes for s in stats),
+            "device_peak_bytes": max(peaks) if peaks else None, "backward_seconds": sum(s.seconds for s in stats)}
 
 
 def _commit_step(run: Run, step: int, train: TrainState, loss: float, forget, sharded: bool = False) -> float:
@@ -151,8 +152,13 @@ def _any_rank(flag: bool) -> bool:
 # plain DP rank 0 all of it, FSDP every rank its own rows. Nothing is gathered and nothing
 # goes through the store; this process then checkpoints on its schedule. The state of the
 # group lives in host memory, under the CPU in lsreplay.resident.
-def _data_parallel_update(run: Run, step: int, weights, loss: float, devices) -> dict:
+def _data_parallel_update(run: Run, step: int, goal: Objective, devices) -> dict:
+    """One update (config validation: PPO's several need one device): the loss's weights over
+    all trees here, every rank's share of the backward there."""
     from lsreplay.parallel import launch
+
+    loss, weights = loss_and_weights(goal.loss_for(goal.orders[0][0]), goal.old)
+    loss = faults.loss("policy", step, loss)
 
     world = run.cfg.pool.devices_per_step
     devices = list(devices) if devices is not None else list(range(world))
@@ -168,17 +174,20 @@ def _data_parallel_update(run: Run, step: int, weights, loss: float, devices) ->
     if "nonfinite" in outs[0]:  # no rank wrote anything back
         raise NonFiniteLoss(outs[0]["nonfinite"])
     train.follow_masters()
+    train.schedule(step, run.cfg.steps)  # the rate rank 0 stepped with, as the checkpoint records it
     RESIDENT.updated(run, step, host)
     saved = clock(checkpointing.save, run, step, train)
     faults.hook("policy", step, "mid")
-    return {**outs[0], "checkpoint": saved["checkpoint"], "state_seconds": clock.seconds}
+    figures = goal.figures(goal.orders[0][0], goal.old)
+    return {**outs[0], "checkpoint": saved["checkpoint"], "state_seconds": clock.seconds, "loss": loss, "updates": 1,
+            "lr": train.optimizer.param_groups[0]["lr"], **figures}
 
 
 def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, devices: list[str],
                  shared: dict) -> dict | None:
     """One data-parallel rank, on devices[rank]: its share of the trees' backward, gradients
     summed over ranks; then plain DP: rank 0 clips and steps; FSDP: every rank steps its shard."""
-    from lsreplay.models import load_model
+    from lsreplay.algos.critic import CRITIC_HEADS
     from lsreplay.parallel import data_parallel_backward, shard_model
 
     device = torch.device(devices[rank])
@@ -192,29 +201,31 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     # FSDP keeps float32 shards as masters and computes in model.dtype (its mixed-precision
     # policy); plain DP computes in model.dtype with float32 masters (TrainState).
     masters = master_dtype(cfg.model.dtype)
-    model = load_model(cfg.model, device=device, dtype=masters if fsdp else None)
+    model = policy_model(cfg, device, dtype=masters if fsdp else None)
     if fsdp:
         model.load_state_dict(shared["masters"], strict=False)
         mixed = masters != cfg.model.dtype
         shard_model(model, param_dtype=getattr(torch, cfg.model.dtype) if mixed else None,
                     reduce_dtype=getattr(torch, masters) if mixed else None)
-    train = TrainState(model, cfg.optim)
+    train = policy_train_state(cfg, model)
     if not fsdp:
         train.load_masters(shared["masters"])
     stats = data_parallel_backward(model, trees, weights, rank, world, mode=cfg.replay.mode, fsdp=fsdp,
                                    prefix_kv=StoredPrefixKV(run, prefixes, device),
                                    budget_bytes=cfg.replay.budget_mb * 2**20 or None,
-                                   join_below=cfg.replay.join_below, grad_params=train.masters)
+                                   join_below=cfg.replay.join_below, grad_params=train.masters,
+                                   heads=CRITIC_HEADS if cfg.algo.critic else None)
     try:
         if fsdp or rank == 0:
             _load_moments(train, shared, rank, world)
+            train.schedule(step, cfg.steps)  # one update per step here
             grad_norm = _commit_step(run, step, train, loss, lambda: None, sharded=fsdp)
             _write_back(train, shared, rank, world)
     except NonFiniteLoss as e:  # travels back as a value: a rank's exception would lose its type
         return {"nonfinite": str(e)}
     if rank != 0:
         return None
-    return {"grad_norm": grad_norm, "device": str(device), "ranks": world, **_stats_fields(stats)}
+    return {"grad_norm": grad_norm, "device": str(device), "ranks": world, **_stats_fields([stats])}
 
 
 def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -1,14 +1,16 @@
 """Stage 3: the caching pass. One no-grad forward per tree records the K/V of every
-branching node (for replay), every entry's logprob where the KL term reads them, and every
-position's last hidden state where the drafter trains, each tensor file with its sha256 in
-the manifest. The per-rollout baseline instead runs every rollout's full sequence for the
-logprobs.
+branching node (for replay), every entry's logprob where a loss reads them, a critic's
+value of every entry (PPO's old values), and every position's last hidden state where the
+drafter trains, each tensor file with its sha256 in the manifest. The per-rollout baseline
+instead runs every rollout's full sequence for the logprobs (and values).
 
-The policy's own logprobs are scored only for the KL term: with one GRPO update per batch,
-the update starts from the parameters that would score them, so the ratio is exactly 1
-and neither the loss nor its per-token weights depend on their values (TRL skips this
-pass for the same reason). Without KL and drafter, the pass visits the branching nodes
-only, and the per-rollout baseline has nothing to compute."""
+The policy's own logprobs are scored only where a loss reads them (`scores_logprobs`): the
+KL term, PPO's old logprobs, DPO's margins. With one GRPO update per batch, the update
+starts from the parameters that would score them, so the ratio is exactly 1 and neither
+the loss nor its per-token weights depend on their values (TRL skips this pass for the
+same reason). Without them and the drafter, the pass visits the branching nodes only, and
+the per-rollout baseline has nothing to compute. The frozen reference is scored for the
+KL term and for DPO."""
 
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ import torch
 from tqdm.auto import tqdm
 
 from lsreplay import faults
+from lsreplay.algos.backward import activations_kv, completion_logprobs, completion_scores
+from lsreplay.algos.critic import VALUE, value_scores
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
+from lsreplay.replay.heads import LOGPROB, Heads
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.replay.view import read_kv_nodes, replay_view
 from lsreplay.resident import RESIDENT
@@ -51,6 +56,7 @@ def tensors_kv(tensors: dict[str, torch.Tensor]) -> PrefixKV:
 def activation_tensors(acts: TreeActivations) -> dict[str, torch.Tensor]:
     logprobs = {"entry_logprobs": acts.entry_logprobs, "ref_entry_logprobs": acts.ref_entry_logprobs}
     return {**{k: v for k, v in logprobs.items() if v is not None},
+            **{f"entry_scores.{name}": v for name, v in acts.entry_scores.items()},
             **{f"hidden.{n}": h for n, h in acts.hidden.items()}}
 
 
@@ -63,8 +69,9 @@ def load_activations(run: Run, step: int, tree: int, manifest: dict) -> TreeActi
     with run.reading(step, "prefixes"):
         tensors = run.store.read_tensors(entry["key"], sha256=entry["sha256"])
     hidden = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("hidden.")}
+    scores = {k.removeprefix("entry_scores."): v for k, v in tensors.items() if k.startswith("entry_scores.")}
     return TreeActivations(entry_logprobs=tensors.get("entry_logprobs"), hidden=hidden,
-                           ref_entry_logprobs=tensors.get("ref_entry_logprobs"))
+                           ref_entry_logprobs=tensors.get("ref_entry_logprobs"), entry_scores=scores)
 
 
 # replay.kv_offload = "host": the caching stage also keeps the K/V it wrote in this
@@ -106,16 +113,36 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
-def _capture(run: Run, model, tree, score: bool, keep_hidden: bool) -> TreeActivations:
+def _capture(run: Run, model, tree, score: bool, keep_hidden: bool, heads: Heads | None = None) -> TreeActivations:
     """Branch replay's pass over the tree; the per-rollout baseline (replay.mode=naive), as a
     per-rollout trainer does, scores every rollout's full sequence (the drafter's hidden
-    states, if it is on, still come from a tree pass)."""
+    states, if it is on, still come from a tree pass). heads: scored besides the logprob."""
     if run.cfg.replay.mode == "replay":
-        return capture_tree(model, tree, keep_hidden=keep_hidden, score=score)
-    acts = capture_rollouts(model, tree) if score else TreeActivations()
+        return capture_tree(model, tree, keep_hidden=keep_hidden, score=score, heads=heads)
+    acts = capture_rollouts(model, tree, heads=heads) if score or heads else TreeActivations()
     if keep_hidden:
         acts.hidden = capture_tree(model, tree, score=False).hidden
     return acts
+
+
+def capture_now(run: Run, model, trees, heads: Heads | None):
+    """The caching pass of the current weights over `trees`, kept in memory: (their scores,
+    by head if `heads`, and a prefix K/V source over them). PPO's later minibatches: the
+    K/V replay reads wait in host memory (off a GPU, page-locked) until it does."""
+    extra = {name: head for name, head in (heads or {}).items() if name != LOGPROB}
+    acts = [_capture(run, model, tree, True, False, extra) for tree in trees]
+    for tree, a in zip(trees, acts):
+        read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below))
+        a.prefix_kv = {n: tuple([_host_copy(t) for t in half] for half in kv) for n, kv in a.prefix_kv.items()
+                       if n in read}
+    scores = completion_scores(trees, acts, heads) if heads else completion_logprobs(trees, acts)
+    device = next(model.parameters()).device
+
+    def source(index: int, node):
+        kv = activations_kv(acts)(index, node)
+        return None if kv is None else tuple([t.to(device, non_blocking=True) for t in half] for half in kv)
+
+    return scores, source
 
 
 def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dict:
@@ -127,15 +154,16 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
     records, trees = load_trees(run, step)
     device, clock = run.device(devices), StateClock()
     model = clock(policy_before, run, step, device)
-    # The KL penalty's reference is the frozen base model: one more no-grad pass, logprobs only.
-    reference = clock(RESIDENT.reference, run, device) if run.cfg.algo.kl_coef > 0 else None
+    # The reference (KL penalty, DPO) is the frozen base model: one more no-grad pass, logprobs only.
+    reference = clock(RESIDENT.reference, run, device) if scores_reference(run.cfg) else None
+    heads = {VALUE: value_scores} if run.cfg.algo.critic else {}  # the critic's old values
     # Only replay reads the K/V back (those of the branching spans of its view), only the
     # KL term and the importance weights the logprobs (and they measure the engine's against
     # the trainer's), only the drafter the hidden states.
     store_kv, score, keep_hidden = run.cfg.replay.mode == "replay", scores_logprobs(run.cfg), run.cfg.drafter.enabled
     files, kv_entries, act_entries, gaps, start = [], [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
-        acts = _capture(run, model, tree, score, keep_hidden)
+        acts = _capture(run, model, tree, score, keep_hidden, heads)
         if reference is not None:
             acts.ref_entry_logprobs = _capture(run, reference, tree, True, keep_hidden=False).entry_logprobs
         nodes = {}
@@ -149,10 +177,10 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
                 HOST_KV[nodes[str(node_id)]["sha256"]] = kv
         kv_entries.append(nodes)
         files += nodes.values()
-        if score or keep_hidden:
+        if score or keep_hidden or heads:
             act_entries.append(run.store.write_tensors(activations_key(run, step, i), activation_tensors(acts)))
             files.append(act_entries[-1])
-        if score:
+        if score and records[i].get("logprobs") is not None:  # a preference dataset's pair was not sampled
             gaps += logprob_gaps(tree, acts.entry_logprobs, records[i]["logprobs"])
         if i == 0:
             faults.hook("prefixes", step, "mid")  # some of the step's K/V written, no done marker
@@ -165,8 +193,15 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
 
 def scores_logprobs(cfg) -> bool:
     """Whether the caching pass scores the policy's logprobs: for the KL term, for truncated
-    importance sampling, and with the vLLM engine, to measure its logprobs against these."""
-    return cfg.algo.kl_coef > 0 or cfg.algo.tis_cap > 0 or cfg.rollout.engine == "vllm"
+    importance sampling, PPO's old logprobs, DPO's margins, and with the vLLM engine, to
+    measure its logprobs against these."""
+    a = cfg.algo
+    return a.kl_coef > 0 or a.tis_cap > 0 or a.name in ("ppo", "dpo") or cfg.rollout.engine == "vllm"
+
+
+def scores_reference(cfg) -> bool:
+    """Whether the caching pass scores the frozen reference: for the KL term and for DPO."""
+    return cfg.algo.kl_coef > 0 or cfg.algo.name == "dpo"
 
 
 def logprob_gaps(tree, entry_logprobs: torch.Tensor, behaviour: list[list[float]]) -> list[torch.Tensor]:

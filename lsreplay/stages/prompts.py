@@ -1,11 +1,18 @@
 """Stage 1: sample this step's prompts (deterministic per seed and step) from the training
-set: the prompt source less the held-out questions (lsreplay.prompt_sets)."""
+set: the prompt source less the held-out questions (lsreplay.prompt_sets).
+
+With dynamic sampling (algo.dynamic_sampling) the stage also draws, in advance, the
+replacements the rollouts may need: one more batch per further round of draws (`reserve`),
+so every prompt a step can train on is decided here, before any rollout, and a resumed
+step draws the same. Offline DPO (algo.dpo_source=dataset) samples rows of the preference
+dataset instead (`preferences`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from lsreplay import faults
+from lsreplay.preferences import PreferenceSet, offline
 from lsreplay.prompt_sets import training_prompts
 from lsreplay.run import Run
 
@@ -14,8 +21,17 @@ def sample_prompts(run: Run, step: int) -> dict:
     if done := run.done(step, "prompts"):
         return done
     run.begin(step, "prompts")
-    prompts = training_prompts(run.cfg).sample(step, run.cfg.data.prompts_per_step, run.cfg.seed)
-    entry = run.store.write_json(run.key(step, "prompts.json"),
-                                 {"prompts": [dataclasses.asdict(p) for p in prompts]})
+    cfg = run.cfg
+    n, a = cfg.data.prompts_per_step, cfg.algo
+    if offline(cfg):
+        rows = PreferenceSet.from_file(cfg.data.path, cfg.data.split).sample(step, n, cfg.seed)
+        content = {"preferences": [dataclasses.asdict(r) for r in rows]}
+    else:
+        training = training_prompts(cfg)
+        content = {"prompts": [dataclasses.asdict(p) for p in training.sample(step, n, cfg.seed)]}
+        if a.dynamic_sampling:
+            content["reserve"] = [[dataclasses.asdict(p) for p in training.sample(step, n, cfg.seed, draw)]
+                                  for draw in range(1, a.dynamic_sampling_draws)]
+    entry = run.store.write_json(run.key(step, "prompts.json"), content)
     faults.hook("prompts", step, "mid")
-    return run.finish(step, "prompts", {"files": [entry], "count": len(prompts)})
+    return run.finish(step, "prompts", {"files": [entry], "count": n})

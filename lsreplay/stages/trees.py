@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import posixpath
 import tempfile
@@ -21,8 +22,11 @@ from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
-from lsreplay.stages.common import StateClock, leaf_counts, policy_before
+from lsreplay.preferences import Preference, offline, preference_record
+from lsreplay.stages.common import StateClock, all_alike, leaf_counts, policy_before, training_rewards
 from lsreplay.stages.drafter import load_drafter, newest_drafter
+
+log = logging.getLogger(__name__)
 
 
 def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int) -> list[int]:
@@ -53,7 +57,11 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
                         devices: list[int] | None = None) -> dict:
     """Sample the trees of prompts shard, shard + shards, ... of the step (each with its own
     generator, so the draws do not depend on the sharding). `progress`, if given, is called
-    with the fraction of the shard's token budget sampled so far; `devices`: the pool slot held."""
+    with the fraction of the shard's token budget sampled so far; `devices`: the pool slot held.
+
+    Dynamic sampling: a tree whose leaves all got the same reward is replaced by the tree of
+    the prompt the prompts stage drew for its place in the next round (with a generator of
+    its own), up to algo.dynamic_sampling_draws rounds; a place out of draws keeps its last."""
     if done := run.done(step, shard_name(shard)):
         return done
     run.begin(step, "trees")
@@ -61,14 +69,15 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     key = run.key(step, "prompts.json")
     with run.reading(step, "prompts"):
         stored = run.store.read_json(key, sha256=run.sha256(run.manifest(step, "prompts"), key))
+    if offline(cfg):
+        return _preference_shard(run, step, shard, stored["preferences"], devices)
     indices = list(range(shard, len(stored["prompts"]), r.shards))
-    prompts = [Prompt(**stored["prompts"][i]) for i in indices]
     device, clock = run.device(devices), StateClock()
     model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg)
-    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
-    start = time.perf_counter()
-    with tqdm(total=len(prompts) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
+    draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
+    records, rounds, pending, start = {}, [], indices, time.perf_counter()
+    speculation, drafter_step = adaptive_engine(run, step, shard, model) if r.engine == "hf" else (None, None)
+    with tqdm(total=len(indices) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
               unit="tok", leave=False) as bar:
 
         def advance(tokens: int) -> None:
@@ -76,35 +85,78 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             if progress is not None:
                 progress(min(bar.n / bar.total, 1.0) if bar.total else 1.0)
 
-        if r.engine == "vllm":
-            trees, summary, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
-                                                           advance, clock)
-        else:
-            speculation, drafter_step = adaptive_engine(run, step, shard, model)
-            trees, trace = sample_trees(
-                model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens, params,
-                eos_ids(tokenizer, model), [run.generator(step, "trees", i, device=device) for i in indices], advance,
-                speculation=speculation)
+        for draw in range(draws):
+            prompts = [Prompt(**(stored["prompts"] if draw == 0 else stored["reserve"][draw - 1])[i]) for i in pending]
+            trees, figures, decisions, drafter_step = _sample(run, step, device, model, tokenizer, prompts, pending,
+                                                              draw, advance, clock, speculation, drafter_step)
+            for i, prompt, tree in zip(pending, prompts, trees):
+                records[i] = tree_record(tokenizer, prompt, tree, reward)
+            rounds.append({"figures": figures, "decisions": decisions, "prompts": len(pending),
+                           "forward_positions": sum(t.forward_positions for t in trees),
+                           "lengths": [len(c) for t in trees for c in t.completions]})
+            pending = [i for i in pending if all_alike(training_rewards(cfg, records[i]))]
+            if not pending:
+                break
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
-    records = [tree_record(tokenizer, prompt, tree, reward) for prompt, tree in zip(prompts, trees)]
+    if cfg.algo.dynamic_sampling and pending:
+        log.warning("step %d shard %d: %d trees still had leaves all of one reward after %d rounds of draws "
+                    "(algo.dynamic_sampling_draws); they train nothing", step, shard, len(pending), draws)
+    records = [records[i] for i in indices]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
-    lengths = [len(c) for rec in records for c in rec["completions"]]
+    lengths = [n for rnd in rounds for n in rnd["lengths"]]
+    summary = combine_traces([rnd["figures"] for rnd in rounds], lengths)
     if r.engine == "vllm":
-        summary = {**length_summary(lengths), **summary}
         decisions = {"drafter_step": drafter_step, "engine": summary}
     else:  # every decode step's decision (plain or speculative, draft length, live sequences, time)
-        summary = trace.summary(lengths)
-        decisions = {"drafter_step": drafter_step, "decisions": trace.decisions()}
+        decisions = {"drafter_step": drafter_step, "decisions": [d for rnd in rounds for d in rnd["decisions"]]}
     decisions = run.store.write_json(run.key(step, "trees", f"decisions_{shard:02d}.json"), decisions)
     faults.hook("trees", step, "mid")
     return run.finish(step, shard_name(shard), {
         "files": [entry, decisions], "shard": shard, "devices": devices, "device": str(device),
         "engine": r.engine, "drafter_step": drafter_step,
-        "forward_positions": sum(t.forward_positions for t in trees), "completion_tokens": sum(lengths),
-        "seconds": seconds, "state_seconds": clock.seconds, **summary})
+        "forward_positions": sum(rnd["forward_positions"] for rnd in rounds), "completion_tokens": sum(lengths),
+        "prompts_drawn": sum(rnd["prompts"] for rnd in rounds), "seconds": seconds, "state_seconds": clock.seconds,
+        **summary})
+
+
+def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
+            advance, clock: StateClock, speculation: Speculation | None, drafter_step: int | None):
+    """One round of the shard's rollouts: the trees of `prompts` (the step's places `slots`,
+    in round `draw`), the decode figures (combine_traces' keys), the decode decisions (HF
+    engine) and the drafter's step."""
+    cfg, r = run.cfg, run.cfg.rollout
+    prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
+    if r.engine == "vllm":
+        trees, figures, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
+                                                       advance, clock)
+        return trees, {**length_summary([len(c) for t in trees for c in t.completions]), **figures}, [], drafter_step
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    generators = [run.generator(step, "trees", i, *([draw] if draw else []), device=device) for i in slots]
+    trees, trace = sample_trees(model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
+                                params, eos_ids(tokenizer, model), generators, advance, speculation=speculation)
+    return trees, trace.summary([len(c) for t in trees for c in t.completions]), trace.decisions(), drafter_step
+
+
+def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices) -> dict:
+    """Offline DPO: the shard's trees built from preference rows (lsreplay.preferences), no
+    model and no rollouts; the decode figures are zeros."""
+    cfg, start = run.cfg, time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model)
+    indices = list(range(shard, len(rows), cfg.rollout.shards))
+    records = [preference_record(tokenizer, Preference(**rows[i]), cfg.data.max_prompt_tokens) for i in indices]
+    entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
+                                 {"prompt_indices": indices, "trees": records})
+    lengths = [len(c) for rec in records for c in rec["completions"]]
+    decode = {"decode_seconds": 0.0, "decode_steps": 0, "tail_time_share": 0.0, "spec_rounds": 0, "spec_tokens": 0,
+              "accept_len": 0.0, "spec_time_share": 0.0}
+    faults.hook("trees", step, "mid")
+    return run.finish(step, shard_name(shard), {
+        "files": [entry], "shard": shard, "devices": devices, "device": "none", "engine": "dataset",
+        "drafter_step": None, "forward_positions": 0, "completion_tokens": sum(lengths), "prompts_drawn": len(indices),
+        "seconds": time.perf_counter() - start, **length_summary(lengths), **decode})
 
 
 def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation | None, int | None]:
@@ -170,11 +222,18 @@ def collect_trees(run: Run, step: int) -> dict:
     lengths = [len(c) for rec in records for c in rec["completions"]]
     # Shards run side by side: the stage took from the first start to the last end.
     seconds = max(m["ended"] for m in shards) - min(m["started"] for m in shards)
+    # Shards sampled before dynamic sampling drew one prompt per tree.
+    drawn = sum(m.get("prompts_drawn", 0) for m in shards) if all("prompts_drawn" in m for m in shards) \
+        else len(records)
     return run.finish(step, "trees", {
         "files": [entry], "trees": len(records), "rollouts": len(lengths), **group_stats(records),
+        # Trees whose leaves all got the same reward: no GRPO gradient, no DPO pair. With
+        # dynamic sampling, prompts_drawn - trees of the step's trees were dropped for that.
+        "trees_all_alike": sum(all_alike(training_rewards(run.cfg, rec)) for rec in records),
+        "prompts_drawn": drawn, "trees_dropped": drawn - len(records),
         "completion_tokens": sum(lengths),
         "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
-        "tokens_per_s": sum(lengths) / seconds, "started": min(m["started"] for m in shards),
+        "tokens_per_s": sum(m["completion_tokens"] for m in shards) / max(seconds, 1e-9), "started": min(m["started"] for m in shards),
         "ended": max(m["ended"] for m in shards), **combine_traces(shards, lengths),
         "state_seconds": sum(m.get("state_seconds", 0.0) for m in shards),
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})

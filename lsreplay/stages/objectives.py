@@ -1,0 +1,157 @@
+"""What the policy update minimises, per algorithm (`algo.name`), over a step's trees.
+
+Every objective is a loss over the caching pass's per-token scores (logprobs, and a
+critic's values, by head: lsreplay.replay.heads) of the trees of a minibatch, which
+`loss_and_weights` turns into the weights replay differentiates:
+
+- grpo: group advantages (over each tree's leaves), the clipped surrogate at ratio 1 (one
+  update per batch starts from the weights that scored it, so the old logprobs need no
+  values unless a KL term, importance weights or the overlong mask read them), KL.
+- ppo: the same surrogate over `algo.epochs` x `algo.minibatches` updates against the
+  caching pass's old logprobs, with group advantages or GAE from the critic's old values,
+  and the critic's clipped value loss.
+- dpo: each tree's best leaf against its worst (trees whose leaves all scored alike give
+  no pair), against the frozen reference's sequence logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lsreplay.algos.critic import (CRITIC_HEADS, VALUE, CriticBatch, explained_variance, gae, value_clip_fraction,
+                                   value_loss, whiten)
+from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprobs
+from lsreplay.algos.grpo import clip_fraction, group_advantages
+from lsreplay.algos.kl import kl_loss
+from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
+from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.replay.capture import TreeActivations
+from lsreplay.replay.heads import LOGPROB, Heads
+from lsreplay.run import Run
+from lsreplay.stages.common import leaf_counts, leaf_subtrees, training_rewards
+from lsreplay.stages.prefixes import load_activations
+
+
+@dataclass
+class Objective:
+    loss_for: Callable[[list[int]], Callable]  # the loss over the scores of the trees of a minibatch
+    orders: list[list[list[int]]]  # per epoch, the minibatches' tree indices
+    old: dict | NestedLogprobs  # the caching pass's scores of every tree (the first minibatch's too)
+    heads: Heads | None = None  # what the loss scores (None: logprobs alone)
+    extras: dict = field(default_factory=dict)  # figures of the batch before the update
+    # Figures of one minibatch at the scores its loss saw (averaged over the update).
+    figures: Callable[[list[int], dict | NestedLogprobs], dict] = lambda idx, scores: {}
+
+
+def updates_per_step(cfg) -> int:
+    """Optimizer updates a step makes: 1, or algo.epochs x the minibatches of PPO."""
+    n = cfg.data.prompts_per_step
+    return cfg.algo.epochs * len(range(0, n, math.ceil(n / cfg.algo.minibatches)))
+
+
+def needs_activations(cfg) -> bool:
+    """Whether the update reads the caching pass's scores (else ratio 1 needs no values)."""
+    a = cfg.algo
+    return a.name != "grpo" or a.kl_coef > 0 or a.tis_cap > 0
+
+
+def objective(run: Run, step: int, records: list[dict], trees, prefixes: dict) -> Objective:
+    cfg = run.cfg
+    acts = ([load_activations(run, step, i, prefixes) for i in range(len(trees))] if needs_activations(cfg)
+            else [TreeActivations()] * len(trees))  # the drafter's hidden states are not read here
+    if cfg.algo.name == "dpo":
+        return _dpo(cfg, records, trees, acts)
+    return _clipped(run, step, records, trees, acts)
+
+
+def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
+    """GRPO and PPO: the clipped surrogate, with the critic's value loss where there is one."""
+    cfg, algo = run.cfg, run.cfg.algo
+    old = [t.completion_values(torch.zeros(t.num_entries, dtype=torch.float64) if a.entry_logprobs is None
+                               else a.entry_logprobs) for t, a in zip(trees, acts)]
+    counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
+    rewards = [training_rewards(cfg, r) for r in records]
+    max_tokens = cfg.rollout.max_new_tokens
+    critic, extras = None, {}
+    if algo.critic:
+        values = [t.completion_values(a.entry_scores[VALUE]) for t, a in zip(trees, acts)]
+        returns = [[gae(v, r, algo.gamma, algo.lam)[1] for v, r in zip(vs, rs)] for vs, rs in zip(values, rewards)]
+        critic = CriticBatch(old_values=values, returns=returns, clip=algo.value_clip, loss_agg=algo.loss_agg,
+                             max_tokens=max_tokens, counts=counts)
+        extras["value_explained_variance"] = explained_variance(values, returns)
+    if algo.advantage == "gae":
+        advantages = whiten([[gae(v, r, algo.gamma, algo.lam)[0] for v, r in zip(vs, rs)]
+                             for vs, rs in zip(critic.old_values, rewards)], counts)
+    else:
+        advantages = [list(group_advantages(torch.tensor(r), algo.scale_rewards, counts=n,
+                                            subtrees=leaf_subtrees(rec) if algo.tree_baseline == "independent"
+                                            else None))
+                      for r, n, rec in zip(rewards, counts, records)]
+    if algo.tis_cap:
+        advantages = [importance_weighted(a, o, r["logprobs"], algo.tis_cap)
+                      for a, o, r in zip(advantages, old, records)]
+    ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)] if algo.kl_coef > 0 else None
+    batch = PPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
+                     max_tokens=max_tokens, counts=counts, clip_eps_high=algo.clip_eps_high or None,
+                     mask=[r["finished"] for r in records] if algo.overlong == "mask" else None,
+                     ref_logprobs=ref, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+                     critic=critic, vf_coef=algo.vf_coef)
+    if ref is not None:
+        extras["kl"] = float(kl_loss(old, ref, algo.kl_estimator, algo.loss_agg, max_tokens, counts, batch.mask))
+    n = len(trees)
+    shuffle = run.generator(step, "minibatches") if algo.minibatches > 1 else None
+    orders = minibatch_orders(n, algo.epochs, math.ceil(n / algo.minibatches), shuffle)
+
+    def loss_for(idx: list[int]):
+        minibatch = batch.select(idx)
+        return lambda scores: ppo_loss(scores, minibatch)
+
+    def figures(idx: list[int], scores) -> dict:
+        sub = batch.select(idx)
+        logprobs = scores[LOGPROB] if critic is not None else scores
+        out = {"clip_fraction": clip_fraction(logprobs, sub.old_logprobs, sub.clip_eps, sub.clip_eps_high)}
+        if critic is not None:
+            out["value_loss"] = float(value_loss(scores[VALUE], sub.critic))
+            out["value_clip_fraction"] = value_clip_fraction(scores[VALUE], sub.critic)
+        return out
+
+    old_scores = {LOGPROB: old, VALUE: critic.old_values} if critic is not None else old
+    return Objective(loss_for, orders, old_scores, CRITIC_HEADS if critic is not None else None, extras, figures)
+
+
+def importance_weighted(advantages, trainer: list[torch.Tensor], engine: list[list[float]],
+                        cap: float) -> list[torch.Tensor]:
+    """Truncated importance sampling (algo.tis_cap): each token's advantage times
+    min(p_trainer / p_engine, cap) of the token, correcting for the rollout engine sampling
+    from slightly other probabilities than the trainer computes (vLLM's kernels, bf16)."""
+    return [a * torch.exp(t - torch.tensor(e, dtype=torch.float64)).clamp(max=cap)
+            for a, t, e in zip(advantages, trainer, engine)]
+
+
+def _dpo(cfg, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
+    """DPO over each tree's best and worst leaf (an offline record's chosen and rejected)."""
+    logprobs = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
+    ref = sequence_logprobs([t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)])
+    pairs = best_worst_pairs([training_rewards(cfg, r) for r in records])
+    beta = cfg.algo.dpo_beta
+
+    def loss_for(idx: list[int]):
+        sub_pairs, sub_ref = [pairs[i] for i in idx], [ref[i] for i in idx]
+        return lambda scores: dpo_loss(scores, sub_pairs, sub_ref, beta)
+
+    def figures(idx: list[int], scores) -> dict:
+        """TRL's DPO figures: the implicit reward margin beta x (policy - reference) of chosen
+        over rejected, and the share of pairs where it is positive."""
+        seq = sequence_logprobs(scores)
+        margins = [beta * float((seq[i][c] - ref[i][c]) - (seq[i][r] - ref[i][r])) for i in idx for c, r in pairs[i]]
+        if not margins:
+            return {}
+        return {"dpo_reward_margin": sum(margins) / len(margins),
+                "dpo_reward_accuracy": sum(m > 0 for m in margins) / len(margins)}
+
+    extras = {"dpo_pairs": sum(map(len, pairs)), "dpo_unpaired_trees": sum(not p for p in pairs)}
+    return Objective(loss_for, [[list(range(len(trees)))]], logprobs, None, extras, figures)

@@ -1,0 +1,123 @@
+"""The algorithms of docs/algorithms.md through the pipeline's stages on a tiny model: PPO
+with a critic (checkpointed beside the policy, out of its HF folder), online DPO over each
+tree's best and worst leaf, offline DPO from a preference dataset (no rollouts), and a
+step that trains nothing saying why. Replay's exactness for each loss is
+test_replay_equivalence's; resuming PPO with a critic, an LR schedule and dynamic sampling
+bit for bit is test_resume's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from lsreplay import checkpointing, stages
+from lsreplay.config import load_config
+from lsreplay.preferences import Preference, preference_record
+from lsreplay.resident import RESIDENT
+from lsreplay.run import preflight
+
+
+def run_steps(tmp_path, model_dir, overrides: list[str], steps: int = 1):
+    """A run of `steps` steps stage by stage (no flow): the manifests of its last step."""
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={model_dir}", "data.size=16",
+                             "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
+                             "rollout.max_new_tokens=6", "drafter.enabled=false", "optim.lr=1e-3",
+                             "reward.function=varied_rewards:code_parity", f"steps={steps}", *overrides])
+    run = preflight(cfg)
+    run.save_or_check_config()
+    for step in range(steps):
+        manifests = {name: stage(run, step) for name, stage in (
+            ("prompts", stages.sample_prompts), ("trees", stages.generate_trees), ("prefixes", stages.cache_prefixes),
+            ("policy", stages.train_policy))}
+    checkpointing.WRITER.wait()
+    RESIDENT.release(run)
+    return run, manifests
+
+
+def test_ppo_with_a_critic(tiny_model_dir, tmp_path, caplog):
+    """Two epochs of two minibatches with GAE from the critic: four updates, the first on the
+    caching pass's stored K/V (nothing recomputed), the value head trained at its own rate
+    and checkpointed in critic.safetensors, beside the policy and out of its HF folder."""
+    with caplog.at_level(logging.WARNING):
+        run, m = run_steps(tmp_path, tiny_model_dir, ["algo.name=ppo", "algo.critic=true", "algo.advantage=gae",
+                                                      "algo.epochs=2", "algo.minibatches=2", "algo.value_lr=1e-2"])
+    assert not [r for r in caplog.records if "recomput" in r.getMessage()]
+    policy = m["policy"]
+    assert policy["updates"] == 4 and policy["lr"] == 1e-3
+    assert policy["value_loss"] > 0 and 0 <= policy["value_clip_fraction"] <= 1
+    assert policy["value_explained_variance"] == 0.0  # the head starts at zero: V = 0 explains nothing
+    assert m["prefixes"]["activations"]  # old logprobs and values scored
+    folder = tmp_path / "run" / policy["checkpoint"]
+    critic = load_file(str(folder / "critic.safetensors"))
+    assert critic.keys() == {"value_head.weight", "value_head.bias"} and critic["value_head.weight"].abs().max() > 0
+    assert not any("value_head" in k for k in load_file(str(folder / "model.safetensors")))
+    assert not any("value_head" in k for k in load_file(str(folder / "hf/model.safetensors")))
+    groups = json.loads((folder / "optimizer.json").read_text())["param_groups"]
+    assert [g["lr"] for g in groups] == [1e-3, 1e-2]
+
+
+def test_online_dpo_pairs_each_trees_best_and_worst_leaf(tiny_model_dir, tmp_path):
+    """Prompts of even index score all their leaves alike: those trees give no pair and are
+    counted. At the first step the policy is the reference: every margin is 0, loss log 2.
+    Replay runs the prompts and the paired leaves only."""
+    _, m = run_steps(tmp_path, tiny_model_dir, ["algo.name=dpo", "data.prompts_per_step=4",
+                                                 "reward.function=varied_rewards:alike_on_even_prompts"])
+    records = json.loads((tmp_path / "run/step_0000/trees.json").read_text())["trees"]
+    alike = sum(len(set(r["rewards"])) == 1 for r in records)
+    assert 0 < alike < 4 and m["trees"]["trees_all_alike"] == alike
+    policy = m["policy"]
+    assert policy["dpo_pairs"] == 4 - alike and policy["dpo_unpaired_trees"] == alike
+    assert policy["loss"] == pytest.approx(math.log(2), abs=1e-6) and policy["dpo_reward_margin"] == 0.0
+    paired = [r for r in records if len(set(r["rewards"])) > 1]
+    assert policy["per_rollout_positions"] == sum(2 * len(r["prompt_ids"]) + len(r["completions"][r["rewards"].index(
+        max(r["rewards"]))]) + len(r["completions"][r["rewards"].index(min(r["rewards"]))]) for r in paired)
+    assert 0 < policy["positions"] < policy["per_rollout_positions"]
+
+
+def test_offline_dpo_from_a_preference_dataset(tiny_model_dir, tmp_path):
+    """A row is a tree of two leaves sharing its prompt: built from the dataset with no model
+    and no rollouts, the caching pass and replay compute the prompt once for both answers."""
+    rows = tmp_path / "prefs.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} plus {i}? Answer with a number.",
+                                        "chosen": str(2 * i), "rejected": f"I think it is {i}."}) + "\n"
+                            for i in range(6)))
+    run, m = run_steps(tmp_path, tiny_model_dir, ["algo.name=dpo", "algo.dpo_source=dataset", f"data.path={rows}",
+                                                   "algo.dpo_beta=0.5"], steps=2)
+    assert m["trees"]["forward_positions"] == 0 and m["trees"]["rollouts"] == 4  # nothing generated
+    records = json.loads((tmp_path / "run/step_0001/trees.json").read_text())["trees"]
+    assert all(len(r["completions"]) == 2 and r["rewards"] == [1.0, 0.0] for r in records)
+    policy = m["policy"]
+    assert policy["dpo_pairs"] == 2 and policy["loss"] < math.log(2)  # step 0 moved towards the chosen answers
+    assert policy["dpo_reward_margin"] > 0
+    prompts = sum(len(r["prompt_ids"]) for r in records)
+    answers = sum(len(c) for r in records for c in r["completions"])
+    assert policy["per_rollout_positions"] == 2 * prompts + answers and policy["positions"] < 2 * prompts
+
+
+def test_chat_preferences_render_with_the_chat_template(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pref = Preference(0, [{"role": "user", "content": "2+2?"}], [{"role": "assistant", "content": "4"}],
+                      [{"role": "assistant", "content": "5"}])
+    record = preference_record(tokenizer, pref, 256)
+    prompt = tokenizer.apply_chat_template(pref.prompt, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(record["prompt_ids"]) == prompt
+    assert [tokenizer.decode(c) for c in record["completions"]] == ["4<|im_end|>\n", "5<|im_end|>\n"]
+
+
+def test_a_step_that_trains_nothing_says_why(tiny_model_dir, tmp_path, caplog):
+    """Within 6 tokens a random model never ends an answer: every one is cut at the limit, and
+    masked out no loss weight is nonzero; replay runs nothing, and the log says why."""
+    with caplog.at_level(logging.WARNING):
+        _, m = run_steps(tmp_path, tiny_model_dir, ["reward.function=varied_rewards:alike_on_even_prompts",
+                                                     "algo.overlong=mask", "algo.clip_eps_high=0.28"])
+    assert m["policy"]["positions"] == 0
+    message = next(r.getMessage() for r in caplog.records if "trains nothing" in r.getMessage())
+    alike = m["trees"]["trees_all_alike"]
+    assert f"{alike} of 2 trees have leaves that all got the same reward" in message
+    assert "algo.dynamic_sampling=true replaces them" in message and "algo.overlong=mask left 8 of 8 answers out" in message
