@@ -13,6 +13,7 @@ from lsreplay.algos import loss_and_weights
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, with_kl
 from lsreplay.devices import cuda_determinism
+from lsreplay.metrics import clip_fractions
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.resident import RESIDENT
@@ -45,7 +46,8 @@ def grpo_weights(run: Run, step: int, records, trees, prefixes: dict):
         advantages = [importance_weighted(a, o, r["logprobs"], algo.tis_cap) for a, o, r in zip(advantages, old, records)]
     batch = GRPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
                       max_tokens=max_tokens, counts=counts)
-    loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), {}
+    # One update per batch: the loss is evaluated at the old logprobs (ratio 1).
+    loss_fn, extras = (lambda lp: grpo_loss(lp, batch)), clip_fractions(old, old, advantages, algo.clip_eps)
     if algo.kl_coef > 0:
         ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)]
         loss_fn = with_kl(loss_fn, ref, algo.kl_coef, algo.kl_estimator, algo.loss_agg, max_tokens, counts)
@@ -98,7 +100,8 @@ def _update(run: Run, step: int, trees, weights, loss: float, prefixes: dict, de
     saved = clock(checkpointing.save, run, step, train)
     faults.hook("policy", step, "mid")  # updated in memory, the checkpoint maybe half written, no done marker
     return {"checkpoint": saved["checkpoint"], "grad_norm": grad_norm, "device": str(device),
-            "state_seconds": clock.seconds, **_stats_fields(stats)}
+            "learning_rate": train.optimizer.param_groups[0]["lr"], "state_seconds": clock.seconds,
+            **_stats_fields(stats)}
 
 
 def _stats_fields(stats) -> dict:
@@ -213,7 +216,8 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
         return {"nonfinite": str(e)}
     if rank != 0:
         return None
-    return {"grad_norm": grad_norm, "device": str(device), "ranks": world, **_stats_fields(stats)}
+    return {"grad_norm": grad_norm, "device": str(device), "ranks": world,
+            "learning_rate": train.optimizer.param_groups[0]["lr"], **_stats_fields(stats)}
 
 
 def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:

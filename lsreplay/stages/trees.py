@@ -12,9 +12,11 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay import faults
-from lsreplay.data import ANSWER_INSTRUCTION, DatasetError, Prompt
+from lsreplay.data import Prompt
 from lsreplay.drafter.model import Drafter
+from lsreplay.metrics import rollout_metrics
 from lsreplay.models import eos_ids, load_tokenizer
+from lsreplay.rendering import render_prompt
 from lsreplay.rewards import Reward
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
@@ -23,18 +25,6 @@ from lsreplay.resident import RESIDENT
 from lsreplay.run import Run
 from lsreplay.stages.common import StateClock, leaf_counts, policy_before
 from lsreplay.stages.drafter import load_drafter, newest_drafter
-
-
-def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int) -> list[int]:
-    messages = [{"role": "user", "content": prompt.question + ANSWER_INSTRUCTION}]
-    if system_prompt:
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > max_tokens:
-        raise DatasetError(f"prompt {prompt.index} has {len(ids)} tokens, more than data.max_prompt_tokens="
-                           f"{max_tokens}; raise the limit or use shorter prompts")
-    return ids
 
 
 def shard_name(shard: int) -> str:
@@ -66,7 +56,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     device, clock = run.device(devices), StateClock()
     model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg)
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
+    prompt_ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     start = time.perf_counter()
     with tqdm(total=len(prompts) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
               unit="tok", leave=False) as bar:
@@ -88,7 +78,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
-    records = [tree_record(tokenizer, prompt, tree, reward) for prompt, tree in zip(prompts, trees)]
+    records = tree_records(tokenizer, prompts, trees, reward, step)
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
     lengths = [len(c) for rec in records for c in rec["completions"]]
@@ -172,6 +162,7 @@ def collect_trees(run: Run, step: int) -> dict:
     seconds = max(m["ended"] for m in shards) - min(m["started"] for m in shards)
     return run.finish(step, "trees", {
         "files": [entry], "trees": len(records), "rollouts": len(lengths), **group_stats(records),
+        **rollout_metrics(records, run.cfg.rollout.max_new_tokens),
         "completion_tokens": sum(lengths),
         "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
         "tokens_per_s": sum(lengths) / seconds, "started": min(m["started"] for m in shards),
@@ -180,13 +171,17 @@ def collect_trees(run: Run, step: int) -> dict:
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
-def tree_record(tokenizer, prompt: Prompt, tree, reward: Reward) -> dict:
-    """What the store keeps of one tree: tokens, behaviour logprobs, texts, rewards, and
+def tree_records(tokenizer, prompts: list[Prompt], trees, reward: Reward, step: int) -> list[dict]:
+    """What the store keeps of each tree: tokens, behaviour logprobs, texts, rewards (and each
+    reward function's values: one batch of the shard's completions, as TRL scores them), and
     the samples each leaf stands for (its count, and its path through the branch points)."""
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions]
-    return {"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
-            "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts,
-            "rewards": [reward(prompt, t) for t in texts], "counts": tree.counts, "paths": tree.paths}
+    texts = [[tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions] for tree in trees]
+    rewards, by_function = reward.score(prompts, texts, [tree.completions for tree in trees], step)
+    return [{"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
+             "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts[i], "rewards": rewards[i],
+             "reward_functions": {name: values[i] for name, values in by_function.items()},
+             "counts": tree.counts, "paths": tree.paths}
+            for i, (prompt, tree) in enumerate(zip(prompts, trees))]
 
 
 def group_stats(records: list[dict]) -> dict:
