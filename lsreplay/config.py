@@ -362,6 +362,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             key, _, value = (part.strip() for part in item.partition("="))
             if key == "report_to" and not value.startswith("["):  # TRL's --report_to tensorboard
                 item = f"report_to=[{'' if value == 'none' else value}]"
+            elif value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
+                item = f"{key}=''"
             layer = OmegaConf.from_dotlist([item])
             given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
                 isinstance(OmegaConf.select(layer, key), DictConfig)

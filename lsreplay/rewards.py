@@ -200,7 +200,8 @@ def _parameters(function: Callable) -> dict[str, inspect.Parameter] | None:
 
 def detect_style(function: Callable) -> str:
     """verl's when it takes solution_str; TRL's when it takes completions, prompts or
-    completion_ids, or keywords only; else lsreplay's (prompt, completion)."""
+    completion_ids, keywords only, or **kwargs and not two positional arguments; else
+    lsreplay's (prompt, completion)."""
     params = _parameters(function)
     if params is None:
         return "lsreplay"
@@ -208,8 +209,12 @@ def detect_style(function: Callable) -> str:
         return "verl"
     if set(params) & {"prompts", "completions", "completion_ids"}:
         return "trl"
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return "lsreplay" if positional else "trl"
+    try:
+        inspect.signature(function).bind({}, "")
+    except TypeError:
+        return "trl" if any(p.kind == p.VAR_KEYWORD for p in params.values()) or not [
+            p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] else "lsreplay"
+    return "lsreplay"
 
 
 @dataclasses.dataclass
