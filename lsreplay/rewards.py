@@ -248,7 +248,8 @@ def _check_call(rf: RewardFunction) -> None:
                               "solution_str= (or say reward.styles)") from None
     elif rf.style == "verl":
         kinds = {p.kind for p in params.values()}
-        required = [n for n, p in params.items() if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        required = [n for n, p in params.items()
+                    if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
         unknown = [n for n in required if n not in VERL_KEYWORDS]
         if unknown or ("solution_str" not in params and inspect.Parameter.VAR_KEYWORD not in kinds):
             raise RewardError(f"{rf.describe()}: {signature} cannot be called as verl calls compute_score: "

@@ -284,7 +284,8 @@ class Run:
 
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
-    run, the model folder is there, the trackers are installed, the reward functions import, and the prompts load,
+    run, the model folder is there, the trackers are installed, the reward functions import
+    and take what the data gives them, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
     (lsreplay.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
     DatasetError with a message that says what to do. Returns the run with its thread count

@@ -53,7 +53,8 @@ def test_prompts_as_trl_reads_them(tokenizer):
     assert render_prompt(tokenizer, prompt("The sky is"), bare) == tokenizer("The sky is", add_special_tokens=False)[
         "input_ids"]
     templated = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    assert render_prompt(tokenizer, prompt(MESSAGES), bare) == tokenizer(templated, add_special_tokens=False)["input_ids"]
+    assert render_prompt(tokenizer, prompt(MESSAGES), bare) == tokenizer(templated, add_special_tokens=False)[
+        "input_ids"]
     continued = MESSAGES + [{"role": "assistant", "content": "Let me see:"}]
     text = tokenizer.decode(render_prompt(tokenizer, prompt(continued), bare))
     assert text.endswith("Let me see:")  # the model continues the assistant's message
