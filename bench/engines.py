@@ -36,7 +36,7 @@ from lsreplay.models import load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.prompt_sets import source_prompts  # noqa: E402
 from lsreplay.report import read_metrics  # noqa: E402
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec  # noqa: E402
-from lsreplay.stages.trees import render_prompt  # noqa: E402
+from lsreplay.rendering import render_prompt  # noqa: E402
 
 CONFIG = str(REPO / "configs/default.yaml")
 WORKLOADS = {
@@ -84,7 +84,7 @@ def compare_steps(out: Path, steps: int) -> None:
 def held_out(cfg, count: int) -> list[list[int]]:
     """Prompts of the run's source past the ones a short run samples, rendered as the run renders them."""
     tokenizer, prompts = load_tokenizer(cfg.model), source_prompts(cfg)
-    return [render_prompt(tokenizer, prompts[len(prompts) - 1 - i], cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+    return [render_prompt(tokenizer, prompts[len(prompts) - 1 - i], cfg.data)
             for i in range(count)]
 
 

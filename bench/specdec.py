@@ -57,7 +57,7 @@ from lsreplay.rollout.speculative import (  # noqa: E402
     greedy_generate,
     speculative_generate,
 )
-from lsreplay.stages.trees import render_prompt  # noqa: E402
+from lsreplay.rendering import render_prompt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BANDIT_ARMS = (3, 4, 5, 6, 8)
@@ -72,12 +72,12 @@ def prompt_ids(cfg, tokenizer, count: int, seed: int) -> list[list[int]]:
     prompt (DataConfig's default), not the config's long shared context: these benchmarks
     measure decoding, and their README figures were taken on short prompts."""
     d = cfg.data
-    system_prompt = DataConfig.system_prompt
+    short = dataclasses.replace(d, system_prompt=DataConfig.system_prompt)
     key = hashlib.sha256(json.dumps([list(d.tasks), count, seed, dict(d.task_args)], sort_keys=True).encode())
     path = generate_prompt_file(ROOT / ".cache/prompts" / f"specdec-{key.hexdigest()[:12]}.jsonl", list(d.tasks),
                                 count, seed, dict(d.task_args))
     prompts = PromptSet.from_file(path)
-    return [render_prompt(tokenizer, prompts[i], system_prompt, d.max_prompt_tokens) for i in range(count)]
+    return [render_prompt(tokenizer, prompts[i], short) for i in range(count)]
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.LongTensor, torch.LongTensor]:

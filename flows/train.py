@@ -35,6 +35,7 @@ from lsreplay.resident import RESIDENT, StateLost
 from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
 from lsreplay.stages import evaluated
 from lsreplay.stages.prefixes import release_read
+from lsreplay.trackers import Trackers
 from tasks.pool import ensure_pool, release_parked
 from tasks.stages import configured
 
@@ -66,16 +67,18 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
                 cfg.threads)
     checkpointing.rewind(run)  # this process holds nothing yet
     tasks = configured()
+    trackers = Trackers(cfg)  # report_to: this process reports, the stages' never do
     try:
         with ray_session(cfg):
-            return _run_steps(run, tasks, cfg)
+            return _run_steps(run, tasks, cfg, trackers)
     finally:
         release_parked()  # the slots the last stage left for a next one: there is none
         checkpointing.WRITER.wait()
         RESIDENT.release(run)
+        trackers.close()
 
 
-def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
+def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers) -> list[dict]:
     logger = get_run_logger()
     progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
     progress(0.0)
@@ -84,10 +87,10 @@ def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
     while step <= cfg.steps:
         try:
             if evaluated(cfg, step):  # the policy after `step` updates, on the held-out prompts
-                _evaluate(run, tasks, cfg, step)
+                _evaluate(run, tasks, cfg, step, trackers)
             if step == cfg.steps:
                 break
-            manifests = _step(run, tasks, cfg, step)
+            manifests = _step(run, tasks, cfg, step, trackers)
         except InputCorrupt as e:
             _count(recomputes, (e.step, e.stage), e)
             logger.warning("%s", e)
@@ -100,7 +103,7 @@ def _run_steps(run, tasks: dict, cfg: Config) -> list[dict]:
             step = min(step, checkpointing.rewind(run))
             continue
         record = step_record(step, manifests)
-        run.append_metrics(record)
+        _record(run, trackers, record)
         logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in record.items()
                                                     if isinstance(v, float)))
         artifacts.metrics_table(run)
@@ -125,10 +128,16 @@ def _count(recomputes: Counter, where: tuple[int, str], error: Exception) -> Non
         raise StageFailed(stage, step, f"its input keeps coming out unusable: {error}") from error
 
 
-def _evaluate(run, tasks: dict, cfg: Config, step: int) -> None:
+def _record(run, trackers: Trackers, record: dict) -> None:
+    """A metrics line into metrics.jsonl (merged with its step's) and to the trackers."""
+    run.append_metrics(record)
+    trackers.log(record)
+
+
+def _evaluate(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> None:
     manifest = _result(tasks["eval"].submit(cfg=cfg, step=step), "eval", step)
     record = eval_record(step, manifest)
-    run.append_metrics(record)
+    _record(run, trackers, record)
     sampled = (f", sampled {record['eval_sample_accuracy']:.3f} [{record['eval_sample_accuracy_lo']:.3f}, "
                f"{record['eval_sample_accuracy_hi']:.3f}]" if "eval_sample_accuracy" in record else "")
     get_run_logger().info("eval after %d updates: held-out accuracy greedy %.3f [%.3f, %.3f]%s (%d prompts)", step,
@@ -168,13 +177,13 @@ def _result(future, stage: str, step: int) -> dict:
         raise StageFailed(stage, step, e) from e
 
 
-def _step(run, tasks: dict, cfg: Config, step: int) -> dict[str, dict]:
+def _step(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> dict[str, dict]:
     """prompts -> rollout shards (with the previous step's drafter on freed slots) -> trees
     -> prefix cache -> policy; the last step then trains its own drafter to the end."""
     def stage(name: str) -> dict:
         return _result(tasks[name].submit(cfg=cfg, step=step), name, step)
 
-    manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step)}
+    manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step, trackers)}
     manifests["prefixes"] = stage("prefixes")
     manifests["policy"] = stage("policy")
     release_read(run, step, "policy")
@@ -184,7 +193,7 @@ def _step(run, tasks: dict, cfg: Config, step: int) -> dict[str, dict]:
     return manifests
 
 
-def _rollouts(run, tasks: dict, cfg: Config, step: int) -> dict:
+def _rollouts(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> dict:
     """The step's rollout shards, then their collected trees. The previous step's drafter
     starts on a free slot (an idle one, or the first a finished shard frees while others
     still run) and trains until the last shard is collected (lsreplay.stages.drafter); then its metrics join the
@@ -210,5 +219,5 @@ def _rollouts(run, tasks: dict, cfg: Config, step: int) -> dict:
         previous["drafter"] = _result(drafter, "drafter", step - 1)
         release_read(run, step - 1, "drafter")
         if None not in previous.values():
-            run.append_metrics(step_record(step - 1, previous))
+            _record(run, trackers, step_record(step - 1, previous))
     return trees

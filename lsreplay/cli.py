@@ -6,6 +6,7 @@
     lsreplay export RUN_DIR OUT [--step N] [key=value ...]             a policy checkpoint as an HF model folder
     lsreplay serve [CONFIG.yaml] [key=value ...] (--cron EXPR | --interval SECONDS) [--name NAME]
     lsreplay convert-model                                             the SmolLM2 conversion alone
+    lsreplay config [CONFIG.yaml] [key=value ...] [--check]            print the resolved config, validated
 
 Exit status: 0 done, 1 a stage failed (the message names it), 2 bad input (config, model,
 data, storage, checkpoint) or no Prefect server to run on.
@@ -103,6 +104,21 @@ def _export(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    """The resolved config (secrets redacted), validated; --check also runs the preflight
+    checks of a run (store, model, trackers, reward functions, data) without training."""
+    from lsreplay.config import load_config, to_yaml
+
+    cfg = load_config(args.config, secrets_to_env(args.overrides))
+    print(to_yaml(cfg), end="")
+    if args.check:
+        from lsreplay.run import preflight
+
+        preflight(cfg, force=args.force)
+    print(f"# valid{': the run can start' if args.check else ''} (secrets redacted)", file=sys.stderr)
+    return 0
+
+
 def _convert(args) -> int:
     from lsreplay.models import convert_smollm2
 
@@ -170,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     when.add_argument("--interval", type=float, help="run every SECONDS")
     serve.add_argument("--name", default="lsreplay-train", help="deployment name")
     serve.set_defaults(fn=_serve)
+    config = sub.add_parser("config", help="print the resolved config (secrets redacted) and validate it")
+    config.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    config.add_argument("overrides", nargs="*", help="key=value overrides (+key=value, ++key=value too)")
+    config.add_argument("--check", action="store_true", help="also check the store, model, trackers, reward "
+                        "functions and data, as a run does before it starts")
+    config.add_argument("--force", action="store_true", help="with --check: accept a config that differs from "
+                        "the existing run's")
+    config.set_defaults(fn=_config)
     convert = sub.add_parser("convert-model", help="convert the shipped SmolLM2 GGUF to an HF folder (once)")
     convert.add_argument("--cache-dir", default=".cache/models")
     convert.set_defaults(fn=_convert)
@@ -197,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides += extra
-    if args.command in ("train", "serve"):
+    if args.command in ("train", "serve", "config"):
         _config_and_overrides(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise

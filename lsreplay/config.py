@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from difflib import get_close_matches
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -16,6 +17,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from lsreplay.algos.grpo import LOSS_AGGS
 from lsreplay.algos.kl import KL_ESTIMATORS
+
+ANSWER_INSTRUCTION = (
+    "\n\nWork it out briefly, then end your reply with the final answer inside "
+    "<answer> and </answer> tags, with nothing else inside the tags."
+)
 
 DTYPES = ("float32", "float64", "bfloat16")
 ACCELERATORS = ("cpu", "cuda")
@@ -42,10 +48,14 @@ class ModelConfig:
 
 @dataclass
 class ColumnsConfig:
-    # The names of the prompt file's columns that hold each field.
+    # The names of the prompt file's columns that hold each field; a dotted name reaches a
+    # nested field (reward_model.ground_truth). The prompt: a string, or a list of chat
+    # messages ({role, content}) as TRL's and verl's datasets hold it. Empty = the column
+    # `prompt` where the file has one, else the column `question` names.
+    prompt: str = ""
     question: str = "question"
     # The reference answer and the reasoning-gym task name: needed by the default reward
-    # (reasoning-gym's checkers); a reward.function may do without them.
+    # (reasoning-gym's checkers); reward.functions may do without them.
     answer: str = "answer"
     task: str = "task"
 
@@ -66,7 +76,15 @@ class DataConfig:
         "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}})
     size: int = 256
     prompts_per_step: int = 4
+    # What the model sees of a prompt. A list of messages goes through the tokenizer's chat
+    # template; a string too with chat_template=true (as the user's message), as it is
+    # otherwise. system_prompt: a system message put first (in a template only, and only
+    # where the prompt has none of its own); answer_instruction: text appended to the
+    # prompt (to its last user message). Empty = nothing added: the dataset's prompts as
+    # TRL and verl read them.
+    chat_template: bool = True
     system_prompt: str = "You are a helpful assistant. Answer briefly."
+    answer_instruction: str = ANSWER_INSTRUCTION
     max_prompt_tokens: int = 256
 
 
@@ -202,10 +220,19 @@ class OptimConfig:
 
 @dataclass
 class RewardConfig:
-    # "module:function" called as function(prompt, completion) -> float, where prompt is the
-    # prompt record (a dict: question, answer, task, metadata, index) and completion the
-    # answer's text; used for training and evaluation. Empty = reasoning-gym's checker of
-    # each prompt's task. An answer counts as correct in evaluation when its reward >= 1.
+    # Reward functions by import path, "module.function" (TRL's command line) or
+    # "module:function" or "path/to/file.py:function" (verl's custom_reward_function), for
+    # training and evaluation; the reward is their weighted sum. Each is called in its own
+    # style (lsreplay.rewards): TRL's batched keywords, verl's compute_score, or lsreplay's
+    # function(prompt, completion). Empty = reasoning-gym's checker of each prompt's task.
+    # An answer counts as correct in evaluation when its reward >= 1.
+    functions: list[str] = field(default_factory=list)
+    # One weight per function; empty = 1 each.
+    weights: list[float] = field(default_factory=list)
+    # One style per function (auto, trl, verl, lsreplay); empty = auto each: told by the
+    # function's parameters.
+    styles: list[str] = field(default_factory=list)
+    # One function, the older key: the same as functions=[function].
     function: str = ""
 
 
@@ -322,6 +349,24 @@ class PoolConfig:
     deterministic: bool = False
 
 
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "trackio": "trackio", "wandb": "wandb"}
+
+
+@dataclass
+class TrackingConfig:
+    # Where the trackers of report_to keep their files: TensorBoard's event files in
+    # <dir>/tensorboard, MLflow's sqlite store in <dir>/mlflow.db, Trackio's store in
+    # <dir>/trackio (unless TRACKIO_DIR is set), W&B's run files in <dir>/wandb.
+    # Empty = <run_dir>/tracking.
+    dir: str = ""
+    # The MLflow experiment, Trackio project and W&B project.
+    project: str = "lsreplay"
+    # The run's name in each tracker; empty = the run directory's name.
+    run_name: str = ""
+    # An MLflow tracking server or store; empty = MLFLOW_TRACKING_URI, else the sqlite store.
+    mlflow_uri: str = ""
+
+
 @dataclass
 class Config:
     run_dir: str = "runs/default"
@@ -344,11 +389,15 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    # Experiment trackers every metric line, held-out evaluation and the config go to (TRL's
+    # key): any of tensorboard, mlflow, trackio, wandb; pip install 'lsreplay[trackers]'.
+    report_to: list[str] = field(default_factory=list)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 SECRET_KEYS = ("storage.key", "storage.secret")
 # Keys that do not change what a run computes: allowed to differ on resume.
-NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool")
+NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -363,7 +412,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not key=value (e.g. steps=2)")
-            key = item.partition("=")[0].strip()
+            item = item.lstrip().removeprefix("++").removeprefix("+")  # Hydra's add / force-add: the keys exist
+            key, _, value = (part.strip() for part in item.partition("="))
+            if key == "report_to" and not value.startswith("["):  # TRL's --report_to tensorboard
+                item = f"report_to=[{'' if value == 'none' else value}]"
+            elif value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
+                item = f"{key}=''"
             layer = OmegaConf.from_dotlist([item])
             given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
                 isinstance(OmegaConf.select(layer, key), DictConfig)
@@ -415,15 +469,60 @@ def from_dict(d: dict) -> Config:
     return cfg
 
 
+# The names TRL's GRPOConfig and verl's trainer config give what lsreplay calls otherwise.
+ALIASES = {
+    "num_generations": "rollout.branching (G rollouts per prompt are the product of its fan-outs: [8], or [4, 2])",
+    "max_completion_length": "rollout.max_new_tokens", "max_response_length": "rollout.max_new_tokens",
+    "max_prompt_length": "data.max_prompt_tokens", "beta": "algo.kl_coef", "kl_coef": "algo.kl_coef",
+    "epsilon": "algo.clip_eps", "clip_ratio": "algo.clip_eps",
+    "loss_type": "algo.loss_agg (TRL's dapo: token-mean; grpo: seq-mean; dr_grpo: seq-mean-token-sum-norm)",
+    "loss_agg_mode": "algo.loss_agg (verl's token-mean, seq-mean-token-mean: seq-mean, "
+                     "seq-mean-token-sum-norm)",
+    "learning_rate": "optim.lr", "lr": "optim.lr", "max_grad_norm": "optim.grad_clip",
+    "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2", "max_steps": "steps",
+    "total_training_steps": "steps", "output_dir": "run_dir", "default_local_dir": "run_dir",
+    "reward_funcs": "reward.functions", "reward_weights": "reward.weights",
+    "custom_reward_function": "reward.functions (path/to/file.py:function)",
+    "per_device_train_batch_size": "data.prompts_per_step (prompts per step; each has G rollouts)",
+    "train_batch_size": "data.prompts_per_step", "train_files": "data.path", "dataset_name": "data.path",
+    "val_files": "eval.path", "logger": "report_to", "logging_dir": "tracking.dir", "run_name": "tracking.run_name",
+    "project_name": "tracking.project", "actor_rollout_ref.rollout.n": "rollout.branching",
+}
+
+
+def _schema_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema that holds a value (not a section)."""
+    out = []
+    for f in fields(cls):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        out += _schema_keys(type(default), f"{prefix}{f.name}.") if is_dataclass(default) else [prefix + f.name]
+    return out
+
+
 def _unknown_key_message(e: ConfigKeyError) -> str:
     key = e.full_key or str(e.key)
-    parent, _, _ = key.rpartition(".")
+    parent, _, name = key.rpartition(".")
     section = Config()
     for part in filter(None, parent.split(".")):
         section = getattr(section, part, None)
     allowed = ", ".join(f.name for f in fields(section)) if is_dataclass(section) else "(none)"
     where = f"under {parent!r}" if parent else "at the top level"
-    return f"unknown config key {key!r}; allowed keys {where}: {allowed}"
+    message = f"unknown config key {key!r}; allowed keys {where}: {allowed}"
+    alias = ALIASES.get(key) or ALIASES.get(name)
+    if alias:
+        return f"{message}. {name!r} is TRL's or verl's name: lsreplay's key is {alias}"
+    return f"{message}{_did_you_mean(key, name, _schema_keys())}"
+
+
+def _did_you_mean(key: str, name: str, keys: list[str]) -> str:
+    """The schema keys nearest `key`, by the whole dotted key or by its last part."""
+    by_name: dict[str, list[str]] = {}
+    for k in keys:
+        by_name.setdefault(k.rpartition(".")[2], []).append(k)
+    near = get_close_matches(key, keys, n=3, cutoff=0.6)
+    near += [k for n in get_close_matches(name, by_name, n=3, cutoff=0.75) for k in by_name[n]]
+    near = list(dict.fromkeys(near))[:3]
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 def _check(ok: bool, key: str, allowed: str, value) -> None:
@@ -450,6 +549,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
     _validate_state(cfg)
     _validate_pool(cfg)
+    _validate_tracking(cfg)
     _check(cfg.storage.bandwidth_gbps > 0, "storage.bandwidth_gbps", "a number > 0", cfg.storage.bandwidth_gbps)
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
@@ -470,9 +570,50 @@ def _validate_data(cfg: Config) -> None:
     _check(e.every >= 0, "eval.every", "must be >= 0 (0 = no evaluation)", e.every)
     _check(e.size >= 1, "eval.size", "must be >= 1 held-out prompt", e.size)
     _check(e.samples >= 0, "eval.samples", "must be >= 0 (0 = greedy answers only)", e.samples)
-    module, _, function = cfg.reward.function.partition(":")
-    _check(cfg.reward.function == "" or (module and function), "reward.function",
-           "empty (reasoning-gym's checkers) or module:function, e.g. my_rewards:exact_match", cfg.reward.function)
+    _validate_reward(cfg.reward)
+
+
+REWARD_STYLES = ("auto", "trl", "verl", "lsreplay")
+
+
+def reward_specs(reward: RewardConfig) -> list[str]:
+    """The import paths of the configured reward functions (reward.functions, or the older
+    reward.function); empty = reasoning-gym's checkers."""
+    return list(reward.functions) or ([reward.function] if reward.function else [])
+
+
+def _is_import_path(spec: str) -> bool:
+    module, colon, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    return bool(module and colon and name)
+
+
+def _validate_reward(r: RewardConfig) -> None:
+    _check(not (r.function and r.functions), "reward.function", "empty when reward.functions is given (it is the "
+           "older key for one function: list it in reward.functions instead)", r.function)
+    specs = reward_specs(r)
+    for i, spec in enumerate(specs):
+        key = f"reward.functions[{i}]" if r.functions else "reward.function"
+        _check(_is_import_path(spec), key, "an import path: module.function or module:function (e.g. "
+               "my_rewards:exact_match), or path/to/file.py:function", spec)
+    _check(not r.weights or len(r.weights) == len(specs), "reward.weights",
+           f"one weight per reward function ({len(specs)}), or empty (1 each)", r.weights)
+    _check(all(math.isfinite(w) for w in r.weights), "reward.weights", "finite numbers", r.weights)
+    _check(not r.styles or len(r.styles) == len(specs), "reward.styles",
+           f"one style per reward function ({len(specs)}), or empty (each told by its parameters)", r.styles)
+    for style in r.styles:
+        _check(style in REWARD_STYLES, "reward.styles", " or ".join(REWARD_STYLES), style)
+
+
+def tracker_install_hint() -> str:
+    return (", ".join(f"{name} (pip install {package})" for name, package in TRACKERS.items())
+            + "; all of them: pip install 'lsreplay[trackers]'")
+
+
+def _validate_tracking(cfg: Config) -> None:
+    for name in cfg.report_to:
+        _check(name in TRACKERS, "report_to", f"a list of trackers: {tracker_install_hint()}", name)
+    _check(len(set(cfg.report_to)) == len(cfg.report_to), "report_to", "each tracker once", cfg.report_to)
+    _check(bool(cfg.tracking.project), "tracking.project", "a project name", cfg.tracking.project)
 
 
 def _validate_rollout(cfg: Config) -> None:

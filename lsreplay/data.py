@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
 
@@ -23,11 +23,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("question", "answer", "task")
-
-ANSWER_INSTRUCTION = (
-    "\n\nWork it out briefly, then end your reply with the final answer inside "
-    "<answer> and </answer> tags, with nothing else inside the tags."
-)
+# A prompt as TRL and verl datasets hold it: a string, or chat messages with these keys.
+MESSAGE_KEYS = ("role", "content")
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -40,11 +37,49 @@ class DatasetError(ValueError):
 class Prompt:
     index: int  # row number in the prompt file
     task: str  # reasoning-gym dataset name, e.g. "basic_arithmetic" ("" if the file has no task column)
-    question: str
+    question: str | list[dict]  # the prompt: its text, or its chat messages ({role, content})
     answer: str
     # The reasoning-gym entry's metadata (its checker may need it); for your own file, its
     # metadata column and every column data.columns does not map.
     metadata: dict
+    # Every column of the row but the prompt's, as the file holds them (nested fields
+    # nested): what TRL passes a reward function as keywords and verl's compute_score reads.
+    columns: dict = field(default_factory=dict)
+
+
+def prompt_key(question: str | list[dict]) -> str:
+    """A prompt as one string: to tell prompts apart (held-out questions) and measure them."""
+    return question if isinstance(question, str) else json.dumps(question, sort_keys=True, ensure_ascii=False)
+
+
+def lookup(row: dict, column: str):
+    """The value of a (dotted: reward_model.ground_truth) column in a row; None if absent."""
+    value = row
+    for part in column.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def check_prompt_value(value, column: str, index) -> None:
+    """A prompt is a string or a non-empty list of {role, content} messages; anything else
+    names the column, the row and what was expected."""
+    if isinstance(value, str):
+        return
+    expected = (f"a string, or a list of chat messages with {' and '.join(MESSAGE_KEYS)} strings "
+                "(TRL's and verl's prompt formats)")
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"column {column!r}, row {index}: {_shown(value)} is not a prompt; expected {expected}.")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not all(isinstance(message.get(k), str) for k in MESSAGE_KEYS):
+            raise DatasetError(f"column {column!r}, row {index}: message {i} is {_shown(message)}; expected "
+                               f"{expected}.")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return f"{text[:80]}... ({type(value).__name__})" if len(text) > 80 else f"{text} ({type(value).__name__})"
 
 
 # ---------------------------------------------------------------- generation
@@ -229,10 +264,42 @@ def _metadata(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
+def _feature(features, column: str):
+    """The datasets feature of a (dotted) column; None if the file has no such field."""
+    feature = features
+    for part in column.split("."):
+        if not isinstance(feature, dict) or part not in feature:
+            return None
+        feature = feature[part]
+    return feature
+
+
+def _is_prompt_feature(feature) -> bool:
+    """A string column, or a list of structs with string role and content (chat messages)."""
+    if getattr(feature, "dtype", None) in ("string", "large_string"):
+        return True
+    inner = getattr(feature, "feature", None)
+    if isinstance(feature, list) and len(feature) == 1:  # datasets' [feature] for a list
+        inner = feature[0]
+    return isinstance(inner, dict) and all(getattr(inner.get(k), "dtype", None) in ("string", "large_string")
+                                           for k in MESSAGE_KEYS)
+
+
+def prompt_column(columns: dict[str, str], names: list[str]) -> str:
+    """The column holding the prompt: data.columns.prompt; else `prompt` where the file has
+    it (TRL's and verl's name) and data.columns.question is not set otherwise; else that."""
+    if columns.get("prompt"):
+        return columns["prompt"]
+    if "prompt" in names and columns["question"] == "question":
+        return "prompt"
+    return columns["question"]
+
+
 class PromptSet:
     """Prompts of one file (or some of its rows), indexable and seed-deterministically
-    sampled. `columns` maps each field (question, answer, task) to the file's column that
-    holds it; the row's other columns join its `metadata`, where a reward function finds them."""
+    sampled. `columns` maps each field (question: the prompt, answer, task) to the file's
+    (dotted) column that holds it; the row's other columns join its `metadata`, and all but
+    the prompt's its `columns`, where reward functions find them."""
 
     def __init__(self, table: datasets.Dataset, path: Path, columns: dict[str, str], rows: list[int] | None = None):
         self._table, self.path, self.columns = table, path, columns
@@ -244,21 +311,34 @@ class PromptSet:
         path = Path(path)
         columns = {field: field for field in REQUIRED_FIELDS} | dict(columns or {})
         table = _load(path, split)
+        columns = {"question": prompt_column(columns, table.column_names),
+                   "answer": columns["answer"], "task": columns["task"]}
         for field in required:
             column = columns[field]
-            if column not in table.column_names:
+            if _feature(table.features, column) is None:
+                key = "prompt" if field == "question" else field
                 raise DatasetError(
                     f"{path}: required field {field!r} is missing (column {column!r}); the file has fields "
-                    f"{table.column_names}. Add {column!r} to every row, or name the column that holds it "
-                    f"with data.columns.{field}=NAME."
+                    f"{_field_names(table.features)}. Add {column!r} to every row, or name the column that holds "
+                    f"it with data.columns.{key}=NAME (a dotted name reaches a nested field)."
                 )
-        kind = getattr(table.features.get(columns["question"]), "dtype", None)
-        if kind not in (None, "string", "large_string"):
-            raise DatasetError(f"{path}: column {columns['question']!r} holds {kind}, not text; the question "
-                               "must be the prompt's text (data.columns.question names its column).")
+        feature = _feature(table.features, columns["question"])
+        if feature is not None and not _is_prompt_feature(feature):
+            raise DatasetError(f"{path}: column {columns['question']!r} holds {_shown_feature(feature)}, not prompts; "
+                               "expected a string or a list of chat messages with role and content strings in every "
+                               "row (data.columns.prompt names the prompt's column).")
         if len(table) == 0:
             raise DatasetError(f"{path}: the file has no rows; regenerate it or use another file.")
         return cls(table, path, columns)
+
+    def check_prompts(self) -> None:
+        """Every row's prompt is a string or a list of chat messages (the error names the row)."""
+        for row, value in zip(self.rows, self.column("question")):
+            check_prompt_value(value, self.columns["question"], row)
+
+    def reward_columns(self) -> list[str]:
+        """The columns a prompt's `columns` holds: every one but the prompt's."""
+        return [c for c in self._table.column_names if c != self.columns["question"]]
 
     def select(self, rows: list[int]) -> "PromptSet":
         """The prompts of these rows of the file."""
@@ -266,11 +346,11 @@ class PromptSet:
 
     def column(self, field: str) -> list:
         """One field of every prompt of the set, in order."""
-        name = self.columns[field]
-        if name not in self._table.column_names:
+        top, _, nested = self.columns[field].partition(".")
+        if top not in self._table.column_names:
             return [None] * len(self)
-        values = list(self._table[name])
-        return [values[r] for r in self.rows]
+        values = list(self._table[top])
+        return [lookup(values[r], nested) if nested else values[r] for r in self.rows]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -279,16 +359,19 @@ class PromptSet:
         if not -len(self) <= i < len(self):
             raise IndexError(f"prompt index {i} out of range: {self.path} has {len(self)} prompts")
         index = self.rows[i]
-        row = self._table[index]
-        mapped = set(self.columns.values()) | {"metadata"}
+        row = _jsonable(self._table[index])
+        mapped = {c.partition(".")[0] for c in self.columns.values()} | {"metadata"}
         extra = {k: v for k, v in row.items() if k not in mapped}
-        answer = row.get(self.columns["answer"])
+        question = lookup(row, self.columns["question"])
+        check_prompt_value(question, self.columns["question"], index)
+        answer = lookup(row, self.columns["answer"])
         return Prompt(
             index=index,
-            task=row.get(self.columns["task"]) or "",
-            question=row[self.columns["question"]],
+            task=lookup(row, self.columns["task"]) or "",
+            question=question,
             answer="" if answer is None else str(answer),
-            metadata={**_jsonable(extra), **_metadata(row.get("metadata"))},
+            metadata={**extra, **_metadata(row.get("metadata"))},
+            columns={k: v for k, v in row.items() if k != self.columns["question"]},
         )
 
     def sample(self, step: int, batch_size: int, seed: int, draw: int = 0) -> list[Prompt]:
@@ -302,3 +385,15 @@ def sample_rows(size: int, step: int, batch_size: int, seed: int, draw: int = 0)
     """`batch_size` of `size` rows for (seed, step, draw): distinct unless the batch exceeds them."""
     rng = np.random.default_rng([seed, step] + ([draw] if draw else []))
     return [int(i) for i in rng.choice(size, size=batch_size, replace=batch_size > size)]
+
+
+def _field_names(features, prefix: str = "") -> list[str]:
+    """A file's fields, nested ones dotted: [data_source, prompt, reward_model.ground_truth, ...]."""
+    out = []
+    for name, feature in features.items():
+        out += _field_names(feature, f"{prefix}{name}.") if isinstance(feature, dict) else [prefix + name]
+    return out
+
+
+def _shown_feature(feature) -> str:
+    return getattr(feature, "dtype", None) or type(feature).__name__

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from lsreplay.data import Prompt
-from lsreplay.rewards import CORRECT
+from lsreplay.rewards import CORRECT, Reward
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.tree_sampler import sample_trees
 
@@ -60,15 +60,18 @@ def answer(model, prompt_ids: list[list[int]], answers: int, params: SamplingPar
     return out
 
 
-def score_answers(prompts: list[Prompt], greedy: list[str], sampled: list[list[str]],
-                  reward: Callable[[Prompt, str], float]) -> list[dict]:
-    """One record per prompt: its greedy and sampled answers and their rewards."""
-    records = []
-    for prompt, best, samples in zip(prompts, greedy, sampled):
-        records.append({"prompt_index": prompt.index, "question": prompt.question, "answer": prompt.answer,
-                        "greedy": best, "greedy_reward": reward(prompt, best),
-                        "samples": samples, "sample_rewards": [reward(prompt, s) for s in samples]})
-    return records
+def score_answers(prompts: list[Prompt], greedy: list[tuple[str, list[int]]],
+                  sampled: list[list[tuple[str, list[int]]]], reward: Reward, step: int) -> list[dict]:
+    """One record per prompt: its greedy and sampled answers ((text, token ids) each) and
+    their rewards."""
+    best, _ = reward.score(prompts, [[t] for t, _ in greedy], [[c] for _, c in greedy], step)
+    rewards = [[] for _ in prompts]
+    if any(sampled):
+        rewards, _ = reward.score(prompts, [[t for t, _ in s] for s in sampled], [[c for _, c in s] for s in sampled],
+                                  step)
+    return [{"prompt_index": p.index, "question": p.question, "answer": p.answer, "greedy": g[0], "greedy_reward": b[0],
+             "samples": [t for t, _ in s], "sample_rewards": r}
+            for p, g, b, s, r in zip(prompts, greedy, best, sampled, rewards)]
 
 
 def summary(records: list[dict]) -> dict:

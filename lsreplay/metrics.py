@@ -1,9 +1,64 @@
-"""One flat metrics record per RL step, from the stages' manifests."""
+"""One flat metrics record per RL step, from the stages' manifests.
+
+Next to lsreplay's own keys (reward_mean, loss, step_seconds, ...) a record carries TRL's
+GRPOTrainer names where the meaning is the same: reward, reward_std, rewards/NAME/mean and
+/std, frac_reward_zero_std, completions/{mean,min,max}_length and
+completions/{mean,min,max}_terminated_length, completions/clipped_ratio, entropy,
+clip_ratio/{region,low,high}_mean, learning_rate, grad_norm, loss, kl, step_time. A tree's
+leaf counts as the samples it stands for, so each figure is that of the G samples per prompt
+a flat GRPO run would draw.
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
 
-ALGO_KEYS = ("lr", "updates", "clip_fraction", "value_loss", "value_explained_variance", "value_clip_fraction",
+
+# The trees stage's figures under TRL's names (rollout_metrics), copied into the step's record.
+TRL_ROLLOUT_PREFIXES = ("completions/", "rewards/")
+TRL_ROLLOUT_KEYS = ("reward_std", "frac_reward_zero_std", "entropy")
+TRL_POLICY_KEYS = ("learning_rate", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
+
+
+def _weighted(values: list[float], counts: list[int]) -> tuple[float, float]:
+    """Mean and sample standard deviation of values each standing for `counts` samples."""
+    n = sum(counts)
+    mean = sum(c * v for c, v in zip(counts, values)) / n
+    var = sum(c * (v - mean) ** 2 for c, v in zip(counts, values)) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var)
+
+
+def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
+    """TRL's rollout figures of a step's tree records: per-tree reward spread, each reward
+    function's mean and std (over the completions it applies to), completion lengths (all,
+    and of those that ended with EOS), the share cut at max_new_tokens, and the entropy of
+    the sampled tokens (their mean negative logprob under the policy, an unbiased estimate
+    of its per-token entropy at temperature 1)."""
+    counts = [r.get("counts", [1] * len(r["completions"])) for r in records]
+    stds = [_weighted(r["rewards"], ns)[1] for r, ns in zip(records, counts)]
+    leaves = [(len(c), f, n, lps) for r, ns in zip(records, counts)
+              for c, f, n, lps in zip(r["completions"], r["finished"], ns, r["logprobs"])]
+    out = {"reward_std": statistics.fmean(stds), "frac_reward_zero_std": sum(s == 0 for s in stds) / len(stds)}
+    for key, chosen in (("", leaves), ("_terminated", [leaf for leaf in leaves if leaf[1]])):
+        samples = sum(n for _, _, n, _ in chosen)
+        out[f"completions/mean{key}_length"] = sum(n * k for k, _, n, _ in chosen) / samples if samples else 0.0
+        out[f"completions/min{key}_length"] = min((k for k, *_ in chosen), default=0)
+        out[f"completions/max{key}_length"] = max((k for k, *_ in chosen), default=0)
+    samples = sum(n for *_, n, _ in leaves)
+    out["completions/clipped_ratio"] = sum(n for _, f, n, _ in leaves if not f) / samples
+    tokens = sum(n * k for k, _, n, _ in leaves)
+    if tokens:
+        out["entropy"] = -sum(n * sum(lps) for _, _, n, lps in leaves) / tokens
+    for name in dict.fromkeys(k for r in records for k in r.get("reward_functions", {})):
+        pairs = [(v, n) for r, ns in zip(records, counts) for v, n in zip(r["reward_functions"][name], ns)
+                 if v is not None]
+        if pairs:
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _weighted(*map(list, zip(*pairs)))
+    return out
+
+
+ALGO_KEYS = ("updates", "value_loss", "value_explained_variance", "value_clip_fraction",
              "dpo_pairs", "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy")
 
 
@@ -12,6 +67,7 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     record = {
         "step": step,
         "reward_mean": trees["reward_mean"],
+        "reward": trees["reward_mean"],  # TRL's name
         "loss": policy["loss"],
         "grad_norm": policy["grad_norm"],
         "rollouts": trees["rollouts"],
@@ -39,6 +95,10 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     for key in ("trees_all_alike", "prompts_drawn", "trees_dropped"):
         if key in trees:
             record[key] = trees[key]
+    record.update({k: v for k, v in trees.items() if k in TRL_ROLLOUT_KEYS or k.startswith(TRL_ROLLOUT_PREFIXES)})
+    record.update({k: policy[k] for k in TRL_POLICY_KEYS if k in policy})
+    if prefixes.get("seconds"):
+        record["prefixes_positions_per_s"] = prefixes["unique_positions"] / max(prefixes["seconds"], 1e-9)
     # The rollout engine's logprobs against the trainer's, per token (whenever the caching pass scores).
     for key in ("engine_logprob_gap_mean", "engine_logprob_gap_max"):
         if key in prefixes:
@@ -62,6 +122,7 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     # it trains alongside the next step's rollouts.
     spans = [manifests[s] for s in ("prompts", "trees", "prefixes", "policy") if manifests[s].get("started")]
     record["step_seconds"] = max(m["ended"] for m in spans) - min(m["started"] for m in spans)
+    record["step_time"] = record["step_seconds"]  # TRL's name
     if "drafter" in manifests:
         d = manifests["drafter"]
         record["drafter_steps"] = d["steps_done"]
@@ -72,7 +133,7 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
 
 # The evaluation stage's figures, as they appear in a step's record (eval_accuracy, ...).
 EVAL_KEYS = ("accuracy", "accuracy_lo", "accuracy_hi", "greedy_reward", "sample_accuracy", "sample_accuracy_lo",
-             "sample_accuracy_hi", "reward", "reward_lo", "reward_hi", "prompts", "samples", "seconds")
+             "sample_accuracy_hi", "reward", "reward_lo", "reward_hi", "prompts", "samples", "seconds", "tokens_per_s")
 
 
 def eval_record(step: int, manifest: dict) -> dict:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lsreplay.config import Config
-from lsreplay.data import REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, task_args_for
-from lsreplay.rewards import unscorable_tasks
+from lsreplay.config import Config, reward_specs
+from lsreplay.data import (REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, prompt_key,
+                           task_args_for)
+from lsreplay.rewards import Reward, unscorable_tasks
 
 # The held-out rows depend on the prompt file only, never on the run's seed.
 HELDOUT_SEED = 15
@@ -40,8 +41,8 @@ def prompt_file(cfg: Config) -> Path:
 
 
 def _open(cfg: Config, path: str | Path, columns: dict | None) -> PromptSet:
-    # reasoning-gym's checkers need each row's answer and task; your own reward.function may not.
-    required = ("question",) if cfg.reward.function else REQUIRED_FIELDS
+    # reasoning-gym's checkers need each row's answer and task; your own reward functions may not.
+    required = ("question",) if reward_specs(cfg.reward) else REQUIRED_FIELDS
     return PromptSet.from_file(path, columns=columns, required=required, split=cfg.data.split)
 
 
@@ -73,8 +74,8 @@ def training_prompts(cfg: Config) -> PromptSet:
     heldout = heldout_prompts(cfg, source)
     if heldout is None:
         return source
-    held = set(heldout.column("question"))
-    rows = [r for r, q in zip(source.rows, source.column("question")) if q not in held]
+    held = set(map(prompt_key, heldout.column("question")))
+    rows = [r for r, q in zip(source.rows, source.column("question")) if prompt_key(q) not in held]
     if not rows:
         raise DatasetError(f"{source.path}: every question is held out for evaluation (eval.size={cfg.eval.size}), "
                            "none is left to train on; lower eval.size, add rows, or give eval.path.")
@@ -83,7 +84,7 @@ def training_prompts(cfg: Config) -> PromptSet:
 
 def _distinct(prompts: PromptSet, order: Iterable[int], size: int) -> list[int]:
     """The file rows of the first `size` prompts in `order` whose questions were not seen before."""
-    questions = prompts.column("question")
+    questions = [prompt_key(q) for q in prompts.column("question")]
     seen, rows = set(), []
     for i in order:
         if len(rows) == size:
@@ -94,22 +95,29 @@ def _distinct(prompts: PromptSet, order: Iterable[int], size: int) -> list[int]:
     return rows
 
 
-def check_prompts(cfg: Config, render, training: bool = True) -> None:
+def check_prompts(cfg: Config, render, reward: Reward, training: bool = True) -> None:
     """Every data problem a config can show, before any work: the source loads (generated
-    first if need be), the held-out set and the training set are there, every task the
-    default reward must score is a reasoning-gym task, and the longest prompts fit
+    first if need be), the held-out set and the training set are there, every row's prompt is
+    a string or chat messages, the reward functions take what the data gives them, every task
+    the default reward must score is a reasoning-gym task, and the longest prompts fit
     data.max_prompt_tokens once `render`ed (render(prompt) -> token ids). training=False:
     the held-out set only (offline DPO trains on a preference dataset)."""
     sets = ([training_prompts(cfg)] if training else []) + [s for s in [heldout_prompts(cfg)] if s is not None]
-    if not cfg.reward.function:
+    for prompts in sets:
+        try:
+            prompts.check_prompts()
+        except DatasetError as e:
+            raise DatasetError(f"{prompts.path}: {e}") from None
+        reward.check_columns(prompts.reward_columns())
+    if not reward_specs(cfg.reward):
         for prompts in sets:
             unknown = unscorable_tasks({str(t) for t in prompts.column("task")})
             if unknown:
                 raise DatasetError(f"{prompts.path}: tasks {unknown[:5]} are not reasoning-gym tasks, so the default "
-                                   "reward cannot score them; give reward.function=module:function, or fix "
+                                   "reward cannot score them; give reward.functions=[module:function], or fix "
                                    f"the column data.columns.task={cfg.data.columns.task!r} names.")
     for prompts in sets:
-        lengths = [len(q or "") for q in prompts.column("question")]
+        lengths = [len(prompt_key(q or "")) for q in prompts.column("question")]
         for i in sorted(range(len(prompts)), key=lambda i: -lengths[i])[:LONGEST_CHECKED]:
             try:
                 render(prompts[i])

@@ -285,7 +285,8 @@ class Run:
 
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
-    run, the model folder is there, the reward function imports, and the prompts load,
+    run, the model folder is there, the trackers are installed, the reward functions import
+    and take what the data gives them, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
     (lsreplay.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
     DatasetError with a message that says what to do. Returns the run with its thread count
@@ -295,7 +296,8 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     from lsreplay.prompt_sets import check_prompts
     from lsreplay.rewards import Reward
     from lsreplay.rollout.vllm_engine import check_engine
-    from lsreplay.stages.trees import render_prompt
+    from lsreplay.rendering import render_prompt
+    from lsreplay.trackers import check_trackers
 
     run = Run(cfg)
     run.check_config(force)
@@ -306,12 +308,12 @@ def preflight(cfg: Config, force: bool = False) -> Run:
         check_engine(cfg, model_dir)
     if cfg.drafter.enabled:
         check_drafters(run)
-    Reward(cfg)  # reward.function imports and takes (prompt, completion)
-    tokenizer, d = load_tokenizer(cfg.model), cfg.data
+    check_trackers(cfg)
+    reward = Reward(cfg)  # the reward functions import and can be called in their styles
+    tokenizer = load_tokenizer(cfg.model)
     if offline(cfg):  # the preference dataset trains; prompts only evaluate
         check_preferences(cfg, tokenizer)
-    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, d.system_prompt, d.max_prompt_tokens),
-                  training=not offline(cfg))
+    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, cfg.data), reward, training=not offline(cfg))
     return run.with_pinned_threads()
 
 

@@ -12,7 +12,6 @@ import logging
 import math
 
 import pytest
-import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -49,7 +48,7 @@ def test_ppo_with_a_critic(tiny_model_dir, tmp_path, caplog):
                                                       "algo.epochs=2", "algo.minibatches=2", "algo.value_lr=1e-2"])
     assert not [r for r in caplog.records if "recomput" in r.getMessage()]
     policy = m["policy"]
-    assert policy["updates"] == 4 and policy["lr"] == 1e-3
+    assert policy["updates"] == 4 and policy["learning_rate"] == 1e-3
     assert policy["value_loss"] > 0 and 0 <= policy["value_clip_fraction"] <= 1
     assert policy["value_explained_variance"] == 0.0  # the head starts at zero: V = 0 explains nothing
     assert m["prefixes"]["activations"]  # old logprobs and values scored

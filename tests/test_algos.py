@@ -14,7 +14,7 @@ import lsreplay.algos.ppo as ppo_module
 from lsreplay.algos.critic import (CriticBatch, attach_value_head, explained_variance, gae, split_critic,
                                    value_clip_fraction, value_loss, value_scores, whiten)
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, reference_sequence_logprobs, sequence_logprobs
-from lsreplay.algos.grpo import LOSS_AGGS, GRPOBatch, aggregate, clip_fraction, group_advantages, grpo_loss
+from lsreplay.algos.grpo import LOSS_AGGS, GRPOBatch, aggregate, clip_fractions, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, kl_per_token, reference_logprobs, with_kl
 from lsreplay.algos.backward import capture_logprobs, naive_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.overlong import length_penalty
@@ -408,7 +408,8 @@ def test_clip_higher_lets_a_positive_advantage_grow_further():
                                lp)
     assert sym[0][0].tolist() == [0.0, 0.0]
     assert high[0][0][0] == pytest.approx(-1.25 / 2) and high[0][0][1] == 0.0
-    assert clip_fraction(lp, old, 0.2) == 1.0 and clip_fraction(lp, old, 0.2, 0.28) == 0.5
+    assert clip_fractions(lp, old, adv, 0.2)["clip_ratio/region_mean"] == 1.0
+    assert clip_fractions(lp, old, adv, 0.2, 0.28)["clip_ratio/region_mean"] == 0.5
 
 
 def test_masked_completions_count_nowhere():

@@ -86,7 +86,7 @@ def test_task_args_of_tasks_not_asked_for_do_not_stop_a_run(overrides, tmp_path,
      "data.task_args.basic_arithmetic = {'digits': 3} rejected by reasoning-gym task 'basic_arithmetic'"),
     (["data.tasks=[gsm_symbolik]"], "data.tasks: unknown reasoning-gym task 'gsm_symbolik'; valid names include "
                                     "gsm_symbolic"),
-    (["reward.function=no_such_module_15:score"], "reward.function='no_such_module_15:score': no module named"),
+    (["reward.function=no_such_module_15:score"], "reward function 'no_such_module_15:score': no module named"),
     (["eval.every=1", "eval.size=300", "data.size=304", "data.max_prompt_tokens=1024"],
      "distinct questions, fewer than eval.size=300; lower eval.size, or raise data.size"),
     (["data.max_prompt_tokens=40"], "tokens, more than data.max_prompt_tokens=40; raise the limit"),
@@ -105,7 +105,7 @@ def test_own_tasks_need_own_reward(tmp_path, tiny_model_dir, capsys):
                             for i in range(4)))
     assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", f"data.path={rows}"]) == 2
     assert "tasks ['sums'] are not reasoning-gym tasks, so the default reward cannot score them; give " \
-           "reward.function=module:function" in error(capsys)
+           "reward.functions=[module:function]" in error(capsys)
 
 
 def test_unreachable_storage_endpoint(tmp_path, monkeypatch, capsys):

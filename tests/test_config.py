@@ -112,3 +112,46 @@ def test_a_dict_given_whole_replaces_the_default(tmp_path):
     assert load_config(config, []).data.task_args == {}
     cfg = load_config(config, [])
     assert from_dict(to_dict(cfg)).data.task_args == {}  # through a Prefect flow's parameters
+
+
+@pytest.mark.parametrize("override, message", [
+    ("num_generations=8", "'num_generations' is TRL's or verl's name: lsreplay's key is rollout.branching"),
+    ("max_completion_length=64", "lsreplay's key is rollout.max_new_tokens"),
+    ("algo.beta=0.04", "lsreplay's key is algo.kl_coef"),
+    ("epsilon=0.2", "lsreplay's key is algo.clip_eps"),
+    ("loss_type=dapo", "lsreplay's key is algo.loss_agg (TRL's dapo: token-mean"),
+    ("learning_rate=1e-6", "lsreplay's key is optim.lr"),
+    ("rollout.max_new_token=8", "did you mean rollout.max_new_tokens"),
+    ("data.colums.prompt=text", "did you mean data.columns."),
+    ("sed=1", "did you mean seed?"),
+])
+def test_near_misses_and_trl_names_point_at_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_every_alias_points_at_a_real_key():
+    from lsreplay.config import ALIASES, _schema_keys
+
+    assert {a.split()[0] for a in ALIASES.values()} <= set(_schema_keys())
+
+
+def test_hydra_prefixes_and_trl_spellings_of_values():
+    cfg = load_config(None, ["+steps=5", "++optim.lr=2e-5", "report_to=tensorboard", "data.system_prompt="])
+    assert (cfg.steps, cfg.optim.lr, cfg.report_to, cfg.data.system_prompt) == (5, 2e-5, ["tensorboard"], "")
+    assert load_config(None, ["report_to=none"]).report_to == []
+    assert result_hash(load_config(None, ["report_to=[mlflow]"])) == result_hash(load_config(None, []))
+
+
+def test_config_command_prints_the_resolved_config_and_validates(tmp_path, capsys):
+    from lsreplay import cli
+
+    config = tmp_path / "c.yaml"
+    config.write_text("storage:\n  secret: s3cr3t\nsteps: 4\n")
+    assert cli.main(["config", str(config), "++rollout.max_new_tokens=64", "reward.functions=[m.f]"]) == 0
+    out = capsys.readouterr()
+    assert "steps: 4" in out.out and "max_new_tokens: 64" in out.out and "s3cr3t" not in out.out
+    assert "secret: '***'" in out.out and "valid" in out.err
+    assert cli.main(["config", "beta=0.1"]) == 2
+    assert "lsreplay's key is algo.kl_coef" in capsys.readouterr().err

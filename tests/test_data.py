@@ -202,9 +202,15 @@ def test_missing_split_and_unmapped_column_say_what_to_set(tmp_path):
     datasets.DatasetDict({"validation": datasets.Dataset.from_list(_own_rows())}).save_to_disk(str(tmp_path / "d"))
     with pytest.raises(DatasetError, match=r"no split 'train'; it holds \['validation'\]: set data.split"):
         PromptSet.from_file(tmp_path / "d")
-    with pytest.raises(DatasetError, match="required field 'question' is missing .column 'question'.*"
-                                           "data.columns.question=NAME"):
+    # The prompt column (TRL's name) is found; the reference answer is not.
+    with pytest.raises(DatasetError, match="required field 'answer' is missing .column 'answer'.*"
+                                           "data.columns.answer=NAME"):
         PromptSet.from_file(tmp_path / "d", split="validation")
+    rows = [{"text": r["prompt"], "answer": r["solution"], "task": "exact_answer"} for r in _own_rows()]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "e"))
+    with pytest.raises(DatasetError, match="required field 'question' is missing .column 'question'.*"
+                                           "data.columns.prompt=NAME"):
+        PromptSet.from_file(tmp_path / "e")
 
 
 def test_select_keeps_the_file_row_numbers(prompt_file):

@@ -15,7 +15,7 @@ from lsreplay.models import eos_ids, load_tokenizer
 from lsreplay.prompt_sets import heldout_prompts, training_prompts
 from lsreplay.run import Run, preflight
 from lsreplay.stages.common import policy_before
-from lsreplay.stages.trees import render_prompt
+from lsreplay.rendering import render_prompt
 
 
 def test_wilson_interval_matches_published_values():
@@ -67,7 +67,7 @@ def greedy_texts(run: Run, step: int) -> list[str]:
     tokenizer, prompts = load_tokenizer(cfg.model), heldout_prompts(cfg)
     texts = []
     for i in range(len(prompts)):
-        ids = torch.tensor([render_prompt(tokenizer, prompts[i], cfg.data.system_prompt, cfg.data.max_prompt_tokens)])
+        ids = torch.tensor([render_prompt(tokenizer, prompts[i], cfg.data)])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=cfg.rollout.max_new_tokens, eos_token_id=eos_ids(tokenizer, model),
                              pad_token_id=tokenizer.pad_token_id)

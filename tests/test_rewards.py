@@ -53,10 +53,15 @@ def reward(function: str) -> Reward:
     return Reward(load_config(None, [f"reward.function={function}"]))
 
 
+def one(reward: Reward, prompt: Prompt, completion: str) -> float:
+    """The reward of one completion (its token ids do not matter to lsreplay-style functions)."""
+    return reward.score([prompt], [[completion]], [[[]]], step=0)[0][0][0]
+
+
 def test_own_function_gets_the_prompt_record_and_the_text(reward_module):
-    assert reward(f"{reward_module}:exact")(PROMPT, " 4\n") == 1.0
-    assert reward(f"{reward_module}:exact")(PROMPT, "5") == 0.0
-    assert reward(f"{reward_module}:by_difficulty")(PROMPT, "") == 2.5
+    assert one(reward(f"{reward_module}:exact"), PROMPT, " 4\n") == 1.0
+    assert one(reward(f"{reward_module}:exact"), PROMPT, "5") == 0.0
+    assert one(reward(f"{reward_module}:by_difficulty"), PROMPT, "") == 2.5
 
 
 @pytest.mark.parametrize("function, message", [
@@ -70,13 +75,14 @@ def test_unusable_function_is_named_before_any_work(function, message, reward_mo
 
 
 @pytest.mark.parametrize("function, message", [
-    ("not_a_number", "returned '1.0' (str) on prompt 4; it must return a float"),
-    ("nan", "returned nan on prompt 4; it must return a finite float"),
+    ("not_a_number", "returned '1.0' (str) for completion 0 of prompt 4 (row 4 of the prompt file); it must "
+                     "return a float"),
+    ("nan", "returned nan for completion 0 of prompt 4 (row 4 of the prompt file); it must return a finite float"),
     ("boom", "raised KeyError: 'solution' on prompt 4"),
 ])
 def test_bad_return_stops_with_the_function_and_prompt(function, message, reward_module):
     with pytest.raises(RewardError, match=re.escape(message)):
-        reward(f"{reward_module}:{function}")(PROMPT, "4")
+        one(reward(f"{reward_module}:{function}"), PROMPT, "4")
 
 
 def test_rollouts_are_scored_by_the_own_function(reward_module, tiny_model_dir, tmp_path):

@@ -182,13 +182,24 @@ def kept(token_losses: list[torch.Tensor], counts: list[int] | None, mask: Neste
     return losses, None if counts is None else [c for c, k in zip(counts, keep) if k]
 
 
-def clip_fraction(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, clip_eps: float,
-                  clip_eps_high: float | None = None) -> float:
-    """The share of tokens whose ratio lies outside the clip range (0 at ratio 1)."""
-    ratios = [torch.exp(lp - old.to(lp)) for lps, olds in zip(logprobs, old_logprobs) for lp, old in zip(lps, olds)]
-    ratio = torch.cat(ratios) if ratios else torch.zeros(0)
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    return float(((ratio < 1 - clip_eps) | (ratio > 1 + high)).double().mean()) if ratio.numel() else 0.0
+def clip_fractions(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, advantages, clip_eps: float,
+                   clip_eps_high: float | None = None) -> dict:
+    """TRL's clip_ratio/*: the share of completion tokens whose ratio exp(logp - old logp)
+    the clipped surrogate cuts off, below 1 - eps where the advantage is negative (low),
+    above 1 + eps_high where it is positive (high), either (region). At ratio 1 (one update
+    per batch, its first minibatch) none is cut."""
+    high_eps = clip_eps if clip_eps_high is None else clip_eps_high
+    low = high = tokens = 0
+    for lps, olds, advs in zip(logprobs, old_logprobs, advantages):
+        for lp, old, a in zip(lps, olds, advs):
+            ratio = torch.exp(lp.detach() - old.to(lp))
+            adv = torch.as_tensor(a).to(lp).expand_as(ratio)
+            low += int(((ratio < 1 - clip_eps) & (adv < 0)).sum())
+            high += int(((ratio > 1 + high_eps) & (adv > 0)).sum())
+            tokens += ratio.numel()
+    tokens = max(tokens, 1)
+    return {"clip_ratio/region_mean": (low + high) / tokens, "clip_ratio/low_mean": low / tokens,
+            "clip_ratio/high_mean": high / tokens}
 
 
 @dataclass

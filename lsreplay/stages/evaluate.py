@@ -19,11 +19,11 @@ from lsreplay import faults
 from lsreplay.evaluation import answer, score_answers, summary
 from lsreplay.models import eos_ids, load_tokenizer
 from lsreplay.prompt_sets import heldout_prompts
+from lsreplay.rendering import render_prompt
 from lsreplay.rewards import Reward
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.run import Run
 from lsreplay.stages.common import StateClock, policy_before
-from lsreplay.stages.trees import render_prompt
 
 STAGE = "eval"
 
@@ -44,7 +44,7 @@ def evaluate_policy(run: Run, step: int, devices: list[int] | None = None) -> di
     prompts = [prompts[i] for i in range(len(prompts))]
     device, clock = run.device(devices), StateClock()
     model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg)
-    ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
+    ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     r, samples = cfg.rollout, cfg.eval.samples
     # A batch decodes as many sequences as a training step's rollouts, which the config sized to fit.
     rows, eos = cfg.data.prompts_per_step * math.prod(r.branching), eos_ids(tokenizer, model)
@@ -52,17 +52,19 @@ def evaluate_policy(run: Run, step: int, devices: list[int] | None = None) -> di
     with tqdm(total=len(ids) * (1 + samples) * r.max_new_tokens, desc=f"step {step} eval", unit="tok",
               leave=False) as bar:
 
-        def texts(count: int, params: SamplingParams) -> list[list[str]]:
-            """`count` answers per prompt, as text."""
+        def answers(count: int, params: SamplingParams) -> list[list[tuple[str, list[int]]]]:
+            """`count` answers per prompt: (text, token ids)."""
             generators = [run.generator(step, STAGE, i, device=device) for i in range(len(ids))]
             completions = answer(model, ids, count, params, r.max_new_tokens, eos, generators, rows, bar.update)
-            return [[tokenizer.decode(c, skip_special_tokens=True) for c in cs] for cs in completions]
+            return [[(tokenizer.decode(c, skip_special_tokens=True), c) for c in cs] for cs in completions]
 
-        greedy = [t[0] for t in texts(1, SamplingParams(temperature=0.0))]
-        sampled = texts(samples, SamplingParams(r.temperature, r.top_p, r.top_k)) if samples else [[] for _ in ids]
-    records = score_answers(prompts, greedy, sampled, reward)
+        greedy = [a[0] for a in answers(1, SamplingParams(temperature=0.0))]
+        sampled = answers(samples, SamplingParams(r.temperature, r.top_p, r.top_k)) if samples else [[] for _ in ids]
+    records = score_answers(prompts, greedy, sampled, reward, step)
+    tokens = sum(len(c) for _, c in greedy) + sum(len(c) for s in sampled for _, c in s)
     entry = run.store.write_json(run.key(step, "eval.json"), {"answers": records})
     faults.hook(STAGE, step, "mid")  # answers written, no done marker
     return run.finish(step, STAGE, {"files": [entry], "devices": devices, "device": str(device), "samples": samples,
                                     "seconds": time.perf_counter() - start, "state_seconds": clock.seconds,
+                                    "tokens_per_s": tokens / (time.perf_counter() - start),
                                     **summary(records)})

@@ -25,7 +25,7 @@ import torch
 from lsreplay.algos.critic import (CRITIC_HEADS, VALUE, CriticBatch, explained_variance, gae, value_clip_fraction,
                                    value_loss, whiten)
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprobs
-from lsreplay.algos.grpo import clip_fraction, group_advantages
+from lsreplay.algos.grpo import clip_fractions, group_advantages
 from lsreplay.algos.kl import kl_loss
 from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
@@ -113,7 +113,7 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
     def figures(idx: list[int], scores) -> dict:
         sub = batch.select(idx)
         logprobs = scores[LOGPROB] if critic is not None else scores
-        out = {"clip_fraction": clip_fraction(logprobs, sub.old_logprobs, sub.clip_eps, sub.clip_eps_high)}
+        out = clip_fractions(logprobs, sub.old_logprobs, sub.advantages, sub.clip_eps, sub.clip_eps_high)
         if critic is not None:
             out["value_loss"] = float(value_loss(scores[VALUE], sub.critic))
             out["value_clip_fraction"] = value_clip_fraction(scores[VALUE], sub.critic)

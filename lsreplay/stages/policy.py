@@ -91,7 +91,7 @@ def _update(run: Run, step: int, trees, goal: Objective, prefixes: dict, device:
     faults.hook("policy", step, "mid")  # updated in memory, the checkpoint maybe half written, no done marker
     return {"checkpoint": saved["checkpoint"], "grad_norm": sum(norms) / len(norms), "device": str(device),
             "state_seconds": clock.seconds, "loss": sum(m.loss for m in done) / len(done), "updates": len(done),
-            "lr": train.optimizer.param_groups[0]["lr"], **_mean(figures), **_stats_fields([m.stats for m in done])}
+            "learning_rate": train.optimizer.param_groups[0]["lr"], **_mean(figures), **_stats_fields([m.stats for m in done])}
 
 
 def _mean(figures: list[dict]) -> dict:
@@ -180,7 +180,7 @@ def _data_parallel_update(run: Run, step: int, goal: Objective, devices) -> dict
     faults.hook("policy", step, "mid")
     figures = goal.figures(goal.orders[0][0], goal.old)
     return {**outs[0], "checkpoint": saved["checkpoint"], "state_seconds": clock.seconds, "loss": loss, "updates": 1,
-            "lr": train.optimizer.param_groups[0]["lr"], **figures}
+            "learning_rate": train.optimizer.param_groups[0]["lr"], **figures}
 
 
 def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, devices: list[str],

@@ -13,9 +13,11 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay import faults
-from lsreplay.data import ANSWER_INSTRUCTION, DatasetError, Prompt
+from lsreplay.data import Prompt
 from lsreplay.drafter.model import Drafter
+from lsreplay.metrics import rollout_metrics
 from lsreplay.models import eos_ids, load_tokenizer
+from lsreplay.rendering import render_prompt
 from lsreplay.rewards import Reward
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
@@ -27,18 +29,6 @@ from lsreplay.stages.common import StateClock, all_alike, leaf_counts, policy_be
 from lsreplay.stages.drafter import load_drafter, newest_drafter
 
 log = logging.getLogger(__name__)
-
-
-def render_prompt(tokenizer, prompt: Prompt, system_prompt: str, max_tokens: int) -> list[int]:
-    messages = [{"role": "user", "content": prompt.question + ANSWER_INSTRUCTION}]
-    if system_prompt:
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > max_tokens:
-        raise DatasetError(f"prompt {prompt.index} has {len(ids)} tokens, more than data.max_prompt_tokens="
-                           f"{max_tokens}; raise the limit or use shorter prompts")
-    return ids
 
 
 def shard_name(shard: int) -> str:
@@ -89,8 +79,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             prompts = [Prompt(**(stored["prompts"] if draw == 0 else stored["reserve"][draw - 1])[i]) for i in pending]
             trees, figures, decisions, drafter_step = _sample(run, step, device, model, tokenizer, prompts, pending,
                                                               draw, advance, clock, speculation, drafter_step)
-            for i, prompt, tree in zip(pending, prompts, trees):
-                records[i] = tree_record(tokenizer, prompt, tree, reward)
+            records.update(zip(pending, tree_records(tokenizer, prompts, trees, reward, step)))
             rounds.append({"figures": figures, "decisions": decisions, "prompts": len(pending),
                            "forward_positions": sum(t.forward_positions for t in trees),
                            "lengths": [len(c) for t in trees for c in t.completions]})
@@ -128,7 +117,7 @@ def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt]
     in round `draw`), the decode figures (combine_traces' keys), the decode decisions (HF
     engine) and the drafter's step."""
     cfg, r = run.cfg, run.cfg.rollout
-    prompt_ids = [render_prompt(tokenizer, p, cfg.data.system_prompt, cfg.data.max_prompt_tokens) for p in prompts]
+    prompt_ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     if r.engine == "vllm":
         trees, figures, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
                                                        advance, clock)
@@ -231,6 +220,7 @@ def collect_trees(run: Run, step: int) -> dict:
         # dynamic sampling, prompts_drawn - trees of the step's trees were dropped for that.
         "trees_all_alike": sum(all_alike(training_rewards(run.cfg, rec)) for rec in records),
         "prompts_drawn": drawn, "trees_dropped": drawn - len(records),
+        **rollout_metrics(records, run.cfg.rollout.max_new_tokens),
         "completion_tokens": sum(lengths),
         "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
         "tokens_per_s": sum(m["completion_tokens"] for m in shards) / max(seconds, 1e-9), "started": min(m["started"] for m in shards),
@@ -239,13 +229,17 @@ def collect_trees(run: Run, step: int) -> dict:
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
-def tree_record(tokenizer, prompt: Prompt, tree, reward: Reward) -> dict:
-    """What the store keeps of one tree: tokens, behaviour logprobs, texts, rewards, and
+def tree_records(tokenizer, prompts: list[Prompt], trees, reward: Reward, step: int) -> list[dict]:
+    """What the store keeps of each tree: tokens, behaviour logprobs, texts, rewards (and each
+    reward function's values: one batch of the shard's completions, as TRL scores them), and
     the samples each leaf stands for (its count, and its path through the branch points)."""
-    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions]
-    return {"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
-            "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts,
-            "rewards": [reward(prompt, t) for t in texts], "counts": tree.counts, "paths": tree.paths}
+    texts = [[tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions] for tree in trees]
+    rewards, by_function = reward.score(prompts, texts, [tree.completions for tree in trees], step)
+    return [{"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
+             "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts[i], "rewards": rewards[i],
+             "reward_functions": {name: values[i] for name, values in by_function.items()},
+             "counts": tree.counts, "paths": tree.paths}
+            for i, (prompt, tree) in enumerate(zip(prompts, trees))]
 
 
 def group_stats(records: list[dict]) -> dict:

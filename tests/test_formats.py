@@ -1,0 +1,122 @@
+"""Datasets as TRL and verl users bring them: a `prompt` column of text or chat messages,
+nested columns, rendered as TRL renders them, and nothing added but what the config says;
+the default config renders lsreplay's own prompts exactly as before."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from lsreplay.config import ANSWER_INSTRUCTION, load_config
+from lsreplay.data import DatasetError, Prompt, PromptSet, generate_prompt_file
+from lsreplay.rendering import render_prompt
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def old_render_prompt(tokenizer, prompt, system_prompt: str, max_tokens: int) -> list[int]:
+    """stages/trees.py's render_prompt before datasets came as they are (the reference)."""
+    messages = [{"role": "user", "content": prompt.question + ANSWER_INSTRUCTION}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+
+
+def prompt(question) -> Prompt:
+    return Prompt(index=0, task="", question=question, answer="5", metadata={})
+
+
+@pytest.mark.parametrize("config", [None, "configs/default.yaml"])
+def test_the_default_configs_render_the_same_ids_as_before(config, tokenizer, tmp_path):
+    cfg = load_config(config, [])
+    path = generate_prompt_file(tmp_path / "p.jsonl", list(cfg.data.tasks), 6, 0, dict(cfg.data.task_args))
+    prompts = PromptSet.from_file(path)
+    for i in range(len(prompts)):
+        assert render_prompt(tokenizer, prompts[i], cfg.data) == old_render_prompt(
+            tokenizer, prompts[i], cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+
+
+def test_prompts_as_trl_reads_them(tokenizer):
+    """Nothing added: a string goes as it is, messages through the chat template; with
+    lsreplay's settings the system prompt comes first unless the prompt has one, and the
+    instruction ends the last user message."""
+    bare = load_config(None, ["data.system_prompt=", "data.answer_instruction=", "data.chat_template=false"]).data
+    assert render_prompt(tokenizer, prompt("The sky is"), bare) == tokenizer("The sky is", add_special_tokens=False)[
+        "input_ids"]
+    templated = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert render_prompt(tokenizer, prompt(MESSAGES), bare) == tokenizer(templated, add_special_tokens=False)[
+        "input_ids"]
+    continued = MESSAGES + [{"role": "assistant", "content": "Let me see:"}]
+    text = tokenizer.decode(render_prompt(tokenizer, prompt(continued), bare))
+    assert text.endswith("Let me see:")  # the model continues the assistant's message
+
+    default = load_config(None, []).data
+    text = tokenizer.decode(render_prompt(tokenizer, prompt(MESSAGES), default))
+    assert text.count(default.system_prompt) == 1 and (MESSAGES[0]["content"] + ANSWER_INSTRUCTION) in text
+    own_system = [{"role": "system", "content": "Be terse."}] + MESSAGES
+    text = tokenizer.decode(render_prompt(tokenizer, prompt(own_system), default))
+    assert "Be terse." in text and default.system_prompt not in text
+    with pytest.raises(DatasetError, match="data.system_prompt is set, but string prompts go to the model as they "
+                                           "are .data.chat_template=false."):
+        render_prompt(tokenizer, prompt("The sky is"), load_config(None, ["data.chat_template=false"]).data)
+
+
+def verl_rows(n: int = 6) -> list[dict]:
+    """Rows as verl's data preparation writes them (docs: Prepare Data for Post-Training)."""
+    return [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"What is {i} + {i}? Let's think step by step and output the "
+                                                    "final answer after \"####\"."}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+
+
+def test_a_verl_parquet_loads_with_nested_columns(tmp_path):
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(verl_rows()).to_parquet(str(path))
+    prompts = PromptSet.from_file(path, columns={"answer": "reward_model.ground_truth", "task": "ability"},
+                                  required=("question", "answer"))
+    p = prompts[3]
+    assert p.question == verl_rows()[3]["prompt"] and p.answer == "6" and p.task == "math"
+    assert p.columns["reward_model"] == {"style": "rule", "ground_truth": "6"} and "prompt" not in p.columns
+    assert p.columns["extra_info"] == {"split": "train", "index": 3} and p.metadata["data_source"] == "openai/gsm8k"
+    assert prompts.column("answer")[:3] == ["0", "2", "4"]
+    with pytest.raises(DatasetError, match=r"column 'reward_model.truth'.*fields \['data_source', 'prompt', "
+                                           r"'ability', 'reward_model.style', 'reward_model.ground_truth'"):
+        PromptSet.from_file(path, columns={"answer": "reward_model.truth"}, required=("question", "answer"))
+
+
+def test_a_question_column_keeps_working_and_prompt_names_another(tmp_path):
+    path = tmp_path / "own.jsonl"
+    rows = [{"question": "q1", "prompt": "p1", "text": "t1", "answer": "1", "task": "exact_answer"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert PromptSet.from_file(path)[0].question == "p1"  # TRL's column, where there is one
+    assert PromptSet.from_file(path, columns={"prompt": "text"})[0].question == "t1"
+    assert PromptSet.from_file(path, columns={"question": "text"})[0].question == "t1"  # the older key
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": "q1", "answer": "1", "task": "exact_answer"}) + "\n")
+    assert PromptSet.from_file(tmp_path / "q.jsonl")[0].question == "q1"
+
+
+def test_prompts_of_the_wrong_shape_name_the_column_and_row(tmp_path):
+    path = tmp_path / "numbers.jsonl"
+    path.write_text("".join(json.dumps({"prompt": i, "answer": "1", "task": "exact_answer"}) + "\n" for i in range(3)))
+    with pytest.raises(DatasetError, match="column 'prompt' holds int64, not prompts; expected a string or a list "
+                                           "of chat messages"):
+        PromptSet.from_file(path)
+    path = tmp_path / "nulls.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": None}, {"prompt": []}]
+    path.write_text("".join(json.dumps({**r, "answer": "1", "task": "exact_answer"}) + "\n" for r in rows))
+    prompts = PromptSet.from_file(path)
+    with pytest.raises(DatasetError, match=r"column 'prompt', row 1: None \(NoneType\) is not a prompt; expected a "
+                                           "string, or a list of chat messages with role and content strings"):
+        prompts.check_prompts()
+    with pytest.raises(DatasetError, match="column 'prompt', row 2: "):
+        prompts[2]
