@@ -23,8 +23,11 @@ depends on the rewards only; what the backward computed shows in the gradient's 
     max_grad_norm_gap = max over steps |grad_norm_A - grad_norm_C| / grad_norm_A
 
 The last line is key=value pairs: step_speedup (A over B, mean step_seconds),
-train_speedup (prefix cache + policy update), rollout_speedup (the trees stage) and
-max_loss_gap, max_grad_norm_gap; `lsreplay report` of the three runs
+train_speedup (prefix cache + policy update), rollout_speedup (the trees stage),
+max_loss_gap, max_grad_norm_gap, positions_ratio (A's trained positions over B's), and on
+the same trees, A's and C's: same_trees_train_speedup (A's caching pass + update over C's)
+next to same_trees_ideal_ratio (the positions a per-rollout backward computes over those
+replay computes: the speedup if time were proportional to positions); `lsreplay report` of the three runs
 (overlaid curves; C's wall time is its caching pass and update only) goes to --out/report.
 """
 
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_loss_gap": max(abs(x - y) for x, y in zip(per_step(a, "loss"), per_step(c, "loss"))) / scale,
         "max_grad_norm_gap": max(abs(x - y) / x for x, y in zip(per_step(a, "grad_norm"), per_step(c, "grad_norm")) if x),
         "positions_ratio": sum(per_step(a, "positions")) / sum(per_step(b, "positions")),
+        # On the same trees (A's, which C trains on): what replay saves against what it could.
+        "same_trees_train_speedup": train_seconds(a) / train_seconds(c),
+        "same_trees_ideal_ratio": sum(per_step(c, "per_rollout_positions")) / sum(per_step(c, "positions")),
         "steps": args.steps,
     }
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()))

@@ -34,11 +34,12 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
     function's mean and std (over the completions it applies to), completion lengths (all,
     and of those that ended with EOS), the share cut at max_new_tokens, and the entropy of
     the sampled tokens (their mean negative logprob under the policy, an unbiased estimate
-    of its per-token entropy at temperature 1)."""
+    of its per-token entropy at temperature 1; not for a preference dataset's answers, which
+    nothing sampled)."""
     counts = [r.get("counts", [1] * len(r["completions"])) for r in records]
     stds = [_weighted(r["rewards"], ns)[1] for r, ns in zip(records, counts)]
     leaves = [(len(c), f, n, lps) for r, ns in zip(records, counts)
-              for c, f, n, lps in zip(r["completions"], r["finished"], ns, r["logprobs"])]
+              for c, f, n, lps in zip(r["completions"], r["finished"], ns, r["logprobs"] or [None] * len(ns))]
     out = {"reward_std": statistics.fmean(stds), "frac_reward_zero_std": sum(s == 0 for s in stds) / len(stds)}
     for key, chosen in (("", leaves), ("_terminated", [leaf for leaf in leaves if leaf[1]])):
         samples = sum(n for _, _, n, _ in chosen)
@@ -48,7 +49,7 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
     samples = sum(n for *_, n, _ in leaves)
     out["completions/clipped_ratio"] = sum(n for _, f, n, _ in leaves if not f) / samples
     tokens = sum(n * k for k, _, n, _ in leaves)
-    if tokens:
+    if tokens and all(lps is not None for *_, lps in leaves):
         out["entropy"] = -sum(n * sum(lps) for _, _, n, lps in leaves) / tokens
     for name in dict.fromkeys(k for r in records for k in r.get("reward_functions", {})):
         pairs = [(v, n) for r, ns in zip(records, counts) for v, n in zip(r["reward_functions"][name], ns)

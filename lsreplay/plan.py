@@ -629,7 +629,7 @@ def format_rollout(p: Plan) -> list[str]:
     lines += [f"{label:<66} {gib(b):>10}" for label, b in rows]
     lines.append(f"{'total':<66} {gib(p.rollout_peak()):>10}")
     if r.kv_needed > r.part("kv"):
-        lines.append(f"the engine's KV cache holds fewer positions than the shard's sequences need at once: vLLM "
+        lines.append("the engine's KV cache holds fewer positions than the shard's sequences need at once: vLLM "
                      "preempts and recomputes sequences (slower); raise rollout.vllm.kv_cache_gb or rollout.shards")
     if p.device_bytes:
         lines.append(f"{'device memory':<66} {gib(p.device_bytes):>10}")
