@@ -17,6 +17,17 @@ SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              num_key_value_heads=2, attn_implementation="sdpa")
 
 
+# Fixtures of the tests that run whole flows or a vLLM engine: a minute or more a file.
+LONG_RUNNING = {"prefect_server", "vllm_model_dir"}
+
+
+def pytest_collection_modifyitems(items):
+    """The files of long-running tests first: `make test`'s workers (pytest-xdist, a file at
+    a time) then end together instead of one finishing a long file alone."""
+    long_files = {item.path for item in items if LONG_RUNNING & set(getattr(item, "fixturenames", ()))}
+    items.sort(key=lambda item: item.path not in long_files)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Tiny matmuls gain nothing from threads, and on a shared CPU the thread pool's waits cost seconds."""

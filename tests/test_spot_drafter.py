@@ -11,7 +11,7 @@ from flowrun import lsreplay_chain, tiny, unique_pool
 from lsreplay.config import load_config
 from lsreplay.run import Run, open_run_config
 
-SPOT = ["rollout.shards=2", "pool.slots=2", "data.prompts_per_step=2", "drafter.steps=400",
+SPOT = ["rollout.shards=2", "pool.slots=2", "data.prompts_per_step=2", "drafter.steps=120",
         "drafter.checkpoint_every=2"]
 
 
@@ -37,11 +37,11 @@ def test_drafter_trains_on_freed_slots_until_the_rollouts_end(prefect_server, ti
     assert spot["devices"] == first["devices"] != last["devices"]
     # ... and stopped, checkpointed, once the rollouts ended (long before its step budget).
     assert spot["stopped_by"] == "rollouts ended"
-    assert 2 <= spot["steps_done"] < 400 and spot["ended"] >= last["ended"]
+    assert 2 <= spot["steps_done"] < 120 and spot["ended"] >= last["ended"]
     state = json.loads((run_dir / "checkpoints/drafter/step_0000/spot.json").read_text())
     assert state["steps_done"] == spot["steps_done"]
     # The last step's drafter has no rollouts after it: it trains its whole budget.
-    assert manifest(run_dir, 1, "drafter")["steps_done"] == 400
+    assert manifest(run_dir, 1, "drafter")["steps_done"] == 120
     # Step 0's metrics line was completed with its drafter's figures.
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1] and all("drafter_loss" in m for m in metrics)

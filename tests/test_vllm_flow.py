@@ -1,6 +1,7 @@
 """Real runs with rollout.engine=vllm: the trees stage samples on a vLLM engine that follows
 the policy and speculates with the run's spot-trained drafter; the training-inference
-logprob gap is measured every step; a run killed in a stage resumes and loses nothing."""
+logprob gap is measured every step; a run killed in a stage resumes and loses nothing. One
+run shows all of it: an engine's start-up is most of a tiny run's time on CPU."""
 
 from __future__ import annotations
 
@@ -21,22 +22,33 @@ def manifest(run_dir, step: int, stage: str) -> dict:
     return json.loads((run_dir / f"step_{step:04d}" / f"{stage}.done.json").read_text())
 
 
-def test_vllm_rollouts_follow_the_policy_and_speculate_with_the_runs_drafter(prefect_server, vllm_model_dir,
-                                                                             tmp_path, monkeypatch):
-    from flows.train import train
-
+def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_resume(prefect_server, vllm_model_dir,
+                                                                                   tmp_path, monkeypatch):
+    """Step 1's second shard straggles, so step 0's drafter trains on the slot the first
+    frees and step 2 speculates with it; the run is killed in the middle of step 2's rollouts
+    and resumed: steps 0 and 1 stand as they were, step 2's rollouts are sampled again (vLLM's
+    samples cannot be reproduced), and every step has its metrics and checkpoint. (The other
+    stages resume as with the HF engine, tests/test_resume.py: they read the stored trees,
+    whichever engine wrote them.)"""
     run_dir = tmp_path / "run"
-    # Step 1's second shard straggles, so step 0's drafter trains on the slot the first frees.
-    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
     monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "10")
-    train(overrides=tiny_vllm_run(run_dir, vllm_model_dir, *VLLM, "steps=3", "rollout.shards=2", "pool.slots=2",
-                                  "data.prompts_per_step=2", "drafter.steps=16", "drafter.checkpoint_every=2",
-                                  "drafter.lr=1e-2", "algo.tis_cap=2", unique_pool()))
+    run = tiny_vllm_run(run_dir, vllm_model_dir, *VLLM, "steps=3", "rollout.shards=2", "pool.slots=2",
+                        "data.prompts_per_step=2", "drafter.steps=16", "drafter.checkpoint_every=2",
+                        "drafter.lr=1e-2", "algo.tis_cap=2")
+    killed, finished = lsreplay_chain([(["train", *run, unique_pool()], "trees@1:stall,trees@2:kill"),
+                                       (["resume", str(run_dir), unique_pool()], "")], tmp_path)
+    assert killed["returncode"] == -9, killed["log"][-3000:]
+    assert finished["returncode"] == 0 and "Traceback" not in finished["log"], finished["log"][-3000:]
+    executions = Run(load_config(None, [f"run_dir={run_dir}"])).executions()
+    assert executions[(0, "trees")] == executions[(1, "trees")] == 2  # two shards, once each
+    assert executions[(2, "trees")] > 2  # the killed shard sampled again
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics:  # vLLM's float32 logprobs are the trainer's to a few 1e-5
         assert 0 < m["engine_logprob_gap_mean"] < 1e-4 and m["engine_logprob_gap_max"] < 1e-3, m
         assert m["grad_norm"] > 0
+    assert (run_dir / "checkpoints/policy/step_0002/checkpoint.json").is_file()
+    assert (run_dir / "checkpoints/policy/step_0002/hf/model.safetensors").is_file()
     trees = json.loads((run_dir / "step_0001/trees.json").read_text())["trees"]
     assert all(sum(t["counts"]) == 8 and len(t["paths"]) == len(t["completions"]) for t in trees)
     assert manifest(run_dir, 0, "drafter")["steps_done"] >= 2  # spot-trained during step 1's rollouts
@@ -44,23 +56,3 @@ def test_vllm_rollouts_follow_the_policy_and_speculate_with_the_runs_drafter(pre
     assert rollouts["engine"] == "vllm" and rollouts["drafter_step"] == 0
     assert rollouts["spec_rounds"] > 0 and rollouts["accept_len"] >= 1  # it speculated in the tail
     assert manifest(run_dir, 0, "trees-shard0")["spec_rounds"] == 0  # no drafter before step 2
-
-
-def test_vllm_run_killed_in_its_stages_resumes_and_loses_nothing(prefect_server, vllm_model_dir, tmp_path):
-    """Killed in the middle of step 1's rollouts, the run resumes and finishes: step 0 stands
-    as it was, step 1's rollouts are sampled again (vLLM's samples cannot be reproduced), and
-    every step has its metrics and checkpoint. (The other stages resume as with the HF
-    engine, tests/test_resume.py: they read the stored trees, whichever engine wrote them.)"""
-    run_dir = tmp_path / "run"
-    jobs = [(["train", *tiny_vllm_run(run_dir, vllm_model_dir, *VLLM, "steps=2", "drafter.steps=2",
-                                      unique_pool())], "trees@1:kill"),
-            (["resume", str(run_dir), unique_pool()], "")]
-    killed, finished = lsreplay_chain(jobs, tmp_path)
-    assert killed["returncode"] == -9, killed["log"][-3000:]
-    assert finished["returncode"] == 0, finished["log"][-3000:]
-    assert "Traceback" not in finished["log"]
-    run = Run(load_config(None, [f"run_dir={run_dir}"]))
-    assert run.executions()[(0, "trees")] == 1 and run.executions()[(1, "trees")] == 2
-    assert [m["step"] for m in run.metrics()] == [0, 1]
-    assert all((run_dir / f"checkpoints/policy/step_{s:04d}/checkpoint.json").is_file() for s in (0, 1))
-    assert (run_dir / "checkpoints/policy/step_0001/hf/model.safetensors").is_file()
