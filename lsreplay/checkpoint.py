@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import torch
 
+from lsreplay.layout import MODEL_FILE
 from lsreplay.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.safetensors"
 # A policy's critic (its value head, lsreplay.algos.critic): beside the model file, which
 # stays exactly the HF model's weights.
 CRITIC_FILE = "critic.safetensors"

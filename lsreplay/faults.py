@@ -15,7 +15,7 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
                              file beside a local store's entry, an incomplete S3 multipart upload)
     storage:fail[*N]         the next N store writes raise a transient ConnectionError
 
-STAGE is one of lsreplay.run.STAGES, `eval` (the held-out evaluation), or `checkpoint`
+STAGE is one of lsreplay.layout.STAGES, `eval` (the held-out evaluation), or `checkpoint`
 (the policy checkpoint's write, in the background: `checkpoint@1:kill` kills the process
 after the weights file of step 1's checkpoint is written, before it is complete); without
 @STEP a fault applies at every step. Counts are per process. Stages call `hook(stage,
@@ -37,6 +37,8 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+
+from lsreplay.layout import MODEL_FILE, STAGES, checkpoint_folder
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,6 @@ class Fault:
 
 
 def parse(spec: str) -> list[Fault]:
-    from lsreplay.run import STAGES
-
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _SPEC.match(item)
@@ -160,11 +160,8 @@ def partly_written(key: str) -> None:
     written, the entry is not in place yet."""
     if not os.environ.get(ENV):
         return
-    from lsreplay.checkpoint import MODEL_FILE
-    from lsreplay.run import Run
-
     folder, name = posixpath.split(key)  # checkpoints/policy/step_NNNN, model.safetensors
-    step = folder.removeprefix(Run.checkpoint("policy", 0).removesuffix("0000"))
+    step = folder.removeprefix(checkpoint_folder("policy", 0).removesuffix("0000"))
     if name == MODEL_FILE and step.isdigit() and _take("checkpoint", int(step), ("tear",)):
         log.warning("injected kill in the middle of writing %s", key)
         _kill()

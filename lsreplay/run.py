@@ -43,11 +43,10 @@ from lsreplay import faults
 from lsreplay.checkpoint import CheckpointError
 from lsreplay.config import Config, ConfigError
 from lsreplay.devices import check_accelerator, cuda_determinism, torch_device
+from lsreplay.layout import STAGES, checkpoint_folder
 from lsreplay.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)
-
-STAGES = ("prompts", "trees", "prefixes", "policy", "drafter")
 
 
 class InputCorrupt(RuntimeError):
@@ -101,7 +100,7 @@ class Run:
 
     @staticmethod
     def checkpoint(kind: str, step: int) -> str:
-        return f"checkpoints/{kind}/step_{step:04d}"
+        return checkpoint_folder(kind, step)
 
     def seed(self, step: int, stage: str, *more: int) -> int:
         """A seed per (run seed, step, stage, ...): a resumed stage draws what it drew before."""
