@@ -30,9 +30,10 @@ from flows import artifacts
 from lsreplay import checkpointing
 from lsreplay.config import Config, ConfigError, load_config
 from lsreplay.hosts import release_hosts
+from lsreplay.layout import STAGES
 from lsreplay.metrics import eval_record, step_record
 from lsreplay.resident import RESIDENT, StateLost
-from lsreplay.run import STAGES, InputCorrupt, StageFailed, open_run_config, preflight
+from lsreplay.run import InputCorrupt, StageFailed, open_run_config, preflight
 from lsreplay.stages import evaluated
 from lsreplay.stages.prefixes import release_read
 from lsreplay.trackers import Trackers

@@ -43,7 +43,7 @@ from lsreplay import faults
 from lsreplay.checkpoint import CheckpointError
 from lsreplay.config import Config, ConfigError
 from lsreplay.devices import check_accelerator, cuda_determinism, torch_device
-from lsreplay.layout import STAGES, checkpoint_folder
+from lsreplay.layout import checkpoint_folder
 from lsreplay.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)

@@ -102,7 +102,7 @@ def evaluate_policy(cfg: Config, step: int) -> dict:
     return _on_pool("eval", cfg, step)
 
 
-# The tasks by stage name (lsreplay.run.STAGES, and "eval"); "trees" is its shards, then their collection.
+# The tasks by stage name (lsreplay.layout.STAGES, and "eval"); "trees" is its shards, then their collection.
 STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_tree_shard, "collect-trees": collect_trees,
                "prefixes": cache_prefixes, "policy": train_policy, "drafter": distill_drafter,
                "eval": evaluate_policy}

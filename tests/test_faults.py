@@ -11,7 +11,8 @@ from flowrun import reference_run, step0_copy, unique_pool
 
 from lsreplay import cli, faults
 from lsreplay.config import load_config
-from lsreplay.run import STAGES, Run
+from lsreplay.layout import STAGES
+from lsreplay.run import Run
 
 
 def test_parse_faults():

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from flowrun import unique_pool
 
 from lsreplay.config import load_config
-from lsreplay.run import STAGES, Run
+from lsreplay.layout import STAGES
+from lsreplay.run import Run
 
 POOL = unique_pool()  # the same for the run and its rerun
 

@@ -13,7 +13,8 @@ from flowrun import digests, lsreplay_chain, reference_run, step0_copy, tiny, un
 
 from lsreplay import cli
 from lsreplay.config import load_config
-from lsreplay.run import STAGES, Run
+from lsreplay.layout import STAGES
+from lsreplay.run import Run
 
 STEP1 = ["step_0001", "checkpoints/policy/step_0001", "checkpoints/drafter/step_0001"]
 
