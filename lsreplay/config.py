@@ -157,7 +157,7 @@ class AlgoConfig:
     # leaves of the other first-level subtrees (none shares a sampled token with it), scaled
     # so that the expected gradient is flat GRPO's on prod(rollout.branching) rollouts;
     # needs rollout.branching[0] >= 2. "group": the mean over all leaves, its own siblings
-    # included, which shrinks the gradient on the tokens siblings share (see the README).
+    # included, which shrinks the gradient on the tokens siblings share (docs/algorithms.md).
     tree_baseline: str = "independent"
     # KL penalty to the frozen base model (0 = off; no reference pass then).
     kl_coef: float = 0.0
@@ -345,7 +345,7 @@ class PoolConfig:
     ray_gpus: float = 0.0
     # On CUDA every op deterministic (torch.use_deterministic_algorithms), flash attention's
     # backward included (no atomics; slower), and an op without a deterministic kernel an
-    # error; false: cuBLAS deterministic, the backward's atomics not (README, GPU).
+    # error; false: cuBLAS deterministic, the backward's atomics not (docs/gpu.md).
     deterministic: bool = False
 
 

@@ -65,7 +65,7 @@ CUBLAS_WORKSPACE = ":4096:8"
 
 
 def cuda_determinism(pool: PoolConfig) -> None:
-    """How this process computes on a GPU pool (README, GPU: what a resume guarantees):
+    """How this process computes on a GPU pool (docs/gpu.md: what a resume guarantees):
     deterministic cuBLAS always; with pool.deterministic, every op deterministic (flash
     attention's and gather's backwards without atomics) or an error naming the op. Without torch's debugging fill of every new tensor, which would
     write each output twice. Process-wide; set before the first CUDA work of a stage, since

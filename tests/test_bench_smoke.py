@@ -27,7 +27,7 @@ def as_on_the_gpu_machine(*argv: str, timeout: int = 300) -> subprocess.Complete
 
 
 def test_cascade_tests_run_where_neither_boto3_nor_moto_is():
-    """The README's GPU command, `pytest tests/test_cascade.py -k cuda`, collects and runs
+    """docs/gpu.md's command, `pytest tests/test_cascade.py -k cuda`, collects and runs
     on a machine without the S3 test server's packages (here its CUDA cases skip)."""
     proc = as_on_the_gpu_machine("-m", "pytest", "tests/test_cascade.py", "-q", "-k", "cuda", "-p", "no:cacheprovider")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

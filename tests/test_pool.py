@@ -210,7 +210,7 @@ def test_a_stage_on_a_gpu_pool_computes_deterministically(tmp_path, monkeypatch,
     """Run.begin, at every stage's start, sets how the process computes on a GPU pool (the
     switches are torch's own, set here on a CPU): cuBLAS on a fixed workspace always, and
     with pool.deterministic every op deterministic, without torch's debugging fill of new
-    tensors (README, GPU)."""
+    tensors (docs/gpu.md)."""
     import torch
 
     from lsreplay.config import load_config

@@ -125,7 +125,7 @@ def test_reinforce_and_grpo_gradients_match_their_exact_expectations(setup):
     """Dr. GRPO's loss (ratio 1, scale_rewards=false): with advantage = reward (REINFORCE, no
     baseline) its expected gradient is -grad J / T; with the independent baseline it is
     -(1 - 1/G) grad J / T, flat GRPO's; with the group baseline the tokens that N of the G
-    samples share get (1 - N/G) instead of (1 - 1/G) (the README's formula)."""
+    samples share get (1 - N/G) instead of (1 - 1/G) (docs/algorithms.md's formula)."""
     s, records = setup, setup["records"]
     counts = [r["counts"] for r in records]
     rewards = [torch.tensor(r["rewards"], dtype=torch.float64) for r in records]

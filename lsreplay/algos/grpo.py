@@ -24,7 +24,7 @@ sequence mean n times in seq-mean, G in Dr. GRPO's denominator). Counts of None 
 Siblings share sampled tokens, so a group mean that includes a leaf's own siblings is
 correlated with it, which a flat group's mean is not (beyond the leaf itself). With
 `subtrees` given, `group_advantages` gives every leaf the baseline of flat GRPO with that
-correlation taken out; see its docstring and the README's "Tree rollouts as samples".
+correlation taken out; see its docstring and docs/algorithms.md, "Tree rollouts as samples".
 
 The functions here are plain torch over nested logprobs; they serve both the replay path
 (through `loss_and_weights`) and the per-rollout reference (through autograd).

@@ -2,7 +2,7 @@
 
 The engine process (lsreplay/rollout/vllm_worker.py) runs vLLM's own Python
 (`rollout.vllm.python`, `.venv-vllm/bin/python` as `make` sets it up: vLLM's pins clash
-with Prefect's, see the README). `VLLMEngine` starts it, sends it work over a Unix socket
+with Prefect's, see docs/rollout-engines.md). `VLLMEngine` starts it, sends it work over a Unix socket
 and turns its answers into lsreplay's types: `sample_trees` gives the same `TreeRollout`s
 as the HF tree sampler (leaf counts, paths, behaviour logprobs), so every later stage runs
 unchanged. An engine is long-lived, one per device and run (`ENGINES`, a resident like
