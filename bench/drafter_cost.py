@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
+from side_by_side import key_values  # noqa: E402
 
 CONFIG = str(REPO / "configs/default.yaml")
 RUNS = {"off": ["drafter.enabled=false"], "on": [], "sync": ["checkpoint.background=false"]}
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                "write_seconds": avg("sync", "write_seconds"),
                **{f"{s}_ratio": avg("on", f"{s}_seconds") / avg("off", f"{s}_seconds") for s in STAGES},
                "steps": args.steps, "rounds": args.rounds}
-    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()))
+    print(key_values(results, digits=3))
     return 0
 
 

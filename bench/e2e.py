@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from lsreplay import cli  # noqa: E402
 from lsreplay.report import read_metrics, write_report  # noqa: E402
+from side_by_side import key_values  # noqa: E402
 
 RUNS = {
     "A-baseline": ["replay.mode=naive", "rollout.spec_threshold=0", "drafter.enabled=false"],
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "same_trees_ideal_ratio": sum(per_step(c, "per_rollout_positions")) / sum(per_step(c, "positions")),
         "steps": args.steps,
     }
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()))
+    print(key_values(results))
     return 0
 
 

@@ -30,11 +30,10 @@ from statistics import mean
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lsreplay import cli  # noqa: E402
+from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
 from lsreplay.config import load_config  # noqa: E402
 from lsreplay.models import load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.prompt_sets import source_prompts  # noqa: E402
-from lsreplay.report import read_metrics  # noqa: E402
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec  # noqa: E402
 from lsreplay.rendering import render_prompt  # noqa: E402
 
@@ -46,12 +45,6 @@ WORKLOADS = {
 }
 ENGINES = {"hf": ["rollout.engine=hf"], "vllm": ["rollout.engine=vllm"]}
 DRAFT_TOKENS = 3
-
-
-def flow_run(run_dir: Path, overrides: list[str]) -> list[dict]:
-    if cli.main(["train", CONFIG, f"run_dir={run_dir}", *overrides]) != 0:
-        raise SystemExit(f"the run in {run_dir} failed")
-    return read_metrics(run_dir)
 
 
 def step_figures(rows: list[dict]) -> dict:
@@ -68,7 +61,8 @@ def compare_steps(out: Path, steps: int) -> None:
     for workload, shape in WORKLOADS.items():
         figures = {}
         for engine, choice in ENGINES.items():
-            rows = flow_run(out / f"{workload}-{engine}", [f"steps={steps}", "drafter.enabled=false", *shape, *choice])
+            rows = train(CONFIG, out / f"{workload}-{engine}",
+                         [f"steps={steps}", "drafter.enabled=false", *shape, *choice])
             figures[engine] = f = step_figures(rows)
             print(f"| {workload} | {engine} | {f['tokens_per_s']:.1f} | {f['trees_s']:.1f} | {f['step_s']:.1f} | "
                   f"{f['first_trees_s']:.1f} |", flush=True)
@@ -101,7 +95,7 @@ def tail(engine: VLLMEngine, prompts: list[list[int]], batch: int, temperature: 
 
 def compare_tail(out: Path, drafter_steps: int) -> None:
     run_dir = out / "drafter-run"
-    flow_run(run_dir, ["steps=1", f"drafter.steps={drafter_steps}"])
+    train(CONFIG, run_dir, ["steps=1", f"drafter.steps={drafter_steps}"])
     cfg = load_config(CONFIG, [f"run_dir={run_dir}"])
     policy, drafter = run_dir / "checkpoints/policy/step_0000/hf", run_dir / "checkpoints/drafter/step_0000/hf"
     cfg.model.path = str(policy)

@@ -59,3 +59,8 @@ def gradient_agreement(grads: list[torch.Tensor], reference: list[torch.Tensor])
     norms = [sum(float(t.double().square().sum()) for t in ts) ** 0.5 for ts in (grads, reference)]
     return {"rel": diff / max(scale, 1e-30), "worst_tensor": max(per_tensor),
             "cosine": dot / max(norms[0] * norms[1], 1e-300)}
+
+
+def key_values(fields: dict, digits: int = 4) -> str:
+    """A bench's last line: key=value pairs, floats to `digits` significant digits."""
+    return " ".join(f"{k}={v:.{digits}g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())

@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
 from lsreplay.data import generate_prompt_file  # noqa: E402
 from lsreplay.report import read_metrics  # noqa: E402
+from side_by_side import key_values  # noqa: E402
 
 WORKLOAD = ["data.prompts_per_step=2", "rollout.branching=[8]", "rollout.segment_tokens=[]",
             "rollout.max_new_tokens=128", "model.dtype=float32", "drafter.enabled=false", "rollout.spec_threshold=0"]
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "rounds": args.rounds,
     }
-    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in results.items()))
+    print(key_values(results, digits=3))
     return 0
 
 
