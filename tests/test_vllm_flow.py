@@ -54,5 +54,6 @@ def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_res
     assert manifest(run_dir, 0, "drafter")["steps_done"] >= 2  # spot-trained during step 1's rollouts
     rollouts = manifest(run_dir, 2, "trees-shard0")
     assert rollouts["engine"] == "vllm" and rollouts["drafter_step"] == 0
+    assert 0 < rollouts["cached_positions"] < rollouts["prompt_positions"]  # the prefix cache served branches
     assert rollouts["spec_rounds"] > 0 and rollouts["accept_len"] >= 1  # it speculated in the tail
     assert manifest(run_dir, 0, "trees-shard0")["spec_rounds"] == 0  # no drafter before step 2

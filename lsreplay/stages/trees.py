@@ -97,7 +97,9 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
                                  {"prompt_indices": indices, "trees": records})
     lengths = [n for rnd in rounds for n in rnd["lengths"]]
     summary = combine_traces([rnd["figures"] for rnd in rounds], lengths)
-    if r.engine == "vllm":
+    cache = {}
+    if r.engine == "vllm":  # the prompt positions vLLM's prefix cache served, of those it was sent
+        cache = {k: sum(rnd["figures"][k] for rnd in rounds) for k in ("prompt_positions", "cached_positions")}
         decisions = {"drafter_step": drafter_step, "engine": summary}
     else:  # every decode step's decision (plain or speculative, draft length, live sequences, time)
         decisions = {"drafter_step": drafter_step, "decisions": [d for rnd in rounds for d in rnd["decisions"]]}
@@ -108,7 +110,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         "engine": r.engine, "drafter_step": drafter_step,
         "forward_positions": sum(rnd["forward_positions"] for rnd in rounds), "completion_tokens": sum(lengths),
         "prompts_drawn": sum(rnd["prompts"] for rnd in rounds), "seconds": seconds, "state_seconds": clock.seconds,
-        **summary})
+        **summary, **cache})
 
 
 def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
