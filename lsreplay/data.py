@@ -264,16 +264,6 @@ def _metadata(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
-def _feature(features, column: str):
-    """The datasets feature of a (dotted) column; None if the file has no such field."""
-    feature = features
-    for part in column.split("."):
-        if not isinstance(feature, dict) or part not in feature:
-            return None
-        feature = feature[part]
-    return feature
-
-
 def _is_prompt_feature(feature) -> bool:
     """A string column, or a list of structs with string role and content (chat messages)."""
     if getattr(feature, "dtype", None) in ("string", "large_string"):
@@ -309,20 +299,20 @@ class PromptSet:
     def from_file(cls, path: str | Path, columns: dict[str, str] | None = None, required=REQUIRED_FIELDS,
                   split: str = "train") -> "PromptSet":
         path = Path(path)
-        columns = {field: field for field in REQUIRED_FIELDS} | dict(columns or {})
+        columns = {name: name for name in REQUIRED_FIELDS} | dict(columns or {})
         table = _load(path, split)
         columns = {"question": prompt_column(columns, table.column_names),
                    "answer": columns["answer"], "task": columns["task"]}
-        for field in required:
-            column = columns[field]
-            if _feature(table.features, column) is None:
-                key = "prompt" if field == "question" else field
+        for name in required:
+            column = columns[name]
+            if lookup(table.features, column) is None:
+                key = "prompt" if name == "question" else name
                 raise DatasetError(
-                    f"{path}: required field {field!r} is missing (column {column!r}); the file has fields "
+                    f"{path}: required field {name!r} is missing (column {column!r}); the file has fields "
                     f"{_field_names(table.features)}. Add {column!r} to every row, or name the column that holds "
                     f"it with data.columns.{key}=NAME (a dotted name reaches a nested field)."
                 )
-        feature = _feature(table.features, columns["question"])
+        feature = lookup(table.features, columns["question"])
         if feature is not None and not _is_prompt_feature(feature):
             raise DatasetError(f"{path}: column {columns['question']!r} holds {_shown_feature(feature)}, not prompts; "
                                "expected a string or a list of chat messages with role and content strings in every "
