@@ -59,8 +59,20 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
     return out
 
 
-ALGO_KEYS = ("updates", "value_loss", "value_explained_variance", "value_clip_fraction",
-             "dpo_pairs", "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy")
+# Figures a stage's manifest holds only for some configs, copied into the step's record
+# where present. trees: the trees that train nothing (with dynamic sampling, prompts_drawn -
+# trees were dropped for that), and the tree shape per tree (stages.trees.group_stats;
+# absent from rollouts sampled before leaves carried counts). prefixes: the rollout
+# engine's logprobs against the trainer's, per token. policy: the algorithm's figures
+# (docs/algorithms.md): KL, updates, the critic's, DPO's pairs and implicit rewards, and
+# TRL's learning rate and clip fractions.
+OPTIONAL_KEYS = {
+    "trees": ("trees_all_alike", "prompts_drawn", "trees_dropped", "leaves_per_tree", "group_size",
+              "effective_group_size"),
+    "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
+    "policy": ("kl", "updates", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
+               "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", *TRL_POLICY_KEYS),
+}
 
 
 def step_record(step: int, manifests: dict[str, dict]) -> dict:
@@ -86,36 +98,19 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
         "peak_activation_bytes": policy["peak_activation_bytes"],
         "train_positions_per_s": policy["positions"] / max(policy["backward_seconds"], 1e-9),
     }
-    if "kl" in policy:
-        record["kl"] = policy["kl"]
-    # The algorithm's figures (docs/algorithms.md): learning rate, updates, clipping, the
-    # critic's, DPO's pairs and implicit rewards; and the trees that train nothing.
-    for key in ALGO_KEYS:
-        if key in policy:
-            record[key] = policy[key]
-    for key in ("trees_all_alike", "prompts_drawn", "trees_dropped"):
-        if key in trees:
-            record[key] = trees[key]
+    # The figures a stage's manifest has only for some configs, copied where present
+    # (OPTIONAL_KEYS), and the trees stage's TRL-named ones (rollout_metrics).
+    for stage, keys in OPTIONAL_KEYS.items():
+        record.update({k: manifests[stage][k] for k in keys if k in manifests[stage]})
     record.update({k: v for k, v in trees.items() if k in TRL_ROLLOUT_KEYS or k.startswith(TRL_ROLLOUT_PREFIXES)})
-    record.update({k: policy[k] for k in TRL_POLICY_KEYS if k in policy})
     if prefixes.get("seconds"):
         record["prefixes_positions_per_s"] = prefixes["unique_positions"] / max(prefixes["seconds"], 1e-9)
-    # The rollout engine's logprobs against the trainer's, per token (whenever the caching pass scores).
-    for key in ("engine_logprob_gap_mean", "engine_logprob_gap_max"):
-        if key in prefixes:
-            record[key] = prefixes[key]
     # Loading and saving state next to the compute: the stages' waits for models to load
     # and for the checkpoint snapshot (its write runs in the background).
     record["state_seconds"] = sum(manifests[s].get("state_seconds", 0.0) for s in ("trees", "prefixes", "policy"))
     record["policy_state_seconds"] = policy.get("state_seconds", 0.0)
     if policy.get("device_peak_bytes"):
         record["device_peak_bytes"] = policy["device_peak_bytes"]
-    # The tree shape per tree: leaves sampled, the samples G they stand for, and the
-    # effective group size of their counts (stages.trees.group_stats; absent from the
-    # manifests of rollouts sampled before leaves carried counts).
-    for key in ("leaves_per_tree", "group_size", "effective_group_size"):
-        if key in trees:
-            record[key] = trees[key]
     for stage, manifest in manifests.items():
         if "seconds" in manifest:
             record[f"{stage}_seconds"] = manifest["seconds"]
