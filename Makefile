@@ -4,7 +4,10 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar off -q
+# No download cache: each package is installed once, and the cache would hold GBs of wheels
+# (vLLM's and its dependencies') on the disk the tests write their checkpoints to.
+PIP_INSTALL := -m pip install --disable-pip-version-check --progress-bar off -q --no-cache-dir
+PIP := $(PY) $(PIP_INSTALL)
 # The torch build: CUDA where nvidia-smi lists a GPU ("GPU 0: NVIDIA ..."), the CPU wheel
 # elsewhere. The CPU pin is the wheel that lies on local disk on these machines (PyPI's
 # default Linux wheel is a multi-GB CUDA build); the CUDA pin is PyPI's default Linux wheel.
@@ -53,8 +56,8 @@ $(STAMP): pyproject.toml constraints.txt
 $(VLLM_STAMP): constraints-vllm.txt
 	$(if $(wildcard $(VLLM_OTHER_STAMP)),rm -rf $(VLLM_VENV))
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(if $(filter cpu,$(KIND)),$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off -q $(TORCH_cpu) $(QUIET))
-	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off -q $(if $(filter cpu,$(KIND)),-c constraints-vllm.txt) $(VLLM_$(KIND)) $(QUIET)
+	$(if $(filter cpu,$(KIND)),$(VLLM_VENV)/bin/python $(PIP_INSTALL) $(TORCH_cpu) $(QUIET))
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) $(if $(filter cpu,$(KIND)),-c constraints-vllm.txt) $(VLLM_$(KIND)) $(QUIET)
 	$(if $(filter cpu,$(KIND)),$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	touch $(VLLM_STAMP)
 

@@ -18,6 +18,7 @@ import math
 import os
 import posixpath
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -258,6 +259,22 @@ class Store:
             if info.get("type") == "file" and _TMP_MARK not in posixpath.basename(key):
                 out[key] = int(info["size"])
         return out
+
+    @contextlib.contextmanager
+    def local_folder(self, prefix: str) -> Iterator[str]:
+        """A local folder holding the entries under `prefix`, for a program that reads files
+        (a vLLM engine loading a drafter): the store's own in a local store, else a copy,
+        removed on exit."""
+        if self._local:
+            yield self._path(prefix)
+            return
+        with tempfile.TemporaryDirectory(prefix="lsreplay-store-") as folder:
+            for key in self.sizes(prefix):
+                path = os.path.join(folder, posixpath.relpath(key, prefix))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(self.read_bytes(key))
+            yield folder
 
     def delete(self, key: str) -> None:
         """Remove one entry; deleting an absent key is not an error, so cleanup can be rerun."""

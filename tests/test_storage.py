@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,16 @@ def test_list_and_delete(store):
     assert store.list() == ["step_10/a"]
     with pytest.raises(ValueError):
         store.delete_prefix("")
+
+
+def test_local_folder_holds_the_entries_and_a_copy_is_removed(store):
+    store.write_bytes("hf/config.json", b"{}")
+    store.write_bytes("hf/sub/model.safetensors", b"weights")
+    store.write_bytes("other", b"x")
+    with store.local_folder("hf") as folder:
+        files = {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+        assert files == {"config.json": b"{}", "sub/model.safetensors": b"weights"}
+    assert Path(folder).is_dir() == store.local  # a local store's own folder stays; a copy does not
 
 
 def test_missing_entry(store):

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -110,6 +111,7 @@ class VLLMEngine:
         while waiter.is_alive() and process.poll() is None and time.monotonic() < deadline:
             waiter.join(0.2)
         listener.close()
+        shutil.rmtree(folder, ignore_errors=True)  # the connection, once made, needs no socket file
         if not accepted:
             process.kill()
             raise EngineStartError(f"the vLLM engine process did not start ({self._log_tail()}); check that "

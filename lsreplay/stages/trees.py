@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import posixpath
-import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
 
 from tqdm.auto import tqdm
@@ -175,8 +173,10 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
     source = None
     if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled and step >= 2:
         source = newest_drafter(run, step - 2)
-    drafter = None if source is None else (source, local_folder(run, f"{run.checkpoint('drafter', source)}/hf"))
-    engine = clock(RESIDENT.engine, run, step, device, drafter)
+    with contextlib.ExitStack() as copies:  # the engine has read the drafter's files when it returns
+        drafter = None if source is None else \
+            (source, copies.enter_context(run.store.local_folder(f"{run.checkpoint('drafter', source)}/hf")))
+        engine = clock(RESIDENT.engine, run, step, device, drafter)
     before = engine.spec_counters()
     trees, figures = engine.sample_trees(prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
                                          r.temperature, r.top_p, r.top_k, eos, advance)
@@ -185,16 +185,6 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
     spec = {"spec_rounds": drafts, "spec_tokens": drafts + accepted,
             "accept_len": (drafts + accepted) / drafts if drafts else 0.0, "spec_time_share": 0.0}
     return trees, {**figures, **spec}, source
-
-
-def local_folder(run: Run, prefix: str) -> str:
-    """A local folder holding the store's files under `prefix` (itself, in a local store)."""
-    if run.store.local:
-        return run.store.url(prefix)
-    folder = Path(tempfile.mkdtemp(prefix="lsreplay-drafter-"))
-    for key in run.store.sizes(prefix):
-        (folder / posixpath.relpath(key, prefix)).write_bytes(run.store.read_bytes(key))
-    return str(folder)
 
 
 def collect_trees(run: Run, step: int) -> dict:
