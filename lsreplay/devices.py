@@ -105,14 +105,14 @@ def _lock_name(pool: PoolConfig, index: int) -> str:
 
 
 @contextmanager
-def hold_devices(pool: PoolConfig, count: int):
-    """Yield `count` device indices in [0, pool.slots), exclusively held until the block
-    exits. Waits (and says so once) while another run on this machine holds them."""
+def hold_devices(pool: PoolConfig, count: int, on: list[int] | None = None):
+    """Yield `count` device indices in [0, pool.slots), or exactly those of `on`, exclusively
+    held until the block exits. Waits (and says so once) while another holder has them."""
     held: dict[int, int] = {}  # device index -> lock fd
     waiting_since = None
     try:
         while True:
-            for index in range(pool.slots):
+            for index in on if on is not None else range(pool.slots):
                 if len(held) < count and index not in held:
                     if (fd := _try_lock(_lock_name(pool, index))) is not None:
                         held[index] = fd
@@ -120,8 +120,9 @@ def hold_devices(pool: PoolConfig, count: int):
                 break
             if waiting_since is None:
                 waiting_since = time.monotonic()
-                log.warning("pool %r: %d of %d devices free; waiting for devices another run on this machine holds",
-                            pool.name, len(held), count)
+                log.warning("pool %r: %d of %d devices free; waiting for %s", pool.name, len(held), count,
+                            f"devices {on}, whose host holds this stage's state" if on is not None else
+                            "devices another run on this machine holds")
             time.sleep(POLL_SECONDS)
         yield list(held)
     finally:

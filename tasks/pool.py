@@ -64,10 +64,11 @@ def free_stranded_slots(pool: PoolConfig) -> int:
 
 
 @contextmanager
-def pool_devices(pool: PoolConfig, count: int = 1):
-    """Hold `count` pool slots and yield the device indices they stand for. A block that ends
-    well leaves them to this process's next holder for HANDOFF_SECONDS (HANDOFF)."""
-    holdings = HANDOFF.take(pool, count) or [HANDOFF.hold(pool, count)]
+def pool_devices(pool: PoolConfig, count: int = 1, on: list[int] | None = None):
+    """Hold `count` pool slots and yield the device indices they stand for: those of `on` if
+    given (waiting for them if another holder has them). A block that ends well leaves them to
+    this process's next holder for HANDOFF_SECONDS (HANDOFF)."""
+    holdings = HANDOFF.take(pool, count, on) or [HANDOFF.hold(pool, count, on)]
     try:
         yield [device for holding in holdings for device in holding.devices]
     except BaseException:  # a failed stage's device may be unusable: give it back now
@@ -117,28 +118,28 @@ class Handoff:
         self._parked: dict[str, list[_Holding]] = defaultdict(list)
         self._waiting: Counter = Counter()  # per pool: threads of this process asking the server
 
-    def hold(self, pool: PoolConfig, count: int) -> _Holding:
-        """`count` slots from the server, and free devices for them (both may wait)."""
+    def hold(self, pool: PoolConfig, count: int, on: list[int] | None = None) -> _Holding:
+        """`count` slots from the server, and free devices for them, those of `on` if given
+        (both may wait)."""
         with self._lock:
             self._waiting[pool.name] += 1
         try:
             with ExitStack() as locks:
                 _enter_outside_task_runs(locks, _slots(pool.name, count))
-                devices = locks.enter_context(hold_devices(pool, count))
+                devices = locks.enter_context(hold_devices(pool, count, on))
                 return _Holding(devices, locks.pop_all())
         finally:
             with self._lock:
                 self._waiting[pool.name] -= 1
 
-    def take(self, pool: PoolConfig, count: int) -> list[_Holding] | None:
+    def take(self, pool: PoolConfig, count: int, on: list[int] | None = None) -> list[_Holding] | None:
         """Parked holdings of exactly `count` slots in all, the lowest devices first (as
-        hold_devices takes them, so that a run's updates stay on one host), or None. If the
-        parked ones do not add up to `count`, they go back: they would keep the server's
-        slots from us."""
+        hold_devices takes them), only devices of `on` if given; or None. If the parked ones
+        do not add up to `count`, they go back: they would keep the server's slots from us."""
         with self._lock:
             parked, taken, slots = self._parked[pool.name], [], 0
             for holding in sorted(parked, key=lambda h: min(h.devices)):
-                if slots + len(holding.devices) <= count:
+                if slots + len(holding.devices) <= count and (on is None or set(holding.devices) <= set(on)):
                     taken.append(holding)
                     slots += len(holding.devices)
             if slots == count:

@@ -50,13 +50,14 @@ OPTIONS = dict(retries=RETRIES, retry_delay_seconds=retry_delays(), retry_jitter
                retry_condition_fn=_transient, cache_policy=NO_CACHE)
 
 
-def _on_pool(stage: str, cfg: Config, step: int, count: int = 1, done_as: str | None = None, **kwargs) -> dict:
-    """Run `stage` holding `count` pool slots, on the host of their devices (this process,
-    or their Ray actor: lsreplay.hosts), passing it their indices as `devices=`. `done_as`:
-    the name of its done marker, if not the stage's."""
+def _on_pool(stage: str, cfg: Config, step: int, count: int = 1, done_as: str | None = None,
+             on: list[int] | None = None, **kwargs) -> dict:
+    """Run `stage` holding `count` pool slots (those of devices `on`, if given), on the host
+    of their devices (this process, or their Ray actor: lsreplay.hosts), passing it their
+    indices as `devices=`. `done_as`: the name of its done marker, if not the stage's."""
     if done := Run(cfg).done(step, done_as or stage):  # finished earlier: no need to wait for a device
         return done
-    with pool_devices(cfg.pool, count) as devices:
+    with pool_devices(cfg.pool, count, on) as devices:
         return run_on_host(stage, cfg, step, devices, **kwargs)
 
 
@@ -82,13 +83,25 @@ def collect_trees(cfg: Config, step: int) -> dict:
 
 @task(name="cache-prefixes", **OPTIONS)
 def cache_prefixes(cfg: Config, step: int) -> dict:
-    return _on_pool("prefixes", cfg, step)
+    return _on_pool("prefixes", cfg, step, on=update_devices(cfg, step - 1))
 
 
 @task(name="train-policy", **OPTIONS)
 def train_policy(cfg: Config, step: int) -> dict:
     # One slot (device) per data-parallel rank of the backward.
-    return _on_pool("policy", cfg, step, count=cfg.pool.devices_per_step)
+    return _on_pool("policy", cfg, step, count=cfg.pool.devices_per_step, on=update_devices(cfg, step - 1))
+
+
+def update_devices(cfg: Config, step: int) -> list[int] | None:
+    """Under Ray, the pool devices of `step`'s policy update, if as many as an update takes:
+    their host holds the next step's policy and its optimizer state, which any other host
+    would fetch, load from a checkpoint or recompute (a drafter that took the lowest free
+    device sent the next caching pass and update elsewhere). None on the thread runner,
+    whose one process moves the state to any device."""
+    if cfg.pool.task_runner != "ray" or step < 0 or not (done := Run(cfg).done(step, "policy")):
+        return None
+    devices = done.get("devices")
+    return devices if devices and len(devices) == cfg.pool.devices_per_step else None
 
 
 @task(name="distill-drafter", **OPTIONS)

@@ -125,6 +125,35 @@ def test_a_holder_hands_its_slots_and_devices_to_the_next_one_in_its_process(pre
     assert active_slots(pool.name) == 1 and slots_come_back(pool.name) and not any_held(pool, 2)
 
 
+def test_a_holder_of_given_devices_gets_those_waiting_while_another_has_them(prefect_server):
+    from tasks.pool import ensure_pool, pool_devices, release_parked
+
+    pool = PoolConfig(name=f"test-pool-{uuid.uuid4().hex[:8]}", slots=2)
+    ensure_pool(pool)
+    with pool_devices(pool) as (first,):
+        pass
+    with pool_devices(pool, on=[1 - first]) as devices:  # the parked one is not it: it goes back
+        assert devices == [1 - first] and active_slots(pool.name) == 1
+    order: list[str] = []
+
+    def other_holder() -> None:
+        with pool_devices(pool, on=[first]):
+            order.append("held")
+            time.sleep(1.5)
+            order.append("giving back")
+
+    holder = threading.Thread(target=other_holder)
+    holder.start()
+    while not order:
+        time.sleep(0.05)
+    with pool_devices(pool, on=[first]) as devices:  # device 1 - first is free, but not the one asked for
+        order.append("taken")
+    holder.join()
+    assert devices == [first] and order == ["held", "giving back", "taken"]
+    release_parked()
+    assert active_slots(pool.name) == 0
+
+
 def test_prefect_yaml_deploys_the_training_flow():
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
     deployment = spec["deployments"][0]

@@ -48,3 +48,5 @@ def test_flow_on_ray_hosts(prefect_server, local_ray, tiny_model_dir, tmp_path):
     started = {(r["step"], r["stage"]): r["pid"] for r in records if r["stage"] in ("prefixes", "policy")}
     # One long-lived host ran both updates (and held the policy between them).
     assert started[0, "policy"] == started[1, "policy"] == started[0, "prefixes"] == started[1, "prefixes"]
+    assert Run(load_config(None, [f"run_dir={run_dir}"])).done(1, "policy")["devices"] == \
+        Run(load_config(None, [f"run_dir={run_dir}"])).done(0, "policy")["devices"]

@@ -46,7 +46,8 @@ def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
         out = _update(run, step, trees, goal, prefixes, run.device(devices))
     if not out["positions"]:
         _trains_nothing(run.cfg, step, records)
-    return run.finish(step, "policy", {**out, "seconds": time.perf_counter() - start, **goal.extras})
+    return run.finish(step, "policy", {**out, "devices": devices, "seconds": time.perf_counter() - start,
+                                       **goal.extras})
 
 
 def _trains_nothing(cfg, step: int, records: list[dict]) -> None:
