@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from side_by_side import GiB, alternating, gradient_agreement, peak_measured, sync  # noqa: E402
 from synthetic import qwen_model, random_weights  # noqa: E402
 
-from lsreplay.config import load_config  # noqa: E402
+from lsreplay.core.config import load_config  # noqa: E402
 from lsreplay.plan import ModelDims, RunPeak, TreeShape, make_plan, plan_values  # noqa: E402
 from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.capture import capture_tree  # noqa: E402

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specdec import ROOT, draft_head, log, parse_run_args, prompt_ids, with_features  # noqa: E402
 
-from lsreplay.config import ModelConfig, load_config  # noqa: E402
+from lsreplay.core.config import ModelConfig, load_config  # noqa: E402
 from lsreplay.drafter.distill import distill  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402
 from lsreplay.models import eos_ids, load_model, load_tokenizer  # noqa: E402

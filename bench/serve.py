@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from lsreplay import checkpointing  # noqa: E402
 from lsreplay.prompt_sets import source_prompts  # noqa: E402
-from lsreplay.run import Run, open_run_config  # noqa: E402
+from lsreplay.core.run import Run, open_run_config  # noqa: E402
 
 PYTHON = REPO / ".venv-vllm/bin/python"
 PORT = 8765

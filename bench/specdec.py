@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lsreplay.config import DataConfig, ModelConfig, load_config  # noqa: E402
+from lsreplay.core.config import DataConfig, ModelConfig, load_config  # noqa: E402
 from lsreplay.data import PromptSet, generate_prompt_file  # noqa: E402
 from lsreplay.drafter.distill import distill, drafter_train_state  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402

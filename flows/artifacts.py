@@ -27,7 +27,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-from lsreplay.config import ConfigError
+from lsreplay.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,14 @@ from prefect.futures import as_completed
 
 from flows import artifacts
 from lsreplay import checkpointing
-from lsreplay.config import Config, ConfigError, load_config
+from lsreplay.core.config import Config, ConfigError, load_config
 from lsreplay.hosts import release_hosts
-from lsreplay.layout import STAGES
+from lsreplay.core.layout import STAGES
 from lsreplay.metrics import eval_record, step_record
 from lsreplay.resident import RESIDENT, StateLost
-from lsreplay.run import InputCorrupt, StageFailed, open_run_config, preflight
+from lsreplay.core.run import InputCorrupt, StageFailed, open_run_config
 from lsreplay.stages import evaluated
+from lsreplay.stages.preflight import preflight
 from lsreplay.stages.prefixes import release_read
 from lsreplay.trackers import Trackers
 from tasks.pool import ensure_pool, release_parked
@@ -152,7 +153,7 @@ def ray_session(cfg: Config):
     """pool.task_runner=ray: connect this process to the Ray cluster at pool.ray_address
     (empty: a Ray instance already initialised here, else a new local one), where each
     pool device's host runs (lsreplay.hosts); end the run's hosts afterwards."""
-    if cfg.pool.task_runner == "thread":  # validated by lsreplay.config: "thread" or "ray"
+    if cfg.pool.task_runner == "thread":  # validated by lsreplay.core.config: "thread" or "ray"
         yield
         return
     try:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from lsreplay.layout import MODEL_FILE
-from lsreplay.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core.layout import MODEL_FILE, CheckpointError
+from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,6 @@ META_FILE = "meta.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 RNG_FILE = "rng.safetensors"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, or does not fit what it is loaded into."""
 
 
 def save_module(

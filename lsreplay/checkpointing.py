@@ -31,14 +31,15 @@ from pathlib import Path
 
 import torch
 
-from lsreplay import faults
+from lsreplay.core import faults
 from lsreplay.algos.critic import split_critic
-from lsreplay.checkpoint import (CRITIC_FILE, MODEL_FILE, CheckpointError, load_weights, save_optimizer, save_rng,
+from lsreplay.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
                                  save_weights)
-from lsreplay.config import ConfigError
+from lsreplay.core.config import ConfigError
+from lsreplay.core.layout import CheckpointError
 from lsreplay.hf_folder import write_hf_folder
-from lsreplay.run import Run
-from lsreplay.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core.run import Run
+from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 from lsreplay.train_state import TrainState
 
 log = logging.getLogger(__name__)

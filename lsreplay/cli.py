@@ -43,14 +43,14 @@ def _prepare_logging() -> None:
 
 
 def _train(args) -> int:
-    from lsreplay.config import load_config
+    from lsreplay.core.config import load_config
 
     overrides = secrets_to_env(args.overrides)
     return _run_flow(load_config(args.config, overrides), args.force, config_path=args.config, overrides=overrides)
 
 
 def _resume(args) -> int:
-    from lsreplay.run import open_run_config
+    from lsreplay.core.run import open_run_config
 
     overrides = secrets_to_env(args.overrides) + ([f"steps={args.steps}"] if args.steps else [])
     return _run_flow(open_run_config(args.run_dir, overrides), args.force, from_step=args.from_step,
@@ -61,7 +61,7 @@ def _run_flow(cfg, force: bool, from_step: int | None = None, **flow_args) -> in
     """Check the inputs before Prefect starts (and, with `from_step`, forget what came after
     that step's checkpoint), then run the training flow."""
     _prepare_logging()
-    from lsreplay.run import preflight
+    from lsreplay.stages.preflight import preflight
 
     run = preflight(cfg, force=force)
     if from_step is not None:
@@ -79,7 +79,7 @@ def _run_flow(cfg, force: bool, from_step: int | None = None, **flow_args) -> in
 
 def _serve(args) -> int:
     _prepare_logging()
-    from lsreplay.config import load_config
+    from lsreplay.core.config import load_config
 
     overrides = secrets_to_env(args.overrides)
     load_config(args.config, overrides)
@@ -94,7 +94,7 @@ def _serve(args) -> int:
 
 def _export(args) -> int:
     from lsreplay.checkpointing import export_policy
-    from lsreplay.run import Run, open_run_config
+    from lsreplay.core.run import Run, open_run_config
 
     step, files = export_policy(Run(open_run_config(args.run_dir, secrets_to_env(args.overrides))), args.out,
                                 args.step)
@@ -107,12 +107,12 @@ def _export(args) -> int:
 def _config(args) -> int:
     """The resolved config (secrets redacted), validated; --check also runs the preflight
     checks of a run (store, model, trackers, reward functions, data) without training."""
-    from lsreplay.config import load_config, to_yaml
+    from lsreplay.core.config import load_config, to_yaml
 
     cfg = load_config(args.config, secrets_to_env(args.overrides))
     print(to_yaml(cfg), end="")
     if args.check:
-        from lsreplay.run import preflight
+        from lsreplay.stages.preflight import preflight
 
         preflight(cfg, force=args.force)
     print(f"# valid{': the run can start' if args.check else ''} (secrets redacted)", file=sys.stderr)
@@ -225,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         _config_and_overrides(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
-    from lsreplay.checkpoint import CheckpointError
-    from lsreplay.config import ConfigError
+    from lsreplay.core.layout import CheckpointError
+    from lsreplay.core.config import ConfigError
     from lsreplay.data import DatasetError
     from lsreplay.models import ModelError
-    from lsreplay.run import StageFailed
-    from lsreplay.storage import StorageError
+    from lsreplay.core.run import StageFailed
+    from lsreplay.core.storage import StorageError
 
     try:
         return args.fn(args)

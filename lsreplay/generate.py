@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from lsreplay.checkpoint import load_module
-from lsreplay.config import ModelConfig
+from lsreplay.core.config import ModelConfig
 from lsreplay.drafter.export import load_hf
 from lsreplay.models import eos_ids, load_model, load_tokenizer
 from lsreplay.rollout.speculative import SpecStats, speculative_generate
-from lsreplay.storage import Store
+from lsreplay.core.storage import Store
 
 
 @dataclass

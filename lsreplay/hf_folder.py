@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from lsreplay.config import ModelConfig
+from lsreplay.core.config import ModelConfig
 from lsreplay.models import load_tokenizer, resolve_model_dir
-from lsreplay.storage import Store
+from lsreplay.core.storage import Store
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

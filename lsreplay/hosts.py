@@ -17,11 +17,11 @@ import threading
 
 import torch
 
-from lsreplay import devices as device_pins
+from lsreplay.core import devices as device_pins
 from lsreplay import stages
-from lsreplay.config import Config
+from lsreplay.core.config import Config
 from lsreplay.resident import RESIDENT
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 
 log = logging.getLogger(__name__)
 

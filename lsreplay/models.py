@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from lsreplay.config import SMOLLM2, ModelConfig
+from lsreplay.core.config import SMOLLM2, ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -495,7 +495,7 @@ def gib(n: int) -> str:
 
 def load_plan_config(path: str | None, overrides: list[str] = ()) -> tuple:
     """The run config and the fields the planner reads."""
-    from lsreplay.config import load_config
+    from lsreplay.core.config import load_config
 
     cfg = load_config(path, overrides)
     return cfg, plan_values(cfg)
@@ -512,7 +512,7 @@ def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
     """From model.arch (HF config kwargs with model_type) or the config of model.path."""
     from transformers import AutoConfig
 
-    from lsreplay.config import ConfigError
+    from lsreplay.core.config import ConfigError
 
     if arch:
         kwargs = dict(arch)
@@ -675,7 +675,7 @@ def advice(p: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lsreplay.config import ConfigError
+    from lsreplay.core.config import ConfigError
     from lsreplay.models import ModelError
 
     ap = argparse.ArgumentParser(prog="lsreplay plan", description=__doc__.split("\n\n")[0])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lsreplay.config import Config, reward_specs
+from lsreplay.core.config import Config, reward_specs
 from lsreplay.data import (REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, prompt_key,
                            task_args_for)
 from lsreplay.rewards import Reward, unscorable_tasks

@@ -11,7 +11,7 @@ reasoning-gym rewards read); set them empty for a dataset's prompts as they are.
 
 from __future__ import annotations
 
-from lsreplay.config import DataConfig
+from lsreplay.core.config import DataConfig
 from lsreplay.data import DatasetError, Prompt
 
 

@@ -33,11 +33,12 @@ from transformers import PreTrainedModel
 
 from lsreplay import checkpointing
 from lsreplay.algos.critic import attach_value_head
-from lsreplay.checkpoint import CheckpointError, load_module, load_optimizer, load_weights
-from lsreplay.config import Config
+from lsreplay.checkpoint import load_module, load_optimizer, load_weights
+from lsreplay.core.config import Config
+from lsreplay.core.layout import CheckpointError
 from lsreplay.models import load_model, resolve_model_dir
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec, same_engine
-from lsreplay.run import InputCorrupt, Run
+from lsreplay.core.run import InputCorrupt, Run
 from lsreplay.train_state import TrainState, master_dtype
 
 log = logging.getLogger(__name__)

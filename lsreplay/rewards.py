@@ -40,7 +40,7 @@ from collections.abc import Callable
 from difflib import get_close_matches
 from pathlib import Path
 
-from lsreplay.config import Config, ConfigError, reward_specs
+from lsreplay.core.config import Config, ConfigError, reward_specs
 from lsreplay.data import DatasetError, Prompt, lookup, reasoning_gym_tasks
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import numbers
 import os
 from pathlib import Path
 
-from lsreplay.config import TRACKERS, Config, ConfigError, to_dict, tracker_install_hint
+from lsreplay.core.config import TRACKERS, Config, ConfigError, to_dict, tracker_install_hint
 
 log = logging.getLogger(__name__)
 

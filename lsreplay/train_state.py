@@ -27,7 +27,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lsreplay.algos.critic import is_critic
-from lsreplay.config import OptimConfig
+from lsreplay.core.config import OptimConfig
 from lsreplay.logits import FULL_PRECISION
 
 

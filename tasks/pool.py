@@ -17,8 +17,8 @@ from prefect.concurrency.context import ConcurrencyContext
 from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL
 
-from lsreplay.config import PoolConfig
-from lsreplay.devices import any_held, hold_devices
+from lsreplay.core.config import PoolConfig
+from lsreplay.core.devices import any_held, hold_devices
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,16 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from lsreplay import stages
-from lsreplay.checkpoint import CheckpointError
-from lsreplay.config import Config, ConfigError
+from lsreplay.core.layout import CheckpointError
+from lsreplay.core.config import Config, ConfigError
 from lsreplay.data import DatasetError
-from lsreplay.faults import InjectedError
+from lsreplay.core.faults import InjectedError
 from lsreplay.models import ModelError
 from lsreplay.resident import StateLost
 from lsreplay.rollout.vllm_engine import EngineStartError
-from lsreplay.run import InputCorrupt, Run
+from lsreplay.core.run import InputCorrupt, Run
 from lsreplay.stages.policy import NonFiniteLoss
-from lsreplay.storage import CorruptEntry, MissingEntry
+from lsreplay.core.storage import CorruptEntry, MissingEntry
 from lsreplay.hosts import run_on_host
 from tasks.pool import pool_devices
 
@@ -115,7 +115,7 @@ def evaluate_policy(cfg: Config, step: int) -> dict:
     return _on_pool("eval", cfg, step)
 
 
-# The tasks by stage name (lsreplay.layout.STAGES, and "eval"); "trees" is its shards, then their collection.
+# The tasks by stage name (lsreplay.core.layout.STAGES, and "eval"); "trees" is its shards, then their collection.
 STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_tree_shard, "collect-trees": collect_trees,
                "prefixes": cache_prefixes, "policy": train_policy, "drafter": distill_drafter,
                "eval": evaluate_policy}

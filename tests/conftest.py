@@ -9,8 +9,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Conf
 
 from s3server import s3_endpoint, store  # noqa: F401  (for every test module: one S3 server, started on first use)
 
-from lsreplay import faults
-from lsreplay.config import ModelConfig
+from lsreplay.core import faults
+from lsreplay.core.config import ModelConfig
 from lsreplay.models import resolve_model_dir
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from lsreplay.storage import Store
+from lsreplay.core.storage import Store
 
 BUCKET = "lsreplay-test"
 KEY = "test-key-id"

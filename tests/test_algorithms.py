@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from lsreplay import checkpointing, stages
-from lsreplay.config import load_config
+from lsreplay.core.config import load_config
 from lsreplay.preferences import Preference, preference_record
 from lsreplay.resident import RESIDENT
-from lsreplay.run import preflight
+from lsreplay.stages.preflight import preflight
 
 
 def run_steps(tmp_path, model_dir, overrides: list[str], steps: int = 1):

@@ -70,9 +70,9 @@ def test_preference_dataset_missing_a_column(tmp_path, tiny_model_dir, capsys):
 def test_task_args_of_tasks_not_asked_for_do_not_stop_a_run(overrides, tmp_path, tiny_model_dir):
     """The default data.task_args belong to tasks these runs leave out: ignored, so the run
     passes every check made before Prefect starts."""
-    from lsreplay.config import load_config
+    from lsreplay.core.config import load_config
     from lsreplay.prompt_sets import training_prompts
-    from lsreplay.run import preflight
+    from lsreplay.stages.preflight import preflight
 
     config = str(LSREPLAY.parent / "configs/default.yaml") if overrides[0] == "CONFIG" else None
     cfg = load_config(config, [*overrides[1 if config else 0:], f"run_dir={tmp_path / 'run'}",

@@ -14,8 +14,8 @@ import shutil
 from safetensors.torch import load_file
 
 from lsreplay import checkpointing, stages
-from lsreplay.config import load_config
-from lsreplay.run import Run
+from lsreplay.core.config import load_config
+from lsreplay.core.run import Run
 
 
 def run_at(run_dir, model_dir, mode):

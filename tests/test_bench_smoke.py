@@ -82,7 +82,7 @@ def test_gpu_smoke_on_cpu():
     SmolLM2 tokenizer: every stage ran where the pool put it, the resident policy and the
     checkpoints held up, replay and naive gradients agree in bf16 and in float32 (the
     cascade path taken), the plan has an estimate."""
-    from lsreplay.config import ModelConfig
+    from lsreplay.core.config import ModelConfig
     from lsreplay.models import resolve_model_dir
 
     tokenizer = resolve_model_dir(ModelConfig())

@@ -14,7 +14,7 @@ from lsreplay.checkpoint import (
     save_optimizer,
     save_rng,
 )
-from lsreplay.storage import Store
+from lsreplay.core.storage import Store
 
 CONFIG = dict(
     vocab_size=128,

@@ -9,8 +9,8 @@ import json
 
 from flowrun import digests, lsreplay_chain, tiny, unique_pool
 
-from lsreplay.config import load_config
-from lsreplay.run import Run
+from lsreplay.core.config import load_config
+from lsreplay.core.run import Run
 
 # Checkpoints after steps 1 and 3 (the last); only the newest complete one kept. Computed
 # with one thread here and in every process of the chains, so all runs compare bit for bit.
@@ -101,7 +101,9 @@ def test_checkpoints_are_written_where_the_kernel_refuses_idle_priority(tmp_path
     import torch
     from conftest import tiny_model
 
-    from lsreplay import checkpointing, devices
+    from lsreplay import checkpointing
+
+    from lsreplay.core import devices
     from lsreplay.train_state import TrainState
 
     def refuse(*args):
@@ -112,7 +114,7 @@ def test_checkpoints_are_written_where_the_kernel_refuses_idle_priority(tmp_path
     run = Run(load_config(None, [f"run_dir={tmp_path}", "checkpoint.keep_last=0"]))
     train = TrainState(tiny_model(dtype=torch.float32), run.cfg.optim)
     writer = checkpointing.Writer()
-    caplog.set_level("WARNING", logger="lsreplay.devices")
+    caplog.set_level("WARNING", logger="lsreplay.core.devices")
 
     def submit_three() -> None:
         for step in range(3):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lsreplay.config import ConfigError, from_dict, load_config, result_hash, to_dict, to_yaml
+from lsreplay.core.config import ConfigError, from_dict, load_config, result_hash, to_dict, to_yaml
 
 
 @pytest.mark.parametrize("override, message", [
@@ -132,7 +132,7 @@ def test_near_misses_and_trl_names_point_at_the_key(override, message):
 
 
 def test_every_alias_points_at_a_real_key():
-    from lsreplay.config import ALIASES, _schema_keys
+    from lsreplay.core.config import ALIASES, _schema_keys
 
     assert {a.split()[0] for a in ALIASES.values()} <= set(_schema_keys())
 

@@ -1,4 +1,4 @@
-"""docs/configuration.md documents every config key once: each leaf of lsreplay.config's
+"""docs/configuration.md documents every config key once: each leaf of lsreplay.core.config's
 schema is named by exactly one row of its table, and the table names nothing else."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from lsreplay.config import Config
+from lsreplay.core.config import Config
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 

@@ -130,8 +130,8 @@ def test_preflight_of_exact_answer_prompts_needs_no_reasoning_gym(tmp_path, tiny
     """preflight checks that the default reward can score every task; a file of exact_answer
     rows asks nothing of reasoning-gym (bench/gpu_smoke.py's flow, on a machine without it).
     A task that does need it says what to install, before any work."""
-    from lsreplay.config import load_config
-    from lsreplay.run import preflight
+    from lsreplay.core.config import load_config
+    from lsreplay.stages.preflight import preflight
 
     rows = [{"question": f"What is {a} + 4?", "answer": str(a + 4), "task": "exact_answer"} for a in range(4)]
     path = tmp_path / "own.jsonl"

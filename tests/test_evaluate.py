@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from lsreplay import stages
-from lsreplay.config import load_config
+from lsreplay.core.config import load_config
 from lsreplay.evaluation import mean_interval, wilson_interval
 from lsreplay.models import eos_ids, load_tokenizer
 from lsreplay.prompt_sets import heldout_prompts, training_prompts
-from lsreplay.run import Run, preflight
+from lsreplay.core.run import Run
 from lsreplay.stages.common import policy_before
+from lsreplay.stages.preflight import preflight
 from lsreplay.rendering import render_prompt
 
 

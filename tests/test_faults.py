@@ -9,10 +9,12 @@ import json
 import pytest
 from flowrun import reference_run, step0_copy, unique_pool
 
-from lsreplay import cli, faults
-from lsreplay.config import load_config
-from lsreplay.layout import STAGES
-from lsreplay.run import Run
+from lsreplay import cli
+
+from lsreplay.core import faults
+from lsreplay.core.config import load_config
+from lsreplay.core.layout import STAGES
+from lsreplay.core.run import Run
 
 
 def test_parse_faults():

@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 
 from flowrun import unique_pool
 
-from lsreplay.config import load_config
-from lsreplay.layout import STAGES
-from lsreplay.run import Run
+from lsreplay.core.config import load_config
+from lsreplay.core.layout import STAGES
+from lsreplay.core.run import Run
 
 POOL = unique_pool()  # the same for the run and its rerun
 

@@ -10,7 +10,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from lsreplay.config import ANSWER_INSTRUCTION, load_config
+from lsreplay.core.config import ANSWER_INSTRUCTION, load_config
 from lsreplay.data import DatasetError, Prompt, PromptSet, generate_prompt_file
 from lsreplay.rendering import render_prompt
 

@@ -4,12 +4,12 @@ import torch
 
 from lsreplay.checkpoint import save_module
 from lsreplay.cli import main
-from lsreplay.config import ModelConfig
+from lsreplay.core.config import ModelConfig
 from lsreplay.drafter import Drafter
 from lsreplay.drafter.export import save_hf
 from lsreplay.models import eos_ids, load_model, load_tokenizer
 from lsreplay.rollout.speculative import greedy_generate
-from lsreplay.storage import Store
+from lsreplay.core.storage import Store
 
 
 def test_generate_prints_the_greedy_text_with_speed_and_acceptance(tiny_model_dir, tmp_path, capsys):

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lsreplay import checkpointing, cli
-from lsreplay.config import load_config
-from lsreplay.layout import STAGES
+from lsreplay.core.config import load_config
+from lsreplay.core.layout import STAGES
 from lsreplay.models import ModelError, load_model, resolve_model_dir
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.train_state import TrainState
 
 PROMPT = torch.tensor([[1, 17, 300, 4021, 9, 77, 12, 5]])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lsreplay.config import ConfigError, load_config
+from lsreplay.core.config import ConfigError, load_config
 from lsreplay.stages.objectives import importance_weighted
 
 

@@ -15,8 +15,8 @@ import torch
 from flowrun import lsreplay_chain, tiny, unique_pool
 from s3server import BUCKET, KEY, SECRET
 
-from lsreplay import faults
-from lsreplay.storage import PART_BYTES_ENV, Store
+from lsreplay.core import faults
+from lsreplay.core.storage import PART_BYTES_ENV, Store
 
 PART = 5 * 2**20  # S3's smallest part
 WEIGHTS = "checkpoints/policy/step_0000/model.safetensors"

@@ -68,7 +68,7 @@ def test_the_check_finds_a_circle():
 
 def test_no_import_circle_inside_the_library():
     graph = import_graph()
-    assert len(graph) > 40 and "lsreplay.faults" in graph["lsreplay.storage"]  # the graph is read
+    assert len(graph) > 40 and "lsreplay.core.faults" in graph["lsreplay.core.storage"]  # the graph is read
     found = circles(graph)
     assert not found, "import circles: " + "; ".join(
         " <-> ".join(f"{m} (imports {sorted(graph[m] & set(c))})" for m in c) for c in found)
@@ -78,3 +78,10 @@ def test_the_library_never_imports_prefect():
     offenders = {module_name(p): sorted(n for n in imported_names(p) if n.split(".")[0] == "prefect")
                  for p in PACKAGE.rglob("*.py")}
     assert not {m: n for m, n in offenders.items() if n}
+
+
+def test_the_core_imports_nothing_above_it():
+    graph = import_graph()
+    above = {m: sorted(n for n in graph[m] if not n.startswith("lsreplay.core")) for m in graph
+             if m.startswith("lsreplay.core")}
+    assert len(above) >= 6 and not {m: n for m, n in above.items() if n}

@@ -15,10 +15,10 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 
 from lsreplay import checkpointing, stages
-from lsreplay.config import OptimConfig, load_config
+from lsreplay.core.config import OptimConfig, load_config
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.resident import RESIDENT
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.train_state import TrainState
 from lsreplay.tree import RolloutTree
 
@@ -195,7 +195,7 @@ def test_a_bf16_policy_computes_what_from_pretrained_in_bf16_does(tiny_model_dir
     which a long prompt turns into different logits); a random model of model.arch too."""
     from transformers import AutoModelForCausalLM
 
-    from lsreplay.config import ModelConfig
+    from lsreplay.core.config import ModelConfig
     from lsreplay.models import load_model
 
     cfg = ModelConfig(path=str(tiny_model_dir), dtype="bfloat16")

@@ -10,8 +10,8 @@ import uuid
 import pytest
 import torch
 
-from lsreplay import devices
-from lsreplay.config import ConfigError, PoolConfig, load_config
+from lsreplay.core import devices
+from lsreplay.core.config import ConfigError, PoolConfig, load_config
 
 
 def test_slots_name_devices():
@@ -41,7 +41,7 @@ def test_gpu_pool_without_a_gpu_is_an_error_before_any_work(tmp_path, capsys):
 def test_device_locks_are_machine_wide(tmp_path):
     """A process started in another folder sees the devices this one holds."""
     pool = PoolConfig(name=f"test-{uuid.uuid4().hex[:8]}", slots=2)
-    probe = ("import sys; from lsreplay.config import PoolConfig; from lsreplay.devices import any_held; "
+    probe = ("import sys; from lsreplay.core.config import PoolConfig; from lsreplay.core.devices import any_held; "
              f"sys.exit(0 if any_held(PoolConfig(name={pool.name!r}, slots=2), 2) else 3)")
     with devices.hold_devices(pool, 1) as held:
         assert held == [0]
@@ -52,7 +52,7 @@ def test_device_locks_are_machine_wide(tmp_path):
 def test_stages_compute_on_the_held_device(tiny_model_dir, tmp_path):
     from lsreplay import checkpointing, stages
     from lsreplay.resident import RESIDENT
-    from lsreplay.run import Run
+    from lsreplay.core.run import Run
 
     run = Run(load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "steps=1", "data.size=8",
                                  "data.prompts_per_step=1", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",

@@ -123,9 +123,9 @@ def test_plan_io_matches_what_a_step_writes(tiny_model_dir, tmp_path):
     (float32 masters + AdamW moments) to the byte, the prefix K/V as an upper bound (a
     rollout that ends early has no K/V below its end)."""
     from lsreplay import checkpointing, stages
-    from lsreplay.config import load_config
+    from lsreplay.core.config import load_config
     from lsreplay.resident import RESIDENT
-    from lsreplay.run import Run
+    from lsreplay.core.run import Run
 
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "steps=1", "data.size=8",
                  "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
@@ -178,7 +178,7 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
     plan counts). The last sampled token is never encoded: one column fewer than planned."""
     from conftest import tiny_model
 
-    from lsreplay.config import load_config
+    from lsreplay.core.config import load_config
     from lsreplay.drafter.model import Drafter
     from lsreplay.plan import hf_rollout_memory
     from lsreplay.replay.memory import kv_bytes_per_position

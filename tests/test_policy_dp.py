@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from lsreplay import checkpointing, stages
-from lsreplay.config import load_config
-from lsreplay.run import Run
+from lsreplay.core.config import load_config
+from lsreplay.core.run import Run
 
 
 def config(run_dir, model_dir, *more):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lsreplay.config import PoolConfig
+from lsreplay.core.config import PoolConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def slots_come_back(name: str) -> bool:
 
 def test_a_holder_hands_its_slots_and_devices_to_the_next_one_in_its_process(prefect_server, monkeypatch):
     import tasks.pool
-    from lsreplay.devices import any_held
+    from lsreplay.core.devices import any_held
     from tasks.pool import ensure_pool, pool_devices, release_parked
 
     pool = PoolConfig(name=f"test-pool-{uuid.uuid4().hex[:8]}", slots=2)
@@ -174,7 +174,7 @@ def test_serve_needs_one_schedule(argv):
 def test_slots_stranded_by_a_killed_run_are_freed_only_with_no_live_holder(prefect_server):
     from prefect.client.orchestration import get_client
 
-    from lsreplay.devices import hold_devices
+    from lsreplay.core.devices import hold_devices
     from tasks.pool import ensure_pool, free_stranded_slots
 
     pool = PoolConfig(name=f"test-pool-{uuid.uuid4().hex[:8]}", slots=2)
@@ -191,7 +191,7 @@ def test_slots_stranded_by_a_killed_run_are_freed_only_with_no_live_holder(prefe
 def test_idle_cpu_work_runs_at_the_lowest_priority_and_hands_back_its_result_or_error():
     import os
 
-    from lsreplay.devices import on_idle_cpu
+    from lsreplay.core.devices import on_idle_cpu
 
     def policy() -> int:
         return os.sched_getscheduler(threading.get_native_id())
@@ -209,8 +209,8 @@ def test_a_gpu_pool_under_ray_locks_its_slots_in_a_flow_process_that_sees_no_gpu
     UUIDs, and Ray hosts check their own GPUs. This CPU machine is such a driver."""
     import torch
 
-    from lsreplay.config import ConfigError, load_config
-    from lsreplay.devices import LOCK_DIR_ENV, any_held, hold_devices
+    from lsreplay.core.config import ConfigError, load_config
+    from lsreplay.core.devices import LOCK_DIR_ENV, any_held, hold_devices
     from lsreplay.hosts import DeviceHost
 
     monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
@@ -227,7 +227,7 @@ def test_a_gpu_pool_under_ray_locks_its_slots_in_a_flow_process_that_sees_no_gpu
 def test_a_gpu_pool_under_ray_asks_ray_for_gpus():
     """Ray hides every GPU from an actor that asks for none: ray_gpus=0 on a GPU pool is a
     config error (it was accepted, and every stage then found no CUDA device)."""
-    from lsreplay.config import ConfigError, load_config
+    from lsreplay.core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"pool.ray_gpus.*> 0 with pool.accelerator=cuda.*pool.ray_gpus=1"):
         load_config(None, ["pool.accelerator=cuda", "pool.task_runner=ray"])
@@ -242,9 +242,9 @@ def test_a_stage_on_a_gpu_pool_computes_deterministically(tmp_path, monkeypatch,
     tensors (docs/gpu.md)."""
     import torch
 
-    from lsreplay.config import load_config
-    from lsreplay.devices import CUBLAS_WORKSPACE
-    from lsreplay.run import Run
+    from lsreplay.core.config import load_config
+    from lsreplay.core.devices import CUBLAS_WORKSPACE
+    from lsreplay.core.run import Run
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # recorded as it was: put back after the test
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")

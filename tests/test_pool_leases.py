@@ -16,9 +16,9 @@ import pytest
 from flowrun import tiny
 from test_pool import active_slots
 
-from lsreplay.config import PoolConfig
-from lsreplay.faults import ENV as FAULTS_ENV
-from lsreplay.faults import STALL_ENV
+from lsreplay.core.config import PoolConfig
+from lsreplay.core.faults import ENV as FAULTS_ENV
+from lsreplay.core.faults import STALL_ENV
 
 RENEW_SECONDS = 0.3
 
@@ -89,11 +89,11 @@ def test_every_stage_of_a_run_holds_its_slot_on_the_server_while_it_runs(prefect
                 held.append((record.getMessage().split("stage ")[1], active_slots(pool)))
 
     watch = AtEachStall()
-    logging.getLogger("lsreplay.faults").addHandler(watch)
+    logging.getLogger("lsreplay.core.faults").addHandler(watch)
     try:
         train(overrides=overrides)
     finally:
-        logging.getLogger("lsreplay.faults").removeHandler(watch)
+        logging.getLogger("lsreplay.core.faults").removeHandler(watch)
     assert held == [("trees of step 0", 1), ("prefixes of step 0", 1), ("trees of step 1", 1)]
     assert active_slots(pool) == 0  # all given back at the run's end
     assert pool_log == []

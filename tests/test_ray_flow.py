@@ -30,8 +30,8 @@ def test_flow_on_ray_hosts(prefect_server, local_ray, tiny_model_dir, tmp_path):
     import os
 
     from flows.train import train
-    from lsreplay.config import load_config
-    from lsreplay.run import Run
+    from lsreplay.core.config import load_config
+    from lsreplay.core.run import Run
 
     run_dir = tmp_path / "run"
     # Two devices, and step 1's two rollout shards side by side on them; the update of step 0

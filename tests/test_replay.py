@@ -95,8 +95,8 @@ def test_caching_pass_logprobs_match_per_rollout_forward():
 
 def test_stored_prefix_kv_corrupt_or_missing_is_recomputed(tmp_path, caplog):
     """The pipeline's store-backed source: sha256 checked; bad entries recomputed with a warning."""
-    from lsreplay.config import load_config
-    from lsreplay.run import Run
+    from lsreplay.core.config import load_config
+    from lsreplay.core.run import Run
     from lsreplay.stages.prefixes import StoredPrefixKV, kv_key, kv_tensors
 
     model = tiny_model("llama")
@@ -127,8 +127,8 @@ def test_stored_prefix_kv_corrupt_or_missing_is_recomputed(tmp_path, caplog):
 
 
 def test_host_offloaded_prefix_kv_is_served_from_memory(tmp_path):
-    from lsreplay.config import load_config
-    from lsreplay.run import Run
+    from lsreplay.core.config import load_config
+    from lsreplay.core.run import Run
     from lsreplay.stages.prefixes import HOST_KV, StoredPrefixKV, kv_key, kv_tensors
 
     model = tiny_model("llama")

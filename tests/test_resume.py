@@ -12,9 +12,9 @@ import pytest
 from flowrun import digests, lsreplay_chain, reference_run, step0_copy, tiny, unique_pool
 
 from lsreplay import cli
-from lsreplay.config import load_config
-from lsreplay.layout import STAGES
-from lsreplay.run import Run
+from lsreplay.core.config import load_config
+from lsreplay.core.layout import STAGES
+from lsreplay.core.run import Run
 
 STEP1 = ["step_0001", "checkpoints/policy/step_0001", "checkpoints/drafter/step_0001"]
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from lsreplay.config import load_config
+from lsreplay.core.config import load_config
 from lsreplay.data import Prompt
 from lsreplay.algos.grpo import clip_fractions
 from lsreplay.metrics import rollout_metrics

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from lsreplay.config import load_config
+from lsreplay.core.config import load_config
 from lsreplay.data import Prompt
 from lsreplay.rewards import Reward, RewardError
 
@@ -89,7 +89,8 @@ def test_rollouts_are_scored_by_the_own_function(reward_module, tiny_model_dir, 
     """The trees stage scores with the configured function, on prompts of one's own file
     whose task column names no reasoning-gym task."""
     from lsreplay import stages
-    from lsreplay.run import Run, preflight
+    from lsreplay.core.run import Run
+    from lsreplay.stages.preflight import preflight
 
     rows = tmp_path / "own.jsonl"
     rows.write_text("".join(json.dumps({"q": f"Say {i}.", "kind": "echo"}) + "\n" for i in range(4)))

@@ -8,7 +8,7 @@ from flowrun import tiny
 from s3server import BUCKET, KEY, SECRET
 
 from lsreplay import cli
-from lsreplay.layout import STAGES
+from lsreplay.core.layout import STAGES
 
 PREFIX = "runs/tiny"
 

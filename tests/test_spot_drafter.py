@@ -8,8 +8,8 @@ import json
 
 from flowrun import lsreplay_chain, tiny, unique_pool
 
-from lsreplay.config import load_config
-from lsreplay.run import Run, open_run_config
+from lsreplay.core.config import load_config
+from lsreplay.core.run import Run, open_run_config
 
 SPOT = ["rollout.shards=2", "pool.slots=2", "data.prompts_per_step=2", "drafter.steps=120",
         "drafter.checkpoint_every=2"]

@@ -1,4 +1,4 @@
-"""Tests for lsreplay.storage: round trips on a local directory and on S3, atomic writes,
+"""Tests for lsreplay.core.storage: round trips on a local directory and on S3, atomic writes,
 corruption and absence detection, and errors for an unreachable endpoint."""
 
 import hashlib
@@ -11,7 +11,7 @@ import pytest
 import torch
 from s3server import BUCKET, SECRET
 
-from lsreplay.storage import CorruptEntry, MissingEntry, Store, StorageError
+from lsreplay.core.storage import CorruptEntry, MissingEntry, Store, StorageError
 
 
 def test_bytes_round_trip_and_entry(store):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lsreplay.config import ConfigError, load_config
+from lsreplay.core.config import ConfigError, load_config
 from lsreplay.trackers import Trackers, check_trackers
 
 RECORDS = [{"step": 0, "eval_accuracy": 0.25}, {"step": 0, "reward": 0.5, "loss": 1.5, "rewards/f/mean": 0.5},

@@ -8,8 +8,8 @@ import pytest
 from safetensors.torch import load_file
 
 from lsreplay import checkpointing, stages
-from lsreplay.config import load_config
-from lsreplay.run import preflight
+from lsreplay.core.config import load_config
+from lsreplay.stages.preflight import preflight
 
 
 def test_a_step_without_clipping_moves_the_weights(tiny_model_dir, tmp_path):

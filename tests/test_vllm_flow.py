@@ -9,8 +9,8 @@ import json
 
 from flowrun import lsreplay_chain, unique_pool
 
-from lsreplay.config import load_config
-from lsreplay.run import Run
+from lsreplay.core.config import load_config
+from lsreplay.core.run import Run
 from vllm_models import needs_vllm, tiny_vllm_run, vllm_installed, vllm_model_dir  # noqa: F401
 
 pytestmark = needs_vllm

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from lsreplay.config import ModelConfig
+from lsreplay.core.config import ModelConfig
 from lsreplay.models import resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from lsreplay.algos.weights import NestedLogprobs
-
-LOSS_AGGS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
+from lsreplay.core.config import LOSS_AGGS
 
 
 # counts[i][j]: the samples completion j of tree i stands for; None = 1 each.

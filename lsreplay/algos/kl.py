@@ -21,9 +21,8 @@ from transformers import PreTrainedModel
 from lsreplay.algos.grpo import NestedCounts, NestedMask, aggregate, flat_counts, kept
 from lsreplay.algos.backward import LossFn, capture_logprobs
 from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.core.config import KL_ESTIMATORS
 from lsreplay.tree import RolloutTree
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

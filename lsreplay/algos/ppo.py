@@ -31,7 +31,7 @@ class PPOBatch:
     advantages: list[list]  # per tree, per completion: a scalar or one advantage per token
     old_logprobs: NestedLogprobs  # per tree, per completion: token logprobs before the update
     clip_eps: float = 0.2
-    loss_agg: str = "token-mean"  # see grpo.LOSS_AGGS
+    loss_agg: str = "token-mean"  # see lsreplay.core.config.LOSS_AGGS
     max_tokens: int | None = None
     counts: NestedCounts = None  # per tree, per completion: the samples it stands for (see grpo)
     clip_eps_high: float | None = None  # the upper clip (None: clip_eps)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from lsreplay.config import OptimConfig
+from lsreplay.core.config import OptimConfig
 from lsreplay.drafter.model import Drafter
 from lsreplay.train_state import TrainState
 

@@ -18,7 +18,7 @@ from safetensors.torch import load as load_safetensors
 from transformers import PreTrainedModel
 
 from lsreplay.drafter.model import Drafter
-from lsreplay.storage import Store
+from lsreplay.core.storage import Store
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 KEY = "lsreplay_drafter"

@@ -228,7 +228,7 @@ def check_engine(cfg, model_dir: Path) -> None:
     """Before any work, for rollout.engine=vllm: vLLM is installed in rollout.vllm.python, it
     runs the model's architecture, and on a CPU pool its KV cache plus a copy of the weights
     fit the free host memory. ConfigError naming the fix otherwise."""
-    from lsreplay.config import ConfigError
+    from lsreplay.core.config import ConfigError
 
     if cfg.model.arch:
         raise ConfigError("config key 'model.arch' must be empty with rollout.engine=vllm: vLLM loads a model folder "

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from lsreplay.algos.overlong import length_penalty
 from lsreplay.resident import RESIDENT
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.tree import RolloutTree
 
 

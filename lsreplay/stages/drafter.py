@@ -20,17 +20,18 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from lsreplay import faults
-from lsreplay.checkpoint import (CheckpointError, check_fits, load_module, load_optimizer, load_rng, load_weights,
+from lsreplay.core import faults
+from lsreplay.checkpoint import (check_fits, load_module, load_optimizer, load_rng, load_weights,
                                  save_optimizer, save_rng, save_weights)
-from lsreplay.devices import on_idle_cpu
+from lsreplay.core.devices import on_idle_cpu
+from lsreplay.core.layout import CheckpointError
 from lsreplay.drafter.distill import distill, drafter_train_state, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
-from lsreplay.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 from lsreplay.train_state import TrainState
 
 log = logging.getLogger(__name__)

@@ -15,14 +15,14 @@ import time
 
 from tqdm.auto import tqdm
 
-from lsreplay import faults
+from lsreplay.core import faults
 from lsreplay.evaluation import answer, score_answers, summary
 from lsreplay.models import eos_ids, load_tokenizer
 from lsreplay.prompt_sets import heldout_prompts
 from lsreplay.rendering import render_prompt
 from lsreplay.rewards import Reward
 from lsreplay.rollout.sampling import SamplingParams
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, policy_before
 
 STAGE = "eval"

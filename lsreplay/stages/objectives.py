@@ -31,7 +31,7 @@ from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.stages.common import leaf_counts, leaf_subtrees, training_rewards
 from lsreplay.stages.prefixes import load_activations
 

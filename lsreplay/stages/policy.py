@@ -10,12 +10,14 @@ import time
 
 import torch
 
-from lsreplay import checkpointing, faults
+from lsreplay import checkpointing
+
+from lsreplay.core import faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.updates import Minibatch, minibatch_updates
-from lsreplay.devices import cuda_determinism
+from lsreplay.core.devices import cuda_determinism
 from lsreplay.resident import RESIDENT, policy_model, policy_train_state
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, all_alike, load_trees, training_rewards
 from lsreplay.stages.objectives import Objective, objective, updates_per_step
 from lsreplay.stages.prefixes import StoredPrefixKV, capture_now

@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from lsreplay import faults
+from lsreplay.core import faults
 from lsreplay.algos.backward import activations_kv, completion_logprobs, completion_scores
 from lsreplay.algos.critic import VALUE, value_scores
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
@@ -28,9 +28,9 @@ from lsreplay.replay.heads import LOGPROB, Heads
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.replay.view import read_kv_nodes, replay_view
 from lsreplay.resident import RESIDENT
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, load_trees, policy_before
-from lsreplay.storage import StorageError
+from lsreplay.core.storage import StorageError
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from lsreplay import faults
+from lsreplay.core import faults
 from lsreplay.preferences import PreferenceSet, offline
 from lsreplay.prompt_sets import training_prompts
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 
 
 def sample_prompts(run: Run, step: int) -> dict:

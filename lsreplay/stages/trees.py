@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
-from lsreplay import faults
+from lsreplay.core import faults
 from lsreplay.data import Prompt
 from lsreplay.drafter.model import Drafter
 from lsreplay.metrics import rollout_metrics
@@ -21,7 +21,7 @@ from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.resident import RESIDENT
-from lsreplay.run import Run
+from lsreplay.core.run import Run
 from lsreplay.preferences import Preference, offline, preference_record
 from lsreplay.stages.common import StateClock, all_alike, leaf_counts, policy_before, training_rewards
 from lsreplay.stages.drafter import load_drafter, newest_drafter

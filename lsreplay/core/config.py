@@ -15,8 +15,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from lsreplay.algos.grpo import LOSS_AGGS
-from lsreplay.algos.kl import KL_ESTIMATORS
+# The names algo.loss_agg and algo.kl_estimator take; lsreplay.algos.grpo and .kl implement each.
+LOSS_AGGS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 ANSWER_INSTRUCTION = (
     "\n\nWork it out briefly, then end your reply with the final answer inside "

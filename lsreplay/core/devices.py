@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from lsreplay.config import ConfigError, PoolConfig
+from lsreplay.core.config import ConfigError, PoolConfig
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

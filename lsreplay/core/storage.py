@@ -31,7 +31,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors import SafetensorError
 
-from lsreplay import faults
+from lsreplay.core import faults
 
 log = logging.getLogger(__name__)
 

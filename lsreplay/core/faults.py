@@ -15,7 +15,7 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
                              file beside a local store's entry, an incomplete S3 multipart upload)
     storage:fail[*N]         the next N store writes raise a transient ConnectionError
 
-STAGE is one of lsreplay.layout.STAGES, `eval` (the held-out evaluation), or `checkpoint`
+STAGE is one of lsreplay.core.layout.STAGES, `eval` (the held-out evaluation), or `checkpoint`
 (the policy checkpoint's write, in the background: `checkpoint@1:kill` kills the process
 after the weights file of step 1's checkpoint is written, before it is complete); without
 @STEP a fault applies at every step. Counts are per process. Stages call `hook(stage,
@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from lsreplay.layout import MODEL_FILE, STAGES, checkpoint_folder
+from lsreplay.core.layout import MODEL_FILE, STAGES, checkpoint_folder
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Where a run keeps things in its store, at the bottom of the library's layers: the stage
-names of a step, a checkpoint's folder and its weights file. The store's fault hooks
-(lsreplay.faults) read them, so they cannot live with the run (lsreplay.run) or the
-checkpoints (lsreplay.checkpoint), which use the store."""
+names of a step, a checkpoint's folder and its weights file, and the error for a checkpoint
+that is not there as it should be. The store's fault hooks (lsreplay.core.faults) read them,
+so they cannot live with the run (lsreplay.core.run) or the checkpoints (lsreplay.checkpoint),
+which use the store."""
 
 # A step's stages, in the order a step runs them.
 STAGES = ("prompts", "trees", "prefixes", "policy", "drafter")
@@ -10,6 +11,10 @@ STAGES = ("prompts", "trees", "prefixes", "policy", "drafter")
 MODEL_FILE = "model.safetensors"
 
 CHECKPOINTS = "checkpoints"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged, or does not fit what it is loaded into."""
 
 
 def checkpoint_folder(kind: str, step: int) -> str:

@@ -38,13 +38,12 @@ from collections.abc import Iterator
 import torch
 from omegaconf import OmegaConf
 
-from lsreplay import config as config_mod
-from lsreplay import faults
-from lsreplay.checkpoint import CheckpointError
-from lsreplay.config import Config, ConfigError
-from lsreplay.devices import check_accelerator, cuda_determinism, torch_device
-from lsreplay.layout import checkpoint_folder
-from lsreplay.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core import config as config_mod
+from lsreplay.core import faults
+from lsreplay.core.config import Config, ConfigError
+from lsreplay.core.devices import cuda_determinism, torch_device
+from lsreplay.core.layout import CheckpointError, checkpoint_folder
+from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 
 log = logging.getLogger(__name__)
 
@@ -280,53 +279,6 @@ class Run:
             return [json.loads(x) for x in self.store.read_bytes("metrics.jsonl").decode().splitlines() if x]
         except MissingEntry:
             return []
-
-
-def preflight(cfg: Config, force: bool = False) -> Run:
-    """What can be checked before any work: the store answers, the config fits an existing
-    run, the model folder is there, the trackers are installed, the reward functions import
-    and take what the data gives them, and the prompts load, have the shape of prompts,
-    split into training and held-out sets, can be scored and fit their token limit
-    (lsreplay.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
-    DatasetError with a message that says what to do. Returns the run with its thread count
-    pinned (`Run.with_pinned_threads`)."""
-    from lsreplay.models import load_tokenizer, resolve_model_dir
-    from lsreplay.preferences import check_preferences, offline
-    from lsreplay.prompt_sets import check_prompts
-    from lsreplay.rewards import Reward
-    from lsreplay.rollout.vllm_engine import check_engine
-    from lsreplay.rendering import render_prompt
-    from lsreplay.trackers import check_trackers
-
-    run = Run(cfg)
-    run.check_config(force)
-    if cfg.pool.task_runner == "thread":  # under Ray the devices are the workers', checked there
-        check_accelerator(cfg.pool)
-    model_dir = resolve_model_dir(cfg.model)
-    if cfg.rollout.engine == "vllm":
-        check_engine(cfg, model_dir)
-    if cfg.drafter.enabled:
-        check_drafters(run)
-    check_trackers(cfg)
-    reward = Reward(cfg)  # the reward functions import and can be called in their styles
-    tokenizer = load_tokenizer(cfg.model)
-    if offline(cfg):  # the preference dataset trains; prompts only evaluate
-        check_preferences(cfg, tokenizer)
-    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, cfg.data), reward, training=not offline(cfg))
-    return run.with_pinned_threads()
-
-
-def check_drafters(run: Run) -> None:
-    """The run's drafters are of the architecture this lsreplay trains and vLLM loads (those of
-    lsreplay before vLLM's EAGLE layout had an fc bias and an input norm, and load in neither)."""
-    from lsreplay.drafter.export import exported_format
-    from lsreplay.drafter.model import FORMAT
-
-    for key in run.store.list("checkpoints/drafter"):
-        if key.endswith("/hf/config.json") and (found := exported_format(run.store, posixpath.dirname(key))) != FORMAT:
-            raise ConfigError(f"{run.store.url(posixpath.dirname(key))} holds a drafter of format {found!r}, not "
-                              f"{FORMAT!r} (an older lsreplay's): neither this lsreplay nor vLLM loads it; continue "
-                              "in a new run_dir, or with drafter.enabled=false (--force)")
 
 
 def open_run_config(uri: str, overrides: list[str] = ()) -> Config:

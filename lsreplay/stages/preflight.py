@@ -1,0 +1,56 @@
+"""What is checked before a run's first stage (`lsreplay train`, `lsreplay config --check`
+and the flow call it): every input a stage will read, so that a bad one fails at once with a
+message that says what to do, not after the first steps."""
+
+from __future__ import annotations
+
+import posixpath
+
+from lsreplay.core.config import Config, ConfigError
+from lsreplay.core.devices import check_accelerator
+from lsreplay.core.run import Run
+from lsreplay.drafter.export import exported_format
+from lsreplay.drafter.model import FORMAT
+from lsreplay.models import load_tokenizer, resolve_model_dir
+from lsreplay.preferences import check_preferences, offline
+from lsreplay.prompt_sets import check_prompts
+from lsreplay.rendering import render_prompt
+from lsreplay.rewards import Reward
+from lsreplay.rollout.vllm_engine import check_engine
+from lsreplay.trackers import check_trackers
+
+
+def preflight(cfg: Config, force: bool = False) -> Run:
+    """What can be checked before any work: the store answers, the config fits an existing
+    run, the model folder is there, the trackers are installed, the reward functions import
+    and take what the data gives them, and the prompts load, have the shape of prompts,
+    split into training and held-out sets, can be scored and fit their token limit
+    (lsreplay.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
+    DatasetError with a message that says what to do. Returns the run with its thread count
+    pinned (`Run.with_pinned_threads`)."""
+    run = Run(cfg)
+    run.check_config(force)
+    if cfg.pool.task_runner == "thread":  # under Ray the devices are the workers', checked there
+        check_accelerator(cfg.pool)
+    model_dir = resolve_model_dir(cfg.model)
+    if cfg.rollout.engine == "vllm":
+        check_engine(cfg, model_dir)
+    if cfg.drafter.enabled:
+        check_drafters(run)
+    check_trackers(cfg)
+    reward = Reward(cfg)  # the reward functions import and can be called in their styles
+    tokenizer = load_tokenizer(cfg.model)
+    if offline(cfg):  # the preference dataset trains; prompts only evaluate
+        check_preferences(cfg, tokenizer)
+    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, cfg.data), reward, training=not offline(cfg))
+    return run.with_pinned_threads()
+
+
+def check_drafters(run: Run) -> None:
+    """The run's drafters are of the architecture this lsreplay trains and vLLM loads (those of
+    lsreplay before vLLM's EAGLE layout had an fc bias and an input norm, and load in neither)."""
+    for key in run.store.list("checkpoints/drafter"):
+        if key.endswith("/hf/config.json") and (found := exported_format(run.store, posixpath.dirname(key))) != FORMAT:
+            raise ConfigError(f"{run.store.url(posixpath.dirname(key))} holds a drafter of format {found!r}, not "
+                              f"{FORMAT!r} (an older lsreplay's): neither this lsreplay nor vLLM loads it; continue "
+                              "in a new run_dir, or with drafter.enabled=false (--force)")
