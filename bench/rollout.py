@@ -50,7 +50,7 @@ from specdec import ROOT, draft_head, log, parse_run_args, prompt_ids, with_feat
 from lsreplay.core.config import ModelConfig, load_config  # noqa: E402
 from lsreplay.drafter.distill import distill  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402
-from lsreplay.models import eos_ids, load_model, load_tokenizer  # noqa: E402
+from lsreplay.models.loading import eos_ids, load_model, load_tokenizer  # noqa: E402
 from lsreplay.rollout.bandit import DraftLengthBandit  # noqa: E402
 from lsreplay.rollout.sampling import SamplingParams  # noqa: E402
 from lsreplay.rollout.tree_sampler import (  # noqa: E402

@@ -50,7 +50,7 @@ from lsreplay.core.config import DataConfig, ModelConfig, load_config  # noqa: E
 from lsreplay.data import PromptSet, generate_prompt_file  # noqa: E402
 from lsreplay.drafter.distill import distill, drafter_train_state  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402
-from lsreplay.models import load_model, load_tokenizer  # noqa: E402
+from lsreplay.models.loading import load_model, load_tokenizer  # noqa: E402
 from lsreplay.rollout.bandit import DraftLengthBandit  # noqa: E402
 from lsreplay.rollout.speculative import (  # noqa: E402
     SpecStats,

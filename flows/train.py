@@ -27,12 +27,12 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from flows import artifacts
-from lsreplay import checkpointing
+from lsreplay.state import checkpointing
 from lsreplay.core.config import Config, ConfigError, load_config
 from lsreplay.hosts import release_hosts
 from lsreplay.core.layout import STAGES
 from lsreplay.metrics import eval_record, step_record
-from lsreplay.resident import RESIDENT, StateLost
+from lsreplay.state.resident import RESIDENT, StateLost
 from lsreplay.core.run import InputCorrupt, StageFailed, open_run_config
 from lsreplay.stages import evaluated
 from lsreplay.stages.preflight import preflight

@@ -65,7 +65,7 @@ def _run_flow(cfg, force: bool, from_step: int | None = None, **flow_args) -> in
 
     run = preflight(cfg, force=force)
     if from_step is not None:
-        from lsreplay.checkpointing import restart_after
+        from lsreplay.state.checkpointing import restart_after
 
         restart_after(run, from_step)
     from flows.prefect_api import connect
@@ -93,7 +93,7 @@ def _serve(args) -> int:
 
 
 def _export(args) -> int:
-    from lsreplay.checkpointing import export_policy
+    from lsreplay.state.checkpointing import export_policy
     from lsreplay.core.run import Run, open_run_config
 
     step, files = export_policy(Run(open_run_config(args.run_dir, secrets_to_env(args.overrides))), args.out,
@@ -120,7 +120,7 @@ def _config(args) -> int:
 
 
 def _convert(args) -> int:
-    from lsreplay.models import convert_smollm2
+    from lsreplay.models.loading import convert_smollm2
 
     print(convert_smollm2(args.cache_dir))
     return 0
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from lsreplay.core.layout import CheckpointError
     from lsreplay.core.config import ConfigError
     from lsreplay.data import DatasetError
-    from lsreplay.models import ModelError
+    from lsreplay.models.loading import ModelError
     from lsreplay.core.run import StageFailed
     from lsreplay.core.storage import StorageError
 

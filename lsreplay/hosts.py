@@ -1,4 +1,4 @@
-"""Where stages run: a host is a process that keeps state for pool devices (lsreplay.resident).
+"""Where stages run: a host is a process that keeps state for pool devices (lsreplay.state.resident).
 
 Under the thread runner the host is the flow's own process: every stage runs on the flow's
 threads and the state of every device lives there. Under `pool.task_runner=ray` each pool
@@ -20,7 +20,7 @@ import torch
 from lsreplay.core import devices as device_pins
 from lsreplay import stages
 from lsreplay.core.config import Config
-from lsreplay.resident import RESIDENT
+from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
 
 log = logging.getLogger(__name__)

@@ -53,7 +53,7 @@ import torch
 from lsreplay.replay.attention_kernels import kernel_for
 from lsreplay.stages.objectives import updates_per_step
 from lsreplay.stages.prefixes import scores_logprobs, scores_reference
-from lsreplay.train_state import master_dtype
+from lsreplay.models.train_state import master_dtype
 from lsreplay.tree import RolloutTree
 from lsreplay.replay.view import joins
 from lsreplay.replay.memory import (
@@ -289,7 +289,7 @@ class RolloutMemory:
 
 
 def resident_beside_rollouts(cfg, dims: ModelDims) -> list[tuple[str, str, int]]:
-    """What a rollout device holds besides the engine (lsreplay.resident), at worst, for the
+    """What a rollout device holds besides the engine (lsreplay.state.resident), at worst, for the
     device that also ran the other stages: the policy's compute weights; the update's state
     where one device of this process runs it (pool.devices_per_step=1: masters, gradients
     and AdamW moments stay on it between steps); the reference with a KL term; the drafter
@@ -524,7 +524,7 @@ def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
         except (ValueError, KeyError) as e:
             raise ConfigError(f"config key 'model.arch': {e}") from None
         return f"{model_type} (random init from model.arch)", ModelDims.from_hf(hf)
-    from lsreplay.models import resolve_model_dir
+    from lsreplay.models.loading import resolve_model_dir
 
     folder = resolve_model_dir(cfg.model)
     return str(cfg.model.path), ModelDims.from_hf(AutoConfig.from_pretrained(folder, local_files_only=True))
@@ -676,7 +676,7 @@ def advice(p: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from lsreplay.core.config import ConfigError
-    from lsreplay.models import ModelError
+    from lsreplay.models.loading import ModelError
 
     ap = argparse.ArgumentParser(prog="lsreplay plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="YAML config")

@@ -13,8 +13,8 @@ from lsreplay.core.layout import CheckpointError
 from lsreplay.core.config import Config, ConfigError
 from lsreplay.data import DatasetError
 from lsreplay.core.faults import InjectedError
-from lsreplay.models import ModelError
-from lsreplay.resident import StateLost
+from lsreplay.models.loading import ModelError
+from lsreplay.state.resident import StateLost
 from lsreplay.rollout.vllm_engine import EngineStartError
 from lsreplay.core.run import InputCorrupt, Run
 from lsreplay.stages.policy import NonFiniteLoss

@@ -11,7 +11,7 @@ from s3server import s3_endpoint, store  # noqa: F401  (for every test module: o
 
 from lsreplay.core import faults
 from lsreplay.core.config import ModelConfig
-from lsreplay.models import resolve_model_dir
+from lsreplay.models.loading import resolve_model_dir
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, attn_implementation="sdpa")
@@ -47,7 +47,7 @@ def tiny_model(arch: str = "llama", vocab: int = 64, dtype=torch.float64, seed: 
 
 # torch.nn.init's functions as the process started. transformers swaps them while it builds
 # a model; two threads building at once can leave them swapped, and every module built
-# afterwards is uninitialised (lsreplay.models.building_models). That once made
+# afterwards is uninitialised (lsreplay.models.loading.building_models). That once made
 # test_drafter's distillation fail after the flow tests, far from the cause.
 _INIT_FUNCTIONS = {name: getattr(torch.nn.init, name) for name in dir(torch.nn.init) if name.endswith("_")
                    and not name.startswith("_")}

@@ -15,10 +15,12 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from lsreplay import checkpointing, stages
+from lsreplay import stages
+
+from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.preferences import Preference, preference_record
-from lsreplay.resident import RESIDENT
+from lsreplay.state.resident import RESIDENT
 from lsreplay.stages.preflight import preflight
 
 

@@ -22,7 +22,7 @@ from lsreplay.algos.ppo import PPOBatch, ppo_loss, ppo_update
 from lsreplay.algos.weights import loss_and_weights
 from lsreplay.core.config import LOSS_AGGS, OptimConfig
 from lsreplay.replay.capture import capture_tree
-from lsreplay.train_state import lr_factor
+from lsreplay.models.train_state import lr_factor
 from lsreplay.tree import RolloutTree
 
 

@@ -83,7 +83,7 @@ def test_gpu_smoke_on_cpu():
     checkpoints held up, replay and naive gradients agree in bf16 and in float32 (the
     cascade path taken), the plan has an estimate."""
     from lsreplay.core.config import ModelConfig
-    from lsreplay.models import resolve_model_dir
+    from lsreplay.models.loading import resolve_model_dir
 
     tokenizer = resolve_model_dir(ModelConfig())
     proc = as_on_the_gpu_machine("bench/gpu_smoke.py", "--smoke", "--tokenizer", str(tokenizer))

@@ -1,11 +1,11 @@
-"""Tests for lsreplay.checkpoint: exact round trips of a tied-weight Llama, AdamW state and
+"""Tests for lsreplay.state.checkpoint: exact round trips of a tied-weight Llama, AdamW state and
 RNG states, on a local directory and on S3, and clear errors for damaged checkpoints."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lsreplay.checkpoint import (
+from lsreplay.state.checkpoint import (
     CheckpointError,
     load_module,
     load_optimizer,

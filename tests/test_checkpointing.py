@@ -71,8 +71,8 @@ def test_pruning_keeps_the_drafters_a_resume_can_load(tmp_path):
     import torch
     from conftest import tiny_model
 
-    from lsreplay import checkpointing
-    from lsreplay.train_state import TrainState
+    from lsreplay.state import checkpointing
+    from lsreplay.models.train_state import TrainState
 
     run = Run(load_config(None, [f"run_dir={tmp_path}", "checkpoint.keep_last=2"]))
     train = TrainState(tiny_model(dtype=torch.float32), run.cfg.optim)
@@ -101,10 +101,10 @@ def test_checkpoints_are_written_where_the_kernel_refuses_idle_priority(tmp_path
     import torch
     from conftest import tiny_model
 
-    from lsreplay import checkpointing
+    from lsreplay.state import checkpointing
 
     from lsreplay.core import devices
-    from lsreplay.train_state import TrainState
+    from lsreplay.models.train_state import TrainState
 
     def refuse(*args):
         raise OSError(errno.EINVAL, "Invalid argument")

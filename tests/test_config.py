@@ -81,7 +81,7 @@ def test_secrets_are_redacted_and_do_not_change_the_result_hash():
 
 
 def test_random_init_model_of_a_given_shape():
-    from lsreplay.models import load_model
+    from lsreplay.models.loading import load_model
 
     cfg = load_config(None, ["model.arch={model_type: qwen2, hidden_size: 32, intermediate_size: 64, "
                              "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 100}"])

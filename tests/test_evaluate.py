@@ -11,7 +11,7 @@ import torch
 from lsreplay import stages
 from lsreplay.core.config import load_config
 from lsreplay.evaluation import mean_interval, wilson_interval
-from lsreplay.models import eos_ids, load_tokenizer
+from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.prompt_sets import heldout_prompts, training_prompts
 from lsreplay.core.run import Run
 from lsreplay.stages.common import policy_before

@@ -2,12 +2,12 @@
 
 import torch
 
-from lsreplay.checkpoint import save_module
+from lsreplay.state.checkpoint import save_module
 from lsreplay.cli import main
 from lsreplay.core.config import ModelConfig
 from lsreplay.drafter import Drafter
 from lsreplay.drafter.export import save_hf
-from lsreplay.models import eos_ids, load_model, load_tokenizer
+from lsreplay.models.loading import eos_ids, load_model, load_tokenizer
 from lsreplay.rollout.speculative import greedy_generate
 from lsreplay.core.storage import Store
 

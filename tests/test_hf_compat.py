@@ -1,4 +1,4 @@
-"""lsreplay.hf_compat names the KV cache the way the installed transformers takes it
+"""lsreplay.models.hf_compat names the KV cache the way the installed transformers takes it
 (`cache` from 5.24, `past_key_values` before): a forward given it fills it."""
 
 import inspect
@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
 
-from lsreplay.hf_compat import CACHE_KEYWORD, with_cache
+from lsreplay.models.hf_compat import CACHE_KEYWORD, with_cache
 
 
 def test_the_keyword_is_a_parameter_of_what_takes_a_cache():

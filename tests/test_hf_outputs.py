@@ -16,12 +16,14 @@ from s3server import BUCKET, KEY, SECRET
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lsreplay import checkpointing, cli
+from lsreplay import cli
+
+from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.core.layout import STAGES
-from lsreplay.models import ModelError, load_model, resolve_model_dir
+from lsreplay.models.loading import ModelError, load_model, resolve_model_dir
 from lsreplay.core.run import Run
-from lsreplay.train_state import TrainState
+from lsreplay.models.train_state import TrainState
 
 PROMPT = torch.tensor([[1, 17, 300, 4021, 9, 77, 12, 5]])
 

@@ -14,12 +14,14 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import load_file
 
-from lsreplay import checkpointing, stages
+from lsreplay import stages
+
+from lsreplay.state import checkpointing
 from lsreplay.core.config import OptimConfig, load_config
 from lsreplay.replay import naive_backward, replay_backward
-from lsreplay.resident import RESIDENT
+from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
-from lsreplay.train_state import TrainState
+from lsreplay.models.train_state import TrainState
 from lsreplay.tree import RolloutTree
 
 
@@ -112,7 +114,7 @@ def test_replay_and_per_rollout_gradients_agree_in_bf16_compute():
 
 
 def test_float_logits_of_a_bf16_head_are_float32_and_keep_no_float32_copy_of_it():
-    from lsreplay.logits import CHUNK, float_logits
+    from lsreplay.models.logits import CHUNK, float_logits
     from lsreplay.replay.memory import ActivationMeter
 
     model = tiny_model(vocab=CHUNK * 2 + 100, dtype=torch.bfloat16)  # three vocabulary chunks
@@ -196,7 +198,7 @@ def test_a_bf16_policy_computes_what_from_pretrained_in_bf16_does(tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     from lsreplay.core.config import ModelConfig
-    from lsreplay.models import load_model
+    from lsreplay.models.loading import load_model
 
     cfg = ModelConfig(path=str(tiny_model_dir), dtype="bfloat16")
     ours = load_model(cfg, trainable=False)

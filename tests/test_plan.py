@@ -122,9 +122,10 @@ def test_plan_io_matches_what_a_step_writes(tiny_model_dir, tmp_path):
     """The plan's bytes per step against a real step of the same config: the checkpoint
     (float32 masters + AdamW moments) to the byte, the prefix K/V as an upper bound (a
     rollout that ends early has no K/V below its end)."""
-    from lsreplay import checkpointing, stages
+    from lsreplay import stages
+    from lsreplay.state import checkpointing
     from lsreplay.core.config import load_config
-    from lsreplay.resident import RESIDENT
+    from lsreplay.state.resident import RESIDENT
     from lsreplay.core.run import Run
 
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "steps=1", "data.size=8",

@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lsreplay import checkpointing, stages
+from lsreplay import stages
+
+from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from lsreplay import checkpointing, stages
+from lsreplay import stages
+
+from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.stages.preflight import preflight
 

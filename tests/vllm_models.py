@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from lsreplay.core.config import ModelConfig
-from lsreplay.models import resolve_model_dir
+from lsreplay.models.loading import resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = str(REPO / ".venv-vllm/bin/python")

@@ -1,7 +1,7 @@
 """Where a run keeps things in its store, at the bottom of the library's layers: the stage
 names of a step, a checkpoint's folder and its weights file, and the error for a checkpoint
 that is not there as it should be. The store's fault hooks (lsreplay.core.faults) read them,
-so they cannot live with the run (lsreplay.core.run) or the checkpoints (lsreplay.checkpoint),
+so they cannot live with the run (lsreplay.core.run) or the checkpoints (lsreplay.state.checkpoint),
 which use the store."""
 
 # A step's stages, in the order a step runs them.

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from lsreplay.core.config import OptimConfig
 from lsreplay.drafter.model import Drafter
-from lsreplay.train_state import TrainState
+from lsreplay.models.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ MAX_GRAD_NORM = 0.5
 
 
 def drafter_train_state(drafter: Drafter, lr: float, max_grad_norm: float = MAX_GRAD_NORM) -> TrainState:
-    """The drafter's trainable state, as the policy's (lsreplay.train_state): AdamW (torch's
+    """The drafter's trainable state, as the policy's (lsreplay.models.train_state): AdamW (torch's
     defaults: betas 0.9/0.999, weight decay 0.01) on float32 masters of a bf16 drafter's
     weights, gradients accumulated in float32, the compute weights refreshed after each
     step; a float32 drafter is its own master. In pure bf16 an update below half an ulp

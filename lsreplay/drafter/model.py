@@ -29,8 +29,8 @@ import transformers
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from lsreplay.hf_compat import with_cache
-from lsreplay.models import building_models
+from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.loading import building_models
 
 log = logging.getLogger(__name__)
 

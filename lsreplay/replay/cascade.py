@@ -33,7 +33,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-from lsreplay.hf_compat import with_cache
+from lsreplay.models.hf_compat import with_cache
 from lsreplay.replay.attention_kernels import AttentionKernel, kernel_for, runs_on
 from lsreplay.replay.segments import PrefixKV, padded_batch
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from lsreplay.hf_compat import with_cache
-from lsreplay.logits import float_logits
+from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.logits import float_logits
 
 # Per-layer keys and values of a run of positions: ([k_0, ..., k_L-1], [v_0, ..., v_L-1]),
 # each (1, kv_heads, positions, head_dim), post-rotary as HF caches them.

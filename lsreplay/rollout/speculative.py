@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from lsreplay.hf_compat import with_cache
-from lsreplay.logits import float_logits
+from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.logits import float_logits
 from lsreplay.rollout.sampling import SamplingParams, _truncate, draw
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from lsreplay.hf_compat import with_cache
-from lsreplay.logits import float_logits
+from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.logits import float_logits
 from lsreplay.rollout.sampling import SamplingParams, sample_next
 from lsreplay.rollout.speculative import (
     DEFAULT_DRAFT_LEN,

@@ -8,14 +8,14 @@ import torch
 from transformers import PreTrainedModel
 
 from lsreplay.algos.overlong import length_penalty
-from lsreplay.resident import RESIDENT
+from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
 from lsreplay.tree import RolloutTree
 
 
 def policy_before(run: Run, step: int, device: torch.device | str = "cpu") -> PreTrainedModel:
     """The policy that acts in `step` (after updates 0 .. step - 1) on `device`: the copy
-    this process holds, else loaded (lsreplay.resident)."""
+    this process holds, else loaded (lsreplay.state.resident)."""
     return RESIDENT.policy(run, step, torch.device(device))
 
 

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lsreplay.core import faults
-from lsreplay.checkpoint import (check_fits, load_module, load_optimizer, load_rng, load_weights,
+from lsreplay.state.checkpoint import (check_fits, load_module, load_optimizer, load_rng, load_weights,
                                  save_optimizer, save_rng, save_weights)
 from lsreplay.core.devices import on_idle_cpu
 from lsreplay.core.layout import CheckpointError
@@ -32,7 +32,7 @@ from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
 from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
-from lsreplay.train_state import TrainState
+from lsreplay.models.train_state import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from lsreplay.core import faults
 from lsreplay.evaluation import answer, score_answers, summary
-from lsreplay.models import eos_ids, load_tokenizer
+from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.prompt_sets import heldout_prompts
 from lsreplay.rendering import render_prompt
 from lsreplay.rewards import Reward

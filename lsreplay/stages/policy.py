@@ -10,18 +10,18 @@ import time
 
 import torch
 
-from lsreplay import checkpointing
+from lsreplay.state import checkpointing
 
 from lsreplay.core import faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.updates import Minibatch, minibatch_updates
 from lsreplay.core.devices import cuda_determinism
-from lsreplay.resident import RESIDENT, policy_model, policy_train_state
+from lsreplay.state.resident import RESIDENT, policy_model, policy_train_state
 from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, all_alike, load_trees, training_rewards
 from lsreplay.stages.objectives import Objective, objective, updates_per_step
 from lsreplay.stages.prefixes import StoredPrefixKV, capture_now
-from lsreplay.train_state import TrainState, local, master_dtype
+from lsreplay.models.train_state import TrainState, local, master_dtype
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class NonFiniteLoss(FloatingPointError):
 def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
     """`devices`: the pool's device indices this stage holds (one per data-parallel rank,
     `pool.devices_per_step` of them). One rank updates the policy this process holds for
-    that device in place (lsreplay.resident); several run on `lsreplay.parallel.launch`ed
+    that device in place (lsreplay.state.resident); several run on `lsreplay.parallel.launch`ed
     processes (gloo on CPU; rank r on the r-th device held) over state shared with this one."""
     if done := run.done(step, "policy"):
         return done
@@ -154,7 +154,7 @@ def _any_rank(flag: bool) -> bool:
 # rank reads the masters and AdamW moments from there and writes back what it updated,
 # plain DP rank 0 all of it, FSDP every rank its own rows. Nothing is gathered and nothing
 # goes through the store; this process then checkpoints on its schedule. The state of the
-# group lives in host memory, under the CPU in lsreplay.resident.
+# group lives in host memory, under the CPU in lsreplay.state.resident.
 def _data_parallel_update(run: Run, step: int, goal: Objective, devices) -> dict:
     """One update (config validation: PPO's several need one device): the loss's weights over
     all trees here, every rank's share of the backward there."""

@@ -27,7 +27,7 @@ from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_t
 from lsreplay.replay.heads import LOGPROB, Heads
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.replay.view import read_kv_nodes, replay_view
-from lsreplay.resident import RESIDENT
+from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.core.storage import StorageError

@@ -11,7 +11,7 @@ from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
 from lsreplay.drafter.export import exported_format
 from lsreplay.drafter.model import FORMAT
-from lsreplay.models import load_tokenizer, resolve_model_dir
+from lsreplay.models.loading import load_tokenizer, resolve_model_dir
 from lsreplay.preferences import check_preferences, offline
 from lsreplay.prompt_sets import check_prompts
 from lsreplay.rendering import render_prompt

@@ -14,13 +14,13 @@ from lsreplay.core import faults
 from lsreplay.data import Prompt
 from lsreplay.drafter.model import Drafter
 from lsreplay.metrics import rollout_metrics
-from lsreplay.models import eos_ids, load_tokenizer
+from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.rendering import render_prompt
 from lsreplay.rewards import Reward
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
-from lsreplay.resident import RESIDENT
+from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
 from lsreplay.preferences import Preference, offline, preference_record
 from lsreplay.stages.common import StateClock, all_alike, leaf_counts, policy_before, training_rewards

@@ -6,7 +6,7 @@ the tokenizer's files with its chat template, and the weights as safetensors in 
 compute dtype: `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` with
 `model.safetensors.index.json` once they pass `checkpoint.hf_shard_gb`. Every complete
 policy checkpoint has one under `hf/` (written by the background checkpoint writer,
-lsreplay.checkpointing), and `lsreplay export` writes one from any complete checkpoint.
+lsreplay.state.checkpointing), and `lsreplay export` writes one from any complete checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from lsreplay.core.config import ModelConfig
-from lsreplay.models import load_tokenizer, resolve_model_dir
+from lsreplay.models.loading import load_tokenizer, resolve_model_dir
 from lsreplay.core.storage import Store
 
 WEIGHTS = "model.safetensors"

@@ -3,12 +3,12 @@
 A process serving devices (the flow's own process under the thread runner; a Ray actor
 per device under Ray, lsreplay.hosts) keeps per device one copy of the policy, tagged with
 the step it acts in, plus, where the update runs, its trainable state (float32 masters and
-AdamW, lsreplay.train_state), and the frozen reference. The policy update changes that copy
+AdamW, lsreplay.models.train_state), and the frozen reference. The policy update changes that copy
 in place. A stage asking for the policy of a step gets, in this order:
 
 1. the copy this device holds, if it acts in that step;
 2. the weights of another device's copy in this process that does (a device-to-device copy);
-3. the base model (step 0), or the complete checkpoint of the step before (lsreplay.checkpointing);
+3. the base model (step 0), or the complete checkpoint of the step before (lsreplay.state.checkpointing);
 4. otherwise StateLost: the flow rewinds to the newest complete checkpoint and recomputes
    the steps after it (flows/train.py). The store stays the source of truth after a crash.
 
@@ -31,15 +31,15 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay import checkpointing
+from lsreplay.state import checkpointing
 from lsreplay.algos.critic import attach_value_head
-from lsreplay.checkpoint import load_module, load_optimizer, load_weights
+from lsreplay.state.checkpoint import load_module, load_optimizer, load_weights
 from lsreplay.core.config import Config
 from lsreplay.core.layout import CheckpointError
-from lsreplay.models import load_model, resolve_model_dir
+from lsreplay.models.loading import load_model, resolve_model_dir
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec, same_engine
 from lsreplay.core.run import InputCorrupt, Run
-from lsreplay.train_state import TrainState, master_dtype
+from lsreplay.models.train_state import TrainState, master_dtype
 
 log = logging.getLogger(__name__)
 

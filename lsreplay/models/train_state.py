@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lsreplay.algos.critic import is_critic
 from lsreplay.core.config import OptimConfig
-from lsreplay.logits import FULL_PRECISION
+from lsreplay.models.logits import FULL_PRECISION
 
 
 def master_dtype(compute: str) -> str:

@@ -10,7 +10,7 @@ file, and a resume starts from the newest complete checkpoint (lsreplay.resume).
 Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights),
 critic.safetensors (the value head's, with algo.critic), optimizer.safetensors,
 optimizer.json, rng.safetensors, meta.json, hf/ (the policy as an HF
-model folder in the compute dtype: lsreplay.hf_folder; its weights a hard link to the
+model folder in the compute dtype: lsreplay.models.hf_folder; its weights a hard link to the
 masters where they are the same bytes), checkpoint.json}.
 Drafter checkpoints older than the one a resume from the oldest kept policy checkpoint
 would load go with it.
@@ -33,19 +33,19 @@ import torch
 
 from lsreplay.core import faults
 from lsreplay.algos.critic import split_critic
-from lsreplay.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
+from lsreplay.state.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
                                  save_weights)
 from lsreplay.core.config import ConfigError
 from lsreplay.core.layout import CheckpointError
-from lsreplay.hf_folder import write_hf_folder
+from lsreplay.models.hf_folder import write_hf_folder
 from lsreplay.core.run import Run
 from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
-from lsreplay.train_state import TrainState
+from lsreplay.models.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "checkpoint.json"
-HF = "hf"  # the policy as an HF model folder (lsreplay.hf_folder)
+HF = "hf"  # the policy as an HF model folder (lsreplay.models.hf_folder)
 POLICY = "checkpoints/policy"
 DRAFTER = "checkpoints/drafter"
 
