@@ -3,7 +3,7 @@
     .venv/bin/python bench/dpo.py [--pairs 4] [--prompt 2048] [--completion 128] [--reps 2] [--smoke]
 
 A preference pair's two answers share its prompt, so offline DPO sees a tree of two leaves
-per row (lsreplay.preferences). Per DPO step, on the same model, reference and pairs:
+per row (lsreplay.data.preferences). Per DPO step, on the same model, reference and pairs:
 
     replay    the pipeline's way: a no-grad caching pass of the reference (logprobs) and of
               the policy (logprobs and the prompt's K/V) over each pair's tree, the DPO

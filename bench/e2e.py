@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lsreplay import cli  # noqa: E402
-from lsreplay.report import read_metrics, write_report  # noqa: E402
+from lsreplay.commands.report import read_metrics, write_report  # noqa: E402
 from side_by_side import key_values  # noqa: E402
 
 RUNS = {

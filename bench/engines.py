@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO))
 
 from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
 from lsreplay.core.config import load_config  # noqa: E402
+from lsreplay.data.prompt_sets import source_prompts  # noqa: E402
+from lsreplay.data.rendering import render_prompt  # noqa: E402
 from lsreplay.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
-from lsreplay.prompt_sets import source_prompts  # noqa: E402
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec  # noqa: E402
-from lsreplay.rendering import render_prompt  # noqa: E402
 
 CONFIG = str(REPO / "configs/default.yaml")
 WORKLOADS = {

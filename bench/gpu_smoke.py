@@ -84,21 +84,21 @@ from synthetic import QWEN, qwen_model, random_weights  # noqa: E402
 
 from lsreplay import stages
 
-from lsreplay.state import checkpointing  # noqa: E402
+from lsreplay.commands.plan import TreeShape, make_plan, plan_values  # noqa: E402
 from lsreplay.core.config import ModelConfig, load_config  # noqa: E402
 from lsreplay.core.devices import cuda_determinism  # noqa: E402
-from lsreplay.metrics import step_record  # noqa: E402
+from lsreplay.metrics.records import step_record  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
-from lsreplay.plan import TreeShape, make_plan, plan_values  # noqa: E402
+from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.attention_kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
-from lsreplay.state.resident import RESIDENT  # noqa: E402
 from lsreplay.rollout.sampling import draw  # noqa: E402
-from lsreplay.stages.preflight import preflight  # noqa: E402
 from lsreplay.stages.prefixes import release_read  # noqa: E402
-from lsreplay.models.train_state import TrainState  # noqa: E402
+from lsreplay.stages.preflight import preflight  # noqa: E402
+from lsreplay.state import checkpointing  # noqa: E402
+from lsreplay.state.resident import RESIDENT  # noqa: E402
 
 PRODUCTION = ROOT / "configs" / "h20x8-qwen2.5-7b.yaml"
 TOKENIZER_DIR = ROOT / ".cache" / "gpu-smoke" / "tokenizer"

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lsreplay import cli  # noqa: E402
-from lsreplay.report import curves, plot, read_metrics, write_report  # noqa: E402
+from lsreplay.commands.report import curves, plot, read_metrics, write_report  # noqa: E402
 
 RUNS = {"replay": ["replay.mode=replay"], "baseline": ["replay.mode=naive"],
         "ppo": ["algo.name=ppo", "algo.critic=true", "algo.advantage=gae", "algo.epochs=2", "algo.minibatches=2"],

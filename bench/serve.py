@@ -26,9 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lsreplay.state import checkpointing  # noqa: E402
-from lsreplay.prompt_sets import source_prompts  # noqa: E402
 from lsreplay.core.run import Run, open_run_config  # noqa: E402
+from lsreplay.data.prompt_sets import source_prompts  # noqa: E402
+from lsreplay.state import checkpointing  # noqa: E402
 
 PYTHON = REPO / ".venv-vllm/bin/python"
 PORT = 8765

@@ -47,7 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lsreplay.core.config import DataConfig, ModelConfig, load_config  # noqa: E402
-from lsreplay.data import PromptSet, generate_prompt_file  # noqa: E402
+from lsreplay.data.rendering import render_prompt  # noqa: E402
+from lsreplay.data.sources import PromptSet, generate_prompt_file  # noqa: E402
 from lsreplay.drafter.distill import distill, drafter_train_state  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer  # noqa: E402
@@ -57,7 +58,6 @@ from lsreplay.rollout.speculative import (  # noqa: E402
     greedy_generate,
     speculative_generate,
 )
-from lsreplay.rendering import render_prompt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BANDIT_ARMS = (3, 4, 5, 6, 8)

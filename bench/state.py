@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
-from lsreplay.data import generate_prompt_file  # noqa: E402
-from lsreplay.report import read_metrics  # noqa: E402
+from lsreplay.commands.report import read_metrics  # noqa: E402
+from lsreplay.data.sources import generate_prompt_file  # noqa: E402
 from side_by_side import key_values  # noqa: E402
 
 WORKLOAD = ["data.prompts_per_step=2", "rollout.branching=[8]", "rollout.segment_tokens=[]",

@@ -92,7 +92,7 @@ class Progress:
 def curves_png(name: str, metrics: list[dict]) -> bytes:
     """The curves of `lsreplay report` (reward, loss, KL, positions saved, step time,
     drafter agreement) for this run, as PNG bytes (the store may be remote)."""
-    from lsreplay import report
+    from lsreplay.commands import report
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "curves.png"

@@ -27,17 +27,17 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from flows import artifacts
-from lsreplay.state import checkpointing
 from lsreplay.core.config import Config, ConfigError, load_config
-from lsreplay.hosts import release_hosts
 from lsreplay.core.layout import STAGES
-from lsreplay.metrics import eval_record, step_record
-from lsreplay.state.resident import RESIDENT, StateLost
 from lsreplay.core.run import InputCorrupt, StageFailed, open_run_config
+from lsreplay.distributed.hosts import release_hosts
+from lsreplay.metrics.records import eval_record, step_record
+from lsreplay.metrics.trackers import Trackers
 from lsreplay.stages import evaluated
-from lsreplay.stages.preflight import preflight
 from lsreplay.stages.prefixes import release_read
-from lsreplay.trackers import Trackers
+from lsreplay.stages.preflight import preflight
+from lsreplay.state import checkpointing
+from lsreplay.state.resident import RESIDENT, StateLost
 from tasks.pool import ensure_pool, release_parked
 from tasks.stages import configured
 
@@ -152,7 +152,7 @@ def _evaluate(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> N
 def ray_session(cfg: Config):
     """pool.task_runner=ray: connect this process to the Ray cluster at pool.ray_address
     (empty: a Ray instance already initialised here, else a new local one), where each
-    pool device's host runs (lsreplay.hosts); end the run's hosts afterwards."""
+    pool device's host runs (lsreplay.distributed.hosts); end the run's hosts afterwards."""
     if cfg.pool.task_runner == "thread":  # validated by lsreplay.core.config: "thread" or "ray"
         yield
         return

@@ -93,8 +93,8 @@ def _serve(args) -> int:
 
 
 def _export(args) -> int:
-    from lsreplay.state.checkpointing import export_policy
     from lsreplay.core.run import Run, open_run_config
+    from lsreplay.state.checkpointing import export_policy
 
     step, files = export_policy(Run(open_run_config(args.run_dir, secrets_to_env(args.overrides))), args.out,
                                 args.step)
@@ -127,20 +127,20 @@ def _convert(args) -> int:
 
 
 def _plan(args) -> int:
-    from lsreplay.plan import main as plan_main
+    from lsreplay.commands.plan import main as plan_main
 
     return plan_main([args.config, *args.overrides])
 
 
 def _report(args) -> int:
-    from lsreplay.report import write_report
+    from lsreplay.commands.report import write_report
 
     print(write_report(args.run_dirs, args.out))
     return 0
 
 
 def _generate(args) -> int:
-    from lsreplay.generate import generate
+    from lsreplay.commands.generate import generate
 
     g = generate(args.prompt, args.model, args.policy, args.drafter, args.max_new_tokens, args.draft_len,
                  args.temperature)
@@ -225,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         _config_and_overrides(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect API call otherwise
-    from lsreplay.core.layout import CheckpointError
     from lsreplay.core.config import ConfigError
-    from lsreplay.data import DatasetError
-    from lsreplay.models.loading import ModelError
+    from lsreplay.core.layout import CheckpointError
     from lsreplay.core.run import StageFailed
     from lsreplay.core.storage import StorageError
+    from lsreplay.data.sources import DatasetError
+    from lsreplay.models.loading import ModelError
 
     try:
         return args.fn(args)

@@ -9,17 +9,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from lsreplay import stages
-from lsreplay.core.layout import CheckpointError
 from lsreplay.core.config import Config, ConfigError
-from lsreplay.data import DatasetError
 from lsreplay.core.faults import InjectedError
-from lsreplay.models.loading import ModelError
-from lsreplay.state.resident import StateLost
-from lsreplay.rollout.vllm_engine import EngineStartError
+from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import InputCorrupt, Run
-from lsreplay.stages.policy import NonFiniteLoss
 from lsreplay.core.storage import CorruptEntry, MissingEntry
-from lsreplay.hosts import run_on_host
+from lsreplay.data.sources import DatasetError
+from lsreplay.distributed.hosts import run_on_host
+from lsreplay.models.loading import ModelError
+from lsreplay.rollout.vllm_engine import EngineStartError
+from lsreplay.stages.policy import NonFiniteLoss
+from lsreplay.state.resident import StateLost
 from tasks.pool import pool_devices
 
 # Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt and
@@ -53,7 +53,7 @@ OPTIONS = dict(retries=RETRIES, retry_delay_seconds=retry_delays(), retry_jitter
 def _on_pool(stage: str, cfg: Config, step: int, count: int = 1, done_as: str | None = None,
              on: list[int] | None = None, **kwargs) -> dict:
     """Run `stage` holding `count` pool slots (those of devices `on`, if given), on the host
-    of their devices (this process, or their Ray actor: lsreplay.hosts), passing it their
+    of their devices (this process, or their Ray actor: lsreplay.distributed.hosts), passing it their
     indices as `devices=`. `done_as`: the name of its done marker, if not the stage's."""
     if done := Run(cfg).done(step, done_as or stage):  # finished earlier: no need to wait for a device
         return done

@@ -17,11 +17,11 @@ from transformers import AutoTokenizer
 
 from lsreplay import stages
 
-from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
-from lsreplay.preferences import Preference, preference_record
-from lsreplay.state.resident import RESIDENT
+from lsreplay.data.preferences import Preference, preference_record
 from lsreplay.stages.preflight import preflight
+from lsreplay.state import checkpointing
+from lsreplay.state.resident import RESIDENT
 
 
 def run_steps(tmp_path, model_dir, overrides: list[str], steps: int = 1):

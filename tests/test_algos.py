@@ -11,18 +11,18 @@ import transformers
 
 import lsreplay.algos.backward as naive_module
 import lsreplay.algos.ppo as ppo_module
+from lsreplay.algos.backward import capture_logprobs, naive_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.critic import (CriticBatch, attach_value_head, explained_variance, gae, split_critic,
                                    value_clip_fraction, value_loss, value_scores, whiten)
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, reference_sequence_logprobs, sequence_logprobs
 from lsreplay.algos.grpo import GRPOBatch, aggregate, clip_fractions, group_advantages, grpo_loss
 from lsreplay.algos.kl import kl_loss, kl_per_token, reference_logprobs, with_kl
-from lsreplay.algos.backward import capture_logprobs, naive_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.overlong import length_penalty
 from lsreplay.algos.ppo import PPOBatch, ppo_loss, ppo_update
 from lsreplay.algos.weights import loss_and_weights
 from lsreplay.core.config import LOSS_AGGS, OptimConfig
-from lsreplay.replay.capture import capture_tree
 from lsreplay.models.train_state import lr_factor
+from lsreplay.replay.capture import capture_tree
 from lsreplay.tree import RolloutTree
 
 

@@ -71,7 +71,7 @@ def test_task_args_of_tasks_not_asked_for_do_not_stop_a_run(overrides, tmp_path,
     """The default data.task_args belong to tasks these runs leave out: ignored, so the run
     passes every check made before Prefect starts."""
     from lsreplay.core.config import load_config
-    from lsreplay.prompt_sets import training_prompts
+    from lsreplay.data.prompt_sets import training_prompts
     from lsreplay.stages.preflight import preflight
 
     config = str(LSREPLAY.parent / "configs/default.yaml") if overrides[0] == "CONFIG" else None

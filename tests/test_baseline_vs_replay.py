@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from lsreplay import stages
 
-from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
+from lsreplay.state import checkpointing
 
 
 def run_at(run_dir, model_dir, mode):

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lsreplay.core.storage import Store
 from lsreplay.state.checkpoint import (
     CheckpointError,
     load_module,
@@ -14,7 +15,6 @@ from lsreplay.state.checkpoint import (
     save_optimizer,
     save_rng,
 )
-from lsreplay.core.storage import Store
 
 CONFIG = dict(
     vocab_size=128,

@@ -71,8 +71,8 @@ def test_pruning_keeps_the_drafters_a_resume_can_load(tmp_path):
     import torch
     from conftest import tiny_model
 
-    from lsreplay.state import checkpointing
     from lsreplay.models.train_state import TrainState
+    from lsreplay.state import checkpointing
 
     run = Run(load_config(None, [f"run_dir={tmp_path}", "checkpoint.keep_last=2"]))
     train = TrainState(tiny_model(dtype=torch.float32), run.cfg.optim)

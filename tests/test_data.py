@@ -1,4 +1,4 @@
-"""Tests for lsreplay.data: prompt generation, loading, sampling and rewards."""
+"""Tests for lsreplay.data.sources: prompt generation, loading, sampling and rewards."""
 
 import json
 import subprocess
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lsreplay.data import DatasetError, Prompt, PromptSet, generate_prompt_file
-from lsreplay.rewards import extract_answer, score
+from lsreplay.data.rewards import extract_answer, score
+from lsreplay.data.sources import DatasetError, Prompt, PromptSet, generate_prompt_file
 
 TASKS = ["basic_arithmetic", "gsm_symbolic"]
 
@@ -109,8 +109,8 @@ def test_exact_answer_rows_are_scored_by_exact_match_without_reasoning_gym(tmp_p
     script = f"""
 import sys
 sys.modules["reasoning_gym"] = None  # any import of it fails
-from lsreplay.data import PromptSet
-from lsreplay.rewards import score
+from lsreplay.data.rewards import score
+from lsreplay.data.sources import PromptSet
 p = PromptSet.from_file({str(path)!r}).sample(0, 1, 0)[0]
 print(score(p, "so <answer> 7 </answer>"), score(p, "<answer>8</answer>"), score(p, "it is 7"), score(p, "no idea"))
 """

@@ -7,9 +7,9 @@ from conftest import tiny_model
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from lsreplay.core.storage import Store
 from lsreplay.drafter import Drafter
 from lsreplay.drafter.export import load_hf, save_hf
-from lsreplay.core.storage import Store
 
 # Every parameter of vLLM's EagleLlamaForCausalLM that is not shared with the target.
 VLLM_EAGLE_NAMES = {"fc.weight", *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),

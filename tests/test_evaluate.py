@@ -10,13 +10,13 @@ import torch
 
 from lsreplay import stages
 from lsreplay.core.config import load_config
-from lsreplay.evaluation import mean_interval, wilson_interval
-from lsreplay.models.loading import eos_ids, load_tokenizer
-from lsreplay.prompt_sets import heldout_prompts, training_prompts
 from lsreplay.core.run import Run
+from lsreplay.data.evaluation import mean_interval, wilson_interval
+from lsreplay.data.prompt_sets import heldout_prompts, training_prompts
+from lsreplay.data.rendering import render_prompt
+from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.stages.common import policy_before
 from lsreplay.stages.preflight import preflight
-from lsreplay.rendering import render_prompt
 
 
 def test_wilson_interval_matches_published_values():

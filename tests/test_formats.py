@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from lsreplay.core.config import ANSWER_INSTRUCTION, load_config
-from lsreplay.data import DatasetError, Prompt, PromptSet, generate_prompt_file
-from lsreplay.rendering import render_prompt
+from lsreplay.data.rendering import render_prompt
+from lsreplay.data.sources import DatasetError, Prompt, PromptSet, generate_prompt_file
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 

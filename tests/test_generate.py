@@ -2,14 +2,14 @@
 
 import torch
 
-from lsreplay.state.checkpoint import save_module
 from lsreplay.cli import main
 from lsreplay.core.config import ModelConfig
+from lsreplay.core.storage import Store
 from lsreplay.drafter import Drafter
 from lsreplay.drafter.export import save_hf
 from lsreplay.models.loading import eos_ids, load_model, load_tokenizer
 from lsreplay.rollout.speculative import greedy_generate
-from lsreplay.core.storage import Store
+from lsreplay.state.checkpoint import save_module
 
 
 def test_generate_prints_the_greedy_text_with_speed_and_acceptance(tiny_model_dir, tmp_path, capsys):

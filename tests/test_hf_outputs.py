@@ -18,12 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lsreplay import cli
 
-from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.core.layout import STAGES
-from lsreplay.models.loading import ModelError, load_model, resolve_model_dir
 from lsreplay.core.run import Run
+from lsreplay.models.loading import ModelError, load_model, resolve_model_dir
 from lsreplay.models.train_state import TrainState
+from lsreplay.state import checkpointing
 
 PROMPT = torch.tensor([[1, 17, 300, 4021, 9, 77, 12, 5]])
 

@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 
 from lsreplay import stages
 
-from lsreplay.state import checkpointing
 from lsreplay.core.config import OptimConfig, load_config
-from lsreplay.replay import naive_backward, replay_backward
-from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
 from lsreplay.models.train_state import TrainState
+from lsreplay.replay import naive_backward, replay_backward
+from lsreplay.state import checkpointing
+from lsreplay.state.resident import RESIDENT
 from lsreplay.tree import RolloutTree
 
 

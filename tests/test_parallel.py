@@ -13,7 +13,7 @@ import random
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lsreplay.parallel import (
+from lsreplay.distributed.parallel import (
     data_parallel_backward,
     full_grads,
     full_state,

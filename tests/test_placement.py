@@ -51,9 +51,9 @@ def test_device_locks_are_machine_wide(tmp_path):
 
 def test_stages_compute_on_the_held_device(tiny_model_dir, tmp_path):
     from lsreplay import stages
+    from lsreplay.core.run import Run
     from lsreplay.state import checkpointing
     from lsreplay.state.resident import RESIDENT
-    from lsreplay.core.run import Run
 
     run = Run(load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "steps=1", "data.size=8",
                                  "data.prompts_per_step=1", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",

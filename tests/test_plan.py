@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lsreplay.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
+from lsreplay.commands.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 
 PROD = str(Path(__file__).resolve().parents[1] / "configs" / "h20x8-qwen2.5-7b.yaml")
@@ -123,10 +123,10 @@ def test_plan_io_matches_what_a_step_writes(tiny_model_dir, tmp_path):
     (float32 masters + AdamW moments) to the byte, the prefix K/V as an upper bound (a
     rollout that ends early has no K/V below its end)."""
     from lsreplay import stages
-    from lsreplay.state import checkpointing
     from lsreplay.core.config import load_config
-    from lsreplay.state.resident import RESIDENT
     from lsreplay.core.run import Run
+    from lsreplay.state import checkpointing
+    from lsreplay.state.resident import RESIDENT
 
     overrides = [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "steps=1", "data.size=8",
                  "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
@@ -179,9 +179,9 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
     plan counts). The last sampled token is never encoded: one column fewer than planned."""
     from conftest import tiny_model
 
+    from lsreplay.commands.plan import hf_rollout_memory
     from lsreplay.core.config import load_config
     from lsreplay.drafter.model import Drafter
-    from lsreplay.plan import hf_rollout_memory
     from lsreplay.replay.memory import kv_bytes_per_position
     from lsreplay.rollout import tree_sampler
     from lsreplay.rollout.sampling import SamplingParams

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from lsreplay import stages
 
-from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
+from lsreplay.state import checkpointing
 
 
 def config(run_dir, model_dir, *more):

@@ -211,7 +211,7 @@ def test_a_gpu_pool_under_ray_locks_its_slots_in_a_flow_process_that_sees_no_gpu
 
     from lsreplay.core.config import ConfigError, load_config
     from lsreplay.core.devices import LOCK_DIR_ENV, any_held, hold_devices
-    from lsreplay.hosts import DeviceHost
+    from lsreplay.distributed.hosts import DeviceHost
 
     monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
     assert not torch.cuda.is_available()

@@ -1,5 +1,5 @@
 """The training flow with pool.task_runner=ray: each pool device's stages run on a
-long-lived Ray actor of its own (lsreplay.hosts), which keeps the policy between stages
+long-lived Ray actor of its own (lsreplay.distributed.hosts), which keeps the policy between stages
 and steps; a host that lacks the policy takes it from the one that holds it."""
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ import pytest
 import torch
 import transformers
 
+from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
+from lsreplay.algos.critic import CRITIC_HEADS, VALUE, CriticBatch, attach_value_head, gae, value_loss
 from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import reference_logprobs, with_kl
-from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
-from lsreplay.algos.critic import CRITIC_HEADS, VALUE, CriticBatch, attach_value_head, gae, value_loss
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
 from lsreplay.tree import RolloutTree
 

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 from test_replay import grads_of, max_rel_diff, random_trees
 
-from lsreplay.plan import ModelDims, TreeShape, joined_levels, replay_peak
+from lsreplay.commands.plan import ModelDims, TreeShape, joined_levels, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.capture import capture_tree
 from lsreplay.replay.view import read_kv_nodes, replay_view

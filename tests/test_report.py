@@ -2,7 +2,7 @@
 
 import json
 
-from lsreplay.report import write_report
+from lsreplay.commands.report import write_report
 
 
 def fake_run(path, rewards, tree_shape=True):

@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from lsreplay.core.config import load_config
-from lsreplay.data import Prompt
 from lsreplay.algos.grpo import clip_fractions
-from lsreplay.metrics import rollout_metrics
-from lsreplay.rewards import Reward, RewardError
+from lsreplay.core.config import load_config
+from lsreplay.data.rewards import Reward, RewardError
+from lsreplay.data.sources import Prompt
+from lsreplay.metrics.records import rollout_metrics
 
 # Verbatim from the docs (TRL's Examples 1.1, 2, 3 and 5; verl's my_reward_fn), then a few
 # written as their docs describe them (verl's dict return, TRL's None for other tasks).

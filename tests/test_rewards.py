@@ -10,8 +10,8 @@ import re
 import pytest
 
 from lsreplay.core.config import load_config
-from lsreplay.data import Prompt
-from lsreplay.rewards import Reward, RewardError
+from lsreplay.data.rewards import Reward, RewardError
+from lsreplay.data.sources import Prompt
 
 REWARDS = '''
 import math

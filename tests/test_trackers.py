@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lsreplay.core.config import ConfigError, load_config
-from lsreplay.trackers import Trackers, check_trackers
+from lsreplay.metrics.trackers import Trackers, check_trackers
 
 RECORDS = [{"step": 0, "eval_accuracy": 0.25}, {"step": 0, "reward": 0.5, "loss": 1.5, "rewards/f/mean": 0.5},
            {"step": 1, "reward": 0.75, "loss": 1.25, "rewards/f/mean": 0.75, "engine": "hf"}]
@@ -70,7 +70,7 @@ def test_a_failing_tracker_is_logged_once_and_the_run_goes_on(tmp_path, caplog):
     blocked = tmp_path / "a-file"
     blocked.write_text("tracking.dir is a file: nothing can be written under it")
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "report_to=[tensorboard]", f"tracking.dir={blocked}"])
-    with caplog.at_level(logging.WARNING, logger="lsreplay.trackers"):
+    with caplog.at_level(logging.WARNING, logger="lsreplay.metrics.trackers"):
         trackers = Trackers(cfg)
         for record in RECORDS:
             trackers.log(record)

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from lsreplay import stages
 
-from lsreplay.state import checkpointing
 from lsreplay.core.config import load_config
 from lsreplay.stages.preflight import preflight
+from lsreplay.state import checkpointing
 
 
 def test_a_step_without_clipping_moves_the_weights(tiny_model_dir, tmp_path):

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lsreplay.core.storage import Store
 from lsreplay.drafter import Drafter
 from lsreplay.drafter.export import load_hf, save_hf
 from lsreplay.rollout.speculative import SpecStats, speculative_generate
 from lsreplay.rollout.vllm_engine import EngineSpec, VLLMEngine
-from lsreplay.core.storage import Store
 from vllm_models import VLLM_PYTHON, held_out_prompts, needs_vllm, vllm_installed, vllm_model_dir  # noqa: F401
 from vllm_models import vllm_trained_drafter  # noqa: F401
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.algos.grpo import NestedCounts, NestedMask, aggregate, flat_counts, kept
 from lsreplay.algos.backward import LossFn, capture_logprobs
+from lsreplay.algos.grpo import NestedCounts, NestedMask, aggregate, flat_counts, kept
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.core.config import KL_ESTIMATORS
 from lsreplay.tree import RolloutTree

@@ -224,7 +224,7 @@ class RewardConfig:
     # Reward functions by import path, "module.function" (TRL's command line) or
     # "module:function" or "path/to/file.py:function" (verl's custom_reward_function), for
     # training and evaluation; the reward is their weighted sum. Each is called in its own
-    # style (lsreplay.rewards): TRL's batched keywords, verl's compute_score, or lsreplay's
+    # style (lsreplay.data.rewards): TRL's batched keywords, verl's compute_score, or lsreplay's
     # function(prompt, completion). Empty = reasoning-gym's checker of each prompt's task.
     # An answer counts as correct in evaluation when its reward >= 1.
     functions: list[str] = field(default_factory=list)
@@ -338,7 +338,7 @@ class PoolConfig:
     # Data-parallel ranks of the policy update (whole trees per rank).
     devices_per_step: int = 1
     # "thread": every stage runs in the flow's process; "ray": each pool device's stages on a
-    # Ray actor of its own, which keeps its state (lsreplay.hosts; pip install '.[ray]').
+    # Ray actor of its own, which keeps its state (lsreplay.distributed.hosts; pip install '.[ray]').
     task_runner: str = "thread"
     # Ray cluster address for task_runner=ray: "ray://HEAD:10001", "auto", or "" (a new local Ray).
     ray_address: str = ""

@@ -39,7 +39,7 @@ def lock_dir() -> Path:
     return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "lsreplay-devices")
 
 
-# Pool indices a host process (lsreplay.hosts) serves on devices of its own numbering: a
+# Pool indices a host process (lsreplay.distributed.hosts) serves on devices of its own numbering: a
 # Ray actor sees only the GPUs Ray gave it, as cuda:0, cuda:1, ...
 _PINNED: dict[int, torch.device] = {}
 
@@ -80,7 +80,7 @@ def cuda_determinism(pool: PoolConfig) -> None:
 def check_accelerator(pool: PoolConfig, devices: int | None = None) -> None:
     """A GPU pool on a process that sees too few GPUs is an error before any work: the
     flow's process under the thread runner needs every slot's (`devices` None); a Ray host
-    (lsreplay.hosts) the `devices` Ray gave it."""
+    (lsreplay.distributed.hosts) the `devices` Ray gave it."""
     if pool.accelerator != "cuda":
         return
     where = "this process" if devices is None else f"this Ray host of {devices} pool device(s)"

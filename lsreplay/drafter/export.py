@@ -17,8 +17,8 @@ import json
 from safetensors.torch import load as load_safetensors
 from transformers import PreTrainedModel
 
-from lsreplay.drafter.model import Drafter
 from lsreplay.core.storage import Store
+from lsreplay.drafter.model import Drafter
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 KEY = "lsreplay_drafter"

@@ -106,7 +106,7 @@ class Drafter(torch.nn.Module):
     def from_target(cls, target: transformers.PreTrainedModel) -> "Drafter":
         """A fresh drafter for a Llama- or Qwen2-style target, on the target's device and dtype."""
         shared = _SharedHeads(target.get_input_embeddings(), target.get_output_embeddings())
-        with building_models:  # its layers' initialisation uses torch.nn.init (see models.py)
+        with building_models:  # its layers' initialisation uses torch.nn.init (see lsreplay/models/loading.py)
             drafter = cls(_drafter_config(target.config), shared)
         weight = shared.embed.weight
         drafter.fc.to(device=weight.device, dtype=weight.dtype)

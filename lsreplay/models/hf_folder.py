@@ -19,8 +19,8 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from lsreplay.core.config import ModelConfig
-from lsreplay.models.loading import load_tokenizer, resolve_model_dir
 from lsreplay.core.storage import Store
+from lsreplay.models.loading import load_tokenizer, resolve_model_dir
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -8,8 +8,8 @@ import torch
 from transformers import PreTrainedModel
 
 from lsreplay.algos.overlong import length_penalty
-from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
+from lsreplay.state.resident import RESIDENT
 from lsreplay.tree import RolloutTree
 
 

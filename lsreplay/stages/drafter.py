@@ -21,18 +21,18 @@ import torch
 from tqdm.auto import tqdm
 
 from lsreplay.core import faults
-from lsreplay.state.checkpoint import (check_fits, load_module, load_optimizer, load_rng, load_weights,
-                                 save_optimizer, save_rng, save_weights)
 from lsreplay.core.devices import on_idle_cpu
 from lsreplay.core.layout import CheckpointError
+from lsreplay.core.run import Run
+from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 from lsreplay.drafter.distill import distill, drafter_train_state, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
-from lsreplay.core.run import Run
+from lsreplay.models.train_state import TrainState
 from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
-from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
-from lsreplay.models.train_state import TrainState
+from lsreplay.state.checkpoint import (check_fits, load_module, load_optimizer, load_rng, load_weights,
+                                 save_optimizer, save_rng, save_weights)
 
 log = logging.getLogger(__name__)
 

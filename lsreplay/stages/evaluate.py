@@ -1,6 +1,6 @@
 """The evaluation stage: the policy that acts in `step` answers the fixed held-out prompts
-(lsreplay.prompt_sets) greedily and `eval.samples` times sampled; the answers, their
-rewards and the summary (lsreplay.evaluation) go to the store.
+(lsreplay.data.prompt_sets) greedily and `eval.samples` times sampled; the answers, their
+rewards and the summary (lsreplay.data.evaluation) go to the store.
 
 The stage of step s evaluates the policy after s updates: step 0 the base model, step
 `steps` (a step folder of its own) the policy after the last update. It runs at steps 0,
@@ -16,13 +16,13 @@ import time
 from tqdm.auto import tqdm
 
 from lsreplay.core import faults
-from lsreplay.evaluation import answer, score_answers, summary
-from lsreplay.models.loading import eos_ids, load_tokenizer
-from lsreplay.prompt_sets import heldout_prompts
-from lsreplay.rendering import render_prompt
-from lsreplay.rewards import Reward
-from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.core.run import Run
+from lsreplay.data.evaluation import answer, score_answers, summary
+from lsreplay.data.prompt_sets import heldout_prompts
+from lsreplay.data.rendering import render_prompt
+from lsreplay.data.rewards import Reward
+from lsreplay.models.loading import eos_ids, load_tokenizer
+from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.stages.common import StateClock, policy_before
 
 STAGE = "eval"

@@ -29,9 +29,9 @@ from lsreplay.algos.grpo import clip_fractions, group_advantages
 from lsreplay.algos.kl import kl_loss
 from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.core.run import Run
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.core.run import Run
 from lsreplay.stages.common import leaf_counts, leaf_subtrees, training_rewards
 from lsreplay.stages.prefixes import load_activations
 

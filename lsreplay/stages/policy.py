@@ -12,16 +12,16 @@ import torch
 
 from lsreplay.state import checkpointing
 
-from lsreplay.core import faults
 from lsreplay.algos import loss_and_weights
 from lsreplay.algos.updates import Minibatch, minibatch_updates
+from lsreplay.core import faults
 from lsreplay.core.devices import cuda_determinism
-from lsreplay.state.resident import RESIDENT, policy_model, policy_train_state
 from lsreplay.core.run import Run
+from lsreplay.models.train_state import TrainState, local, master_dtype
 from lsreplay.stages.common import StateClock, all_alike, load_trees, training_rewards
 from lsreplay.stages.objectives import Objective, objective, updates_per_step
 from lsreplay.stages.prefixes import StoredPrefixKV, capture_now
-from lsreplay.models.train_state import TrainState, local, master_dtype
+from lsreplay.state.resident import RESIDENT, policy_model, policy_train_state
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class NonFiniteLoss(FloatingPointError):
 def train_policy(run: Run, step: int, devices: list[int] | None = None) -> dict:
     """`devices`: the pool's device indices this stage holds (one per data-parallel rank,
     `pool.devices_per_step` of them). One rank updates the policy this process holds for
-    that device in place (lsreplay.state.resident); several run on `lsreplay.parallel.launch`ed
+    that device in place (lsreplay.state.resident); several run on `lsreplay.distributed.parallel.launch`ed
     processes (gloo on CPU; rank r on the r-th device held) over state shared with this one."""
     if done := run.done(step, "policy"):
         return done
@@ -149,7 +149,7 @@ def _any_rank(flag: bool) -> bool:
 
 
 # -- data parallel -----------------------------------------------------------------------
-# The ranks are processes of their own (lsreplay.parallel.launch) started for the update;
+# The ranks are processes of their own (lsreplay.distributed.parallel.launch) started for the update;
 # the state they update is this process's, put in shared memory (TrainState.shared): each
 # rank reads the masters and AdamW moments from there and writes back what it updated,
 # plain DP rank 0 all of it, FSDP every rank its own rows. Nothing is gathered and nothing
@@ -158,7 +158,7 @@ def _any_rank(flag: bool) -> bool:
 def _data_parallel_update(run: Run, step: int, goal: Objective, devices) -> dict:
     """One update (config validation: PPO's several need one device): the loss's weights over
     all trees here, every rank's share of the backward there."""
-    from lsreplay.parallel import launch
+    from lsreplay.distributed.parallel import launch
 
     loss, weights = loss_and_weights(goal.loss_for(goal.orders[0][0]), goal.old)
     loss = faults.loss("policy", step, loss)
@@ -191,7 +191,7 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     """One data-parallel rank, on devices[rank]: its share of the trees' backward, gradients
     summed over ranks; then plain DP: rank 0 clips and steps; FSDP: every rank steps its shard."""
     from lsreplay.algos.critic import CRITIC_HEADS
-    from lsreplay.parallel import data_parallel_backward, shard_model
+    from lsreplay.distributed.parallel import data_parallel_backward, shard_model
 
     device = torch.device(devices[rank])
     if device.type == "cuda":

@@ -20,17 +20,17 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from lsreplay.core import faults
 from lsreplay.algos.backward import activations_kv, completion_logprobs, completion_scores
 from lsreplay.algos.critic import VALUE, value_scores
+from lsreplay.core import faults
+from lsreplay.core.run import Run
+from lsreplay.core.storage import StorageError
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
 from lsreplay.replay.heads import LOGPROB, Heads
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.replay.view import read_kv_nodes, replay_view
-from lsreplay.state.resident import RESIDENT
-from lsreplay.core.run import Run
 from lsreplay.stages.common import StateClock, load_trees, policy_before
-from lsreplay.core.storage import StorageError
+from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
 

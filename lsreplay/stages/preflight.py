@@ -9,15 +9,15 @@ import posixpath
 from lsreplay.core.config import Config, ConfigError
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
+from lsreplay.data.preferences import check_preferences, offline
+from lsreplay.data.prompt_sets import check_prompts
+from lsreplay.data.rendering import render_prompt
+from lsreplay.data.rewards import Reward
 from lsreplay.drafter.export import exported_format
 from lsreplay.drafter.model import FORMAT
+from lsreplay.metrics.trackers import check_trackers
 from lsreplay.models.loading import load_tokenizer, resolve_model_dir
-from lsreplay.preferences import check_preferences, offline
-from lsreplay.prompt_sets import check_prompts
-from lsreplay.rendering import render_prompt
-from lsreplay.rewards import Reward
 from lsreplay.rollout.vllm_engine import check_engine
-from lsreplay.trackers import check_trackers
 
 
 def preflight(cfg: Config, force: bool = False) -> Run:
@@ -25,7 +25,7 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     run, the model folder is there, the trackers are installed, the reward functions import
     and take what the data gives them, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
-    (lsreplay.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
+    (lsreplay.data.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
     DatasetError with a message that says what to do. Returns the run with its thread count
     pinned (`Run.with_pinned_threads`)."""
     run = Run(cfg)

@@ -1,5 +1,5 @@
 """Stage 1: sample this step's prompts (deterministic per seed and step) from the training
-set: the prompt source less the held-out questions (lsreplay.prompt_sets).
+set: the prompt source less the held-out questions (lsreplay.data.prompt_sets).
 
 With dynamic sampling (algo.dynamic_sampling) the stage also draws, in advance, the
 replacements the rollouts may need: one more batch per further round of draws (`reserve`),
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from lsreplay.core import faults
-from lsreplay.preferences import PreferenceSet, offline
-from lsreplay.prompt_sets import training_prompts
 from lsreplay.core.run import Run
+from lsreplay.data.preferences import PreferenceSet, offline
+from lsreplay.data.prompt_sets import training_prompts
 
 
 def sample_prompts(run: Run, step: int) -> dict:

@@ -11,20 +11,20 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay.core import faults
-from lsreplay.data import Prompt
-from lsreplay.drafter.model import Drafter
-from lsreplay.metrics import rollout_metrics
-from lsreplay.models.loading import eos_ids, load_tokenizer
-from lsreplay.rendering import render_prompt
-from lsreplay.rewards import Reward
-from lsreplay.rollout.sampling import SamplingParams
-from lsreplay.rollout.bandit import DraftLengthBandit
-from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
-from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
-from lsreplay.preferences import Preference, offline, preference_record
+from lsreplay.data.preferences import Preference, offline, preference_record
+from lsreplay.data.rendering import render_prompt
+from lsreplay.data.rewards import Reward
+from lsreplay.data.sources import Prompt
+from lsreplay.drafter.model import Drafter
+from lsreplay.metrics.records import rollout_metrics
+from lsreplay.models.loading import eos_ids, load_tokenizer
+from lsreplay.rollout.bandit import DraftLengthBandit
+from lsreplay.rollout.sampling import SamplingParams
+from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.stages.common import StateClock, all_alike, leaf_counts, policy_before, training_rewards
 from lsreplay.stages.drafter import load_drafter, newest_drafter
+from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt]
 
 
 def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices) -> dict:
-    """Offline DPO: the shard's trees built from preference rows (lsreplay.preferences), no
+    """Offline DPO: the shard's trees built from preference rows (lsreplay.data.preferences), no
     model and no rollouts; the decode figures are zeros."""
     cfg, start = run.cfg, time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)

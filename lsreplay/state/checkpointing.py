@@ -31,16 +31,16 @@ from pathlib import Path
 
 import torch
 
-from lsreplay.core import faults
 from lsreplay.algos.critic import split_critic
-from lsreplay.state.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
-                                 save_weights)
+from lsreplay.core import faults
 from lsreplay.core.config import ConfigError
 from lsreplay.core.layout import CheckpointError
-from lsreplay.models.hf_folder import write_hf_folder
 from lsreplay.core.run import Run
 from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.models.hf_folder import write_hf_folder
 from lsreplay.models.train_state import TrainState
+from lsreplay.state.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
+                                 save_weights)
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """State that stays put: the models a process holds between stages and steps.
 
 A process serving devices (the flow's own process under the thread runner; a Ray actor
-per device under Ray, lsreplay.hosts) keeps per device one copy of the policy, tagged with
+per device under Ray, lsreplay.distributed.hosts) keeps per device one copy of the policy, tagged with
 the step it acts in, plus, where the update runs, its trainable state (float32 masters and
 AdamW, lsreplay.models.train_state), and the frozen reference. The policy update changes that copy
 in place. A stage asking for the policy of a step gets, in this order:
@@ -31,15 +31,15 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.state import checkpointing
 from lsreplay.algos.critic import attach_value_head
-from lsreplay.state.checkpoint import load_module, load_optimizer, load_weights
 from lsreplay.core.config import Config
 from lsreplay.core.layout import CheckpointError
-from lsreplay.models.loading import load_model, resolve_model_dir
-from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec, same_engine
 from lsreplay.core.run import InputCorrupt, Run
+from lsreplay.models.loading import load_model, resolve_model_dir
 from lsreplay.models.train_state import TrainState, master_dtype
+from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec, same_engine
+from lsreplay.state import checkpointing
+from lsreplay.state.checkpoint import load_module, load_optimizer, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Resident:
         self._lock = threading.RLock()  # stages of one process run on several threads
         self._engine_lock = threading.Lock()  # an engine starts for a while: not under the models' lock
         # (run id, step) -> the weights of that policy from another process that holds it, or
-        # None: set by a host whose peers are processes of their own (lsreplay.hosts).
+        # None: set by a host whose peers are processes of their own (lsreplay.distributed.hosts).
         self.peer_weights: Callable[[str, int], dict[str, torch.Tensor] | None] | None = None
 
     # -- what stages ask for ---------------------------------------------------------------

@@ -7,11 +7,11 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
 
 - model state: compute weights, the gradient accumulator, AdamW moments and (bfloat16
   models: mixed precision) float32 master weights. Without FSDP every rank holds all of
-  it. With FSDP (`lsreplay.parallel.shard_model`) the master weights, moments and reduced
+  it. With FSDP (`lsreplay.distributed.parallel.shard_model`) the master weights, moments and reduced
   gradient are sharded over the ranks, but during the backward a rank holds the full
   compute weights and a full gradient accumulator (float32 for mixed precision): the
   backward gathers the parameters once and reduce-scatters once, because ranks run
-  different trees (see lsreplay/parallel.py).
+  different trees (see lsreplay/distributed/parallel.py).
 - held prefix K/V: the keys/values of the root-to-leaf path being replayed, and their
   gradients (replay only).
 - saved activations of the largest single forward/backward of the step: naive, one full
@@ -50,12 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lsreplay.replay.attention_kernels import kernel_for
-from lsreplay.stages.objectives import updates_per_step
-from lsreplay.stages.prefixes import scores_logprobs, scores_reference
 from lsreplay.models.train_state import master_dtype
-from lsreplay.tree import RolloutTree
-from lsreplay.replay.view import joins
+from lsreplay.replay.attention_kernels import kernel_for
 from lsreplay.replay.memory import (
     ModelDims,
     default_leaf_budget,
@@ -64,6 +60,10 @@ from lsreplay.replay.memory import (
     per_position_bytes,
     saved_bytes,
 )
+from lsreplay.replay.view import joins
+from lsreplay.stages.objectives import updates_per_step
+from lsreplay.stages.prefixes import scores_logprobs, scores_reference
+from lsreplay.tree import RolloutTree
 
 GiB = 2**30
 RESERVE_BYTES = 2 * GiB  # CUDA context, NCCL/gloo buffers

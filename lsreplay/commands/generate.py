@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from lsreplay.state.checkpoint import load_module
 from lsreplay.core.config import ModelConfig
+from lsreplay.core.storage import Store
 from lsreplay.drafter.export import load_hf
 from lsreplay.models.loading import eos_ids, load_model, load_tokenizer
 from lsreplay.rollout.speculative import SpecStats, speculative_generate
-from lsreplay.core.storage import Store
+from lsreplay.state.checkpoint import load_module
 
 
 @dataclass

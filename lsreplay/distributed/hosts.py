@@ -17,11 +17,11 @@ import threading
 
 import torch
 
-from lsreplay.core import devices as device_pins
 from lsreplay import stages
+from lsreplay.core import devices as device_pins
 from lsreplay.core.config import Config
-from lsreplay.state.resident import RESIDENT
 from lsreplay.core.run import Run
+from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class DeviceHost:
 
     def __init__(self, cfg: Config, indices: list[int]):
         self.name, self.pool = host_name(cfg, indices), host_name(cfg, [])
-        if cfg.pool.accelerator == "cuda":  # Ray shows it its GPUs only (pool.ray_gpus > 0: config.py)
+        if cfg.pool.accelerator == "cuda":  # Ray shows it its GPUs only (pool.ray_gpus > 0: core/config.py)
             device_pins.check_accelerator(cfg.pool, len(indices))
             device_pins.pin(indices, [torch.device("cuda", i) for i in range(len(indices))])
         RESIDENT.peer_weights = self._peer_weights

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lsreplay.data import DatasetError, _load, sample_rows
+from lsreplay.data.sources import DatasetError, _load, sample_rows
 
 COLUMNS = ("prompt", "chosen", "rejected")
 

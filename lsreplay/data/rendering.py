@@ -12,7 +12,7 @@ reasoning-gym rewards read); set them empty for a dataset's prompts as they are.
 from __future__ import annotations
 
 from lsreplay.core.config import DataConfig
-from lsreplay.data import DatasetError, Prompt
+from lsreplay.data.sources import DatasetError, Prompt
 
 
 def prompt_text(tokenizer, prompt: Prompt, data: DataConfig) -> str:

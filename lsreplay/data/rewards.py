@@ -41,7 +41,7 @@ from difflib import get_close_matches
 from pathlib import Path
 
 from lsreplay.core.config import Config, ConfigError, reward_specs
-from lsreplay.data import DatasetError, Prompt, lookup, reasoning_gym_tasks
+from lsreplay.data.sources import DatasetError, Prompt, lookup, reasoning_gym_tasks
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from lsreplay.core.config import Config, reward_specs
-from lsreplay.data import (REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, prompt_key,
+from lsreplay.data.rewards import Reward, unscorable_tasks
+from lsreplay.data.sources import (REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, prompt_key,
                            task_args_for)
-from lsreplay.rewards import Reward, unscorable_tasks
 
 # The held-out rows depend on the prompt file only, never on the run's seed.
 HELDOUT_SEED = 15

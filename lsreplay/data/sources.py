@@ -3,7 +3,7 @@
 Generated prompts are written once to a JSONL file (offline, seeded, idempotent). Every
 prompt file, generated or yours (JSONL, Parquet, or a folder `datasets` wrote with
 save_to_disk), is read with `datasets`, its columns named by `data.columns`. How an answer
-is scored lives in lsreplay.rewards.
+is scored lives in lsreplay.data.rewards.
 """
 
 from __future__ import annotations

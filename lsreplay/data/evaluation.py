@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from lsreplay.data import Prompt
-from lsreplay.rewards import CORRECT, Reward
+from lsreplay.data.rewards import CORRECT, Reward
+from lsreplay.data.sources import Prompt
 from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.tree_sampler import sample_trees
 
