@@ -3,7 +3,8 @@ RNG states, on a local directory and on S3, and clear errors for damaged checkpo
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_model
+from transformers import LlamaForCausalLM
 
 from lsreplay.core.storage import Store
 from lsreplay.state.checkpoint import (
@@ -16,25 +17,16 @@ from lsreplay.state.checkpoint import (
     save_rng,
 )
 
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
+VOCAB = 128
 
 
 def tiny_llama(seed: int, **overrides) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**(CONFIG | overrides)))
+    return tiny_model(vocab=VOCAB, dtype=torch.float32, seed=seed, tie_word_embeddings=True, **overrides)
 
 
 def train_step(model, optimizer, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=generator)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=generator)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad()

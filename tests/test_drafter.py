@@ -5,31 +5,14 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import tiny_model
 
 from lsreplay.drafter.distill import distill, evaluate, sequences_to_batch
 from lsreplay.drafter.model import Drafter
 
-TARGETS = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-}
-
-
 
 def _tiny_target(kind: str) -> transformers.PreTrainedModel:
-    config_cls, model_cls = TARGETS[kind]
-    torch.manual_seed(0)
-    config = config_cls(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
-    model = model_cls(config).eval()
+    model = tiny_model(kind, vocab=128, dtype=torch.float32, tie_word_embeddings=True, initializer_range=0.2)
     # At the default 0.02 init the model is near-uniform and its argmax hardly moves with
     # the context, so there is nothing to learn; a large-norm (tied) embedding makes the
     # next token sharp and token-driven, as in a trained LM.
@@ -51,7 +34,7 @@ def _rollouts(target, count: int, seed: int, prompt_len: int = 8, new_tokens: in
     return [(ids[i, :n], features[i, :n]) for i, n in enumerate(lengths)]
 
 
-@pytest.fixture(scope="module", params=sorted(TARGETS))
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
 def setup(request):
     target = _tiny_target(request.param)
     return target, _rollouts(target, 128, seed=1), _rollouts(target, 32, seed=2)
