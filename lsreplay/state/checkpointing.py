@@ -5,7 +5,7 @@ The policy stage takes a snapshot of the trainable state into host memory (the o
 the step waits for) and hands it to this process's writer thread. A checkpoint is complete
 once its `checkpoint.json` (every file with its size and sha256), written last, is there
 and the files have those sizes: a process killed at any moment of a write leaves no such
-file, and a resume starts from the newest complete checkpoint (lsreplay.resume).
+file, and a resume starts from the newest complete checkpoint (`rewind`, below).
 
 Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights),
 critic.safetensors (the value head's, with algo.critic), optimizer.safetensors,
