@@ -71,9 +71,10 @@ run: setup
 	$(VENV)/bin/lsreplay train configs/default.yaml
 
 # Two workers, a test file each at a time: the flow tests wait on processes, servers and
-# stalls as much as they compute (measured on 2 cores: 1.39x over one worker).
+# stalls as much as they compute (measured on 2 cores: 1.39x over one worker). The files in
+# the order tests/conftest.py gives them, the slowest first.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # Every benchmark, one after another (about 25 minutes on 2 cores); each prints its ratios.
 bench: setup
