@@ -40,7 +40,8 @@ def test_flow_on_ray_hosts(prefect_server, local_ray, tiny_model_dir, tmp_path):
     train(overrides=[*tiny(run_dir, tiny_model_dir, steps=2), "pool.task_runner=ray", "pool.slots=2",
                      "data.prompts_per_step=2", "rollout.shards=2", "checkpoint.every=2"])
     assert (run_dir / "checkpoints/policy/step_0001/model.safetensors").is_file()
-    runs = Run(load_config(None, [f"run_dir={run_dir}"])).executions()
+    run = Run(load_config(None, [f"run_dir={run_dir}"]))
+    runs = run.executions()
     assert runs == {(step, stage): 2 if stage == "trees" else 1 for step, stage in runs}, runs  # nothing recomputed
     records = [json.loads(p.read_text()) for p in (run_dir / "executions").rglob("*.json")]
     hosts = {r["pid"] for r in records if r["stage"] != "prompts"}  # the pool's stages
@@ -48,5 +49,4 @@ def test_flow_on_ray_hosts(prefect_server, local_ray, tiny_model_dir, tmp_path):
     started = {(r["step"], r["stage"]): r["pid"] for r in records if r["stage"] in ("prefixes", "policy")}
     # One long-lived host ran both updates (and held the policy between them).
     assert started[0, "policy"] == started[1, "policy"] == started[0, "prefixes"] == started[1, "prefixes"]
-    assert Run(load_config(None, [f"run_dir={run_dir}"])).done(1, "policy")["devices"] == \
-        Run(load_config(None, [f"run_dir={run_dir}"])).done(0, "policy")["devices"]
+    assert run.done(1, "policy")["devices"] == run.done(0, "policy")["devices"]
