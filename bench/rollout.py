@@ -52,7 +52,7 @@ from lsreplay.drafter.distill import distill  # noqa: E402
 from lsreplay.drafter.model import Drafter  # noqa: E402
 from lsreplay.models.loading import eos_ids, load_model, load_tokenizer  # noqa: E402
 from lsreplay.rollout.bandit import DraftLengthBandit  # noqa: E402
-from lsreplay.rollout.sampling import SamplingParams  # noqa: E402
+from lsreplay.models.distribution import SamplingParams  # noqa: E402
 from lsreplay.rollout.tree_sampler import (  # noqa: E402
     DECISION_KEYS,
     DecodeTrace,

@@ -24,7 +24,7 @@ from test_speculative import (
 from lsreplay.drafter.distill import distill
 from lsreplay.drafter.model import Drafter
 from lsreplay.rollout.bandit import DraftLengthBandit
-from lsreplay.rollout.sampling import SamplingParams
+from lsreplay.models.distribution import SamplingParams
 from lsreplay.rollout.tree_sampler import Speculation, sample_tree, sample_trees
 
 VOCAB, BRANCHING, SEGMENT, MAX_NEW = 64, [2, 2], [4], 20
@@ -72,10 +72,16 @@ def _spec_start(trace) -> int:
     return start
 
 
-def _teacher_forced_logprobs(target, prompt, completion) -> torch.Tensor:
+def _teacher_forced_logprobs(target, prompt, completion, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Each token's logprob under softmax(logits / temperature) cut to its top-p nucleus (the
+    tokens whose higher-ranked ones cover less than top_p), renormalised."""
     with torch.no_grad():
-        logits = target(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        logits = target(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].double()
+    logits = logits / temperature
+    ranked, order = logits.softmax(-1).sort(-1, descending=True)
+    outside = torch.zeros_like(ranked, dtype=torch.bool).scatter(-1, order, ranked.cumsum(-1) - ranked >= top_p)
+    return torch.log_softmax(logits.masked_fill(outside, float("-inf")), -1).gather(
+        -1, torch.tensor(completion)[:, None])[:, 0]
 
 
 @pytest.mark.parametrize("draft_len,draft_vocab", [(1, None), (3, None), ((1, 2, 4), range(0, VOCAB, 2)),
@@ -121,14 +127,14 @@ def test_handoff_reencodes_nothing(setup):
 
 def test_spec_tokens_carry_teacher_forced_logprobs(setup):
     target, drafter, prompts = setup
-    params = SamplingParams(temperature=1.0, top_p=0.9)
+    params = SamplingParams(temperature=0.7, top_p=0.9)
     trees, trace = _trees(setup, params, SAMPLED_EOS, Speculation(drafter, SAMPLED_THRESHOLD, 3), seed=10)
     assert trace.summary([1])["spec_tokens"] > 20
     assert 0 < trace.spec.accepted < trace.spec.drafted, "accepted drafts and resampled tokens both occur"
     for prompt, tree in zip(prompts, trees):
         for completion, recorded in zip(tree.completions, tree.logprobs):
-            expected = _teacher_forced_logprobs(target, prompt, completion)
-            # Recorded in float32 (sampling.sample_next's convention), the reference in float64.
+            expected = _teacher_forced_logprobs(target, prompt, completion, params.temperature, params.top_p)
+            # The distribution sampled from, recorded in float32; the reference in float64.
             torch.testing.assert_close(torch.tensor(recorded, dtype=torch.float64), expected, atol=2e-6, rtol=0)
 
 

@@ -184,7 +184,7 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
     from lsreplay.drafter.model import Drafter
     from lsreplay.replay.memory import kv_bytes_per_position
     from lsreplay.rollout import tree_sampler
-    from lsreplay.rollout.sampling import SamplingParams
+    from lsreplay.models.distribution import SamplingParams
 
     model = tiny_model(vocab=64, dtype=torch.float32)
     prompt, branching, segments, new = 10, [2, 3], [4], 12

@@ -10,7 +10,7 @@ from lsreplay.drafter.distill import distill
 from lsreplay.drafter.model import Drafter
 from lsreplay.rollout import speculative
 from lsreplay.rollout.bandit import DraftLengthBandit
-from lsreplay.rollout.sampling import SamplingParams, _truncate
+from lsreplay.models.distribution import SamplingParams, processed_logits
 from lsreplay.rollout.speculative import (
     SpecStats,
     greedy_generate,
@@ -206,7 +206,7 @@ def _exact_joint(target, prompt, params: SamplingParams) -> torch.Tensor:
     V = SAMPLE_VOCAB
 
     def probs(logits):
-        return _truncate(logits.float() / params.temperature, params).softmax(-1)
+        return processed_logits(logits.float(), params).softmax(-1)
 
     p1 = probs(target(prompt[None]).logits[:, -1])[0]  # (V,)
     t1, t2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")

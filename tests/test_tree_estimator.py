@@ -19,7 +19,7 @@ from conftest import tiny_model
 
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.weights import loss_and_weights
-from lsreplay.rollout.sampling import SamplingParams
+from lsreplay.models.distribution import SamplingParams
 from lsreplay.rollout.tree_sampler import sample_trees
 from lsreplay.stages.common import leaf_subtrees
 from lsreplay.stages.trees import group_stats

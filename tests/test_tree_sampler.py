@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lsreplay.rollout.sampling import SamplingParams, sample_next
+from lsreplay.models.distribution import SamplingParams
+from lsreplay.rollout.sampling import sample_next
 from lsreplay.rollout.tree_sampler import sample_tree
 
 VOCAB = 128
@@ -116,15 +117,23 @@ def test_same_seed_same_tree(model):
     assert first.completions != other.completions
 
 
-def test_top_k_and_top_p_restrict_the_sample_but_not_the_recorded_logprob():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+def test_the_recorded_logprob_is_that_of_the_tempered_truncated_distribution_sampled_from():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs)[None].repeat(2000, 1)
     gen = torch.Generator().manual_seed(0)
     tokens, logprobs = sample_next(logits, SamplingParams(top_p=0.7), gen)
     assert set(tokens.tolist()) == {0, 1}
-    raw = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    torch.testing.assert_close(logprobs, raw)
-    tokens, _ = sample_next(logits, SamplingParams(top_k=1, temperature=2.0), gen)
-    assert set(tokens.tolist()) == {0}
+    kept = probs[:2] / probs[:2].sum()  # the nucleus, renormalised
+    torch.testing.assert_close(logprobs, kept.log()[tokens])
+    tokens, logprobs = sample_next(logits, SamplingParams(temperature=0.5), gen)
+    tempered = probs**2 / (probs**2).sum()  # softmax(log p / 0.5)
+    torch.testing.assert_close(logprobs, tempered.log()[tokens])
+    frequency = torch.bincount(tokens, minlength=4) / len(tokens)
+    assert (frequency - tempered).abs().max() < 0.04
+    tokens, logprobs = sample_next(logits, SamplingParams(top_k=2, temperature=2.0), gen)
+    assert set(tokens.tolist()) == {0, 1}
+    hot = probs[:2] ** 0.5 / (probs[:2] ** 0.5).sum()
+    torch.testing.assert_close(logprobs, hot.log()[tokens])
 
 
 def test_rejects_mismatched_shape(model):

@@ -19,7 +19,7 @@ import torch
 
 from lsreplay.data.rewards import CORRECT, Reward
 from lsreplay.data.sources import Prompt
-from lsreplay.rollout.sampling import SamplingParams
+from lsreplay.models.distribution import SamplingParams
 from lsreplay.rollout.tree_sampler import sample_trees
 
 Z95 = 1.959963984540054

@@ -27,7 +27,8 @@ list of variable-length prompts (left-padded here).
 Taking over. `Speculator.resume` starts from a target cache another decoder filled (the
 tree sampler's, when few sequences are left: rollout.tree_sampler.Speculation), with the
 features h_t that decoder recorded, so nothing is re-encoded; `decode_rounds` runs the
-rounds for both entry points and can record each emitted token's raw-policy logprob.
+rounds for both entry points and can record each emitted token's logprob (under the
+distribution sampled from, as the tree sampler records it).
 
 Draft vocabulary. `draft_vocab` (token ids) restricts the drafter's output layer to those
 rows of the LM head: on a 49k-vocabulary model that layer is most of a one-layer
@@ -54,9 +55,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from lsreplay.models.distribution import SamplingParams, processed_logits, token_logprobs
 from lsreplay.models.hf_compat import with_cache
 from lsreplay.models.logits import float_logits
-from lsreplay.rollout.sampling import SamplingParams, _truncate, draw
+from lsreplay.rollout.sampling import draw
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +274,7 @@ class Speculator:
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampling distribution over the last dim, in float32: temperature, then top-k and
         top-p, exactly as sampling.sample_next draws (so the tokens follow what plain sampling would)."""
-        shape = logits.shape
-        scaled = _truncate(logits.float().reshape(-1, shape[-1]) / self.params.temperature, self.params)
-        return scaled.softmax(-1).reshape(shape)
+        return processed_logits(logits.float(), self.params).softmax(-1)
 
     def _pick(self, logits: torch.Tensor) -> torch.LongTensor:
         if self.params.temperature == 0:
@@ -417,12 +417,6 @@ class Speculator:
         self.cu_ends = [self.cu_ends[i] for i in keep.tolist()]
 
 
-def raw_logprobs(logits: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
-    """The raw-policy logprob of each token under logits (..., V): sampling.sample_next's convention
-    (log_softmax of the unmodified logits in float32), what rollouts record as behaviour logprobs."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None])[..., 0]
-
-
 def check_draft_len(draft_len: int | DraftLengthPolicy) -> None:
     if not hasattr(draft_len, "choose") and int(draft_len) < 1:
         raise ValueError(f"draft_len must be >= 1 or a policy with choose/update, got {draft_len}")
@@ -449,8 +443,8 @@ def decode_rounds(spec: Speculator, outputs: list[list[int]], max_new_tokens: in
 
     Row i of `spec` owns outputs[i], its tokens so far (the newest is spec.last, not yet
     encoded); each round appends the tokens the row emits, cut after its first EOS or at
-    the cap, and, if `logprobs` is given, their raw-policy logprobs from the verify
-    logits (`raw_logprobs`). `draft_len`: tokens drafted per round, or a policy asked every
+    the cap, and, if `logprobs` is given, their logprobs under the sampling distribution
+    (sampling.sample_next's) from the verify logits. `draft_len`: tokens drafted per round, or a policy asked every
     round and rewarded with the tokens kept per second. `on_round`, after each round, gets
     the indices of the rows that took part, the draft length used, the tokens kept, the
     round's seconds (finished rows leaving the batch included) and the rows that ended.
@@ -470,7 +464,7 @@ def decode_rounds(spec: Speculator, outputs: list[list[int]], max_new_tokens: in
         if logprobs is None:
             (new_tokens,), new_logprobs = host_lists(tokens), None
         else:
-            new_tokens, new_logprobs = host_lists(tokens, raw_logprobs(logits, tokens))
+            new_tokens, new_logprobs = host_lists(tokens, token_logprobs(logits.float(), tokens, spec.params))
         kept_total, going, ended = 0, [], []
         for i, (row, new, a) in enumerate(zip(live, new_tokens, accepted)):
             kept = _kept(new[:a + 1], eos_ids, max_new_tokens - len(outputs[row]))

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from lsreplay.models.distribution import SamplingParams
 from lsreplay.models.hf_compat import with_cache
 from lsreplay.models.logits import float_logits
-from lsreplay.rollout.sampling import SamplingParams, sample_next
+from lsreplay.rollout.sampling import sample_next
 from lsreplay.rollout.speculative import (
     DEFAULT_DRAFT_LEN,
     DraftLengthPolicy,

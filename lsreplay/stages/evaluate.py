@@ -21,8 +21,8 @@ from lsreplay.data.evaluation import answer, score_answers, summary
 from lsreplay.data.prompt_sets import heldout_prompts
 from lsreplay.data.rendering import render_prompt
 from lsreplay.data.rewards import Reward
+from lsreplay.models.distribution import SamplingParams
 from lsreplay.models.loading import eos_ids, load_tokenizer
-from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.stages.common import StateClock, policy_before
 
 STAGE = "eval"
