@@ -105,10 +105,24 @@ def test_chat_preferences_render_with_the_chat_template(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     pref = Preference(0, [{"role": "user", "content": "2+2?"}], [{"role": "assistant", "content": "4"}],
                       [{"role": "assistant", "content": "5"}])
-    record = preference_record(tokenizer, pref, 256)
+    record = preference_record(tokenizer, pref, 256, 48)
     prompt = tokenizer.apply_chat_template(pref.prompt, add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(record["prompt_ids"]) == prompt
     assert [tokenizer.decode(c) for c in record["completions"]] == ["4<|im_end|>\n", "5<|im_end|>\n"]
+
+
+def test_text_preferences_tokenize_as_rollouts_do_and_cut_long_answers(tiny_model_dir):
+    """No special tokens added to the prompt, even by a tokenizer that adds BOS by default
+    (Llama's): the rollouts' prompts get none either. An answer past the limit is cut there."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_bos_token = True
+    assert tokenizer("2+2=")["input_ids"][0] == tokenizer.bos_token_id
+    pref = Preference(0, "2+2=", " four, as everyone knows", " 5")
+    record = preference_record(tokenizer, pref, 256, 3)
+    assert record["prompt_ids"] == tokenizer("2+2=", add_special_tokens=False)["input_ids"]
+    chosen = tokenizer(" four, as everyone knows", add_special_tokens=False)["input_ids"]
+    assert record["completions"][0] == chosen[:3] and record["finished"] == [False, True]
+    assert record["completions"][1][-1] == tokenizer.eos_token_id
 
 
 def test_a_step_that_trains_nothing_says_why(tiny_model_dir, tmp_path, caplog):
@@ -122,3 +136,34 @@ def test_a_step_that_trains_nothing_says_why(tiny_model_dir, tmp_path, caplog):
     alike = m["trees"]["trees_all_alike"]
     assert f"{alike} of 2 trees have leaves that all got the same reward" in message
     assert "algo.dynamic_sampling=true replaces them" in message and "algo.overlong=mask left 8 of 8 answers out" in message
+
+
+def test_dynamic_sampling_judges_on_accuracy_and_leaves_trees_still_alike_out(tiny_model_dir):
+    """DAPO's filter: on the reward as the functions gave it by default, so an all-correct
+    group whose lengths the overlong penalty tells apart is left out, not trained on length."""
+    from lsreplay.stages.common import filter_values, left_out, training_rewards
+    from lsreplay.stages.objectives import response_mask
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "algo.dynamic_sampling=true", "algo.overlong=penalty",
+                             "algo.overlong_buffer=4", "rollout.max_new_tokens=8", "rollout.segment_tokens=[3]"])
+    correct = {"rewards": [1.0, 1.0], "completions": [[1, 2], [1, 2, 3, 4, 5, 6, 7]], "finished": [True, True],
+               "reward_functions": {"accuracy": [1.0, 1.0], "format": [0.0, 1.0]}}
+    mixed = {**correct, "rewards": [1.0, 0.0]}
+    assert len(set(training_rewards(cfg, correct))) == 2 and filter_values(cfg, correct) == [1.0, 1.0]
+    assert left_out(cfg, [correct, mixed]) == [True, False]
+    assert response_mask(cfg, [correct, mixed]) == [[False, False], [True, True]]
+    by_format = load_config(None, [f"model.path={tiny_model_dir}", "algo.dynamic_sampling=true",
+                                   "algo.dynamic_sampling_metric=rewards/format"])
+    assert left_out(by_format, [correct, mixed]) == [False, False]
+    unknown = load_config(None, ["algo.dynamic_sampling=true", "algo.dynamic_sampling_metric=rewards/length"])
+    with pytest.raises(ValueError, match="no reward function is named 'length'.*accuracy"):
+        left_out(unknown, [correct])
+    assert left_out(load_config(None, []), [correct]) == [False]  # without dynamic sampling every tree is in
+
+
+def test_k1_as_a_loss_term_is_refused_with_the_reason():
+    from lsreplay.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="algo.kl_estimator.*0 in expectation"):
+        load_config(None, ["algo.kl_coef=0.1", "algo.kl_estimator=k1"])
+    load_config(None, ["algo.kl_coef=0.1", "algo.kl_estimator=k2"])

@@ -132,7 +132,7 @@ def test_grpo_at_ratio_one_needs_no_old_logprobs():
     score them without a KL term; unscored, it still caches the same prefix K/V."""
     model, trees = tiny_llama(), small_trees()
     scored = [capture_tree(model, t, keep_hidden=False) for t in trees]
-    unscored = [capture_tree(model, t, keep_hidden=False, score=False) for t in trees]
+    unscored = [capture_tree(model, t, keep_hidden=False, heads={}) for t in trees]
     for a, b in zip(scored, unscored):
         assert b.entry_logprobs is None and a.prefix_kv.keys() == b.prefix_kv.keys()
         assert all(torch.equal(x, y) for n in a.prefix_kv for half in (0, 1)
@@ -447,6 +447,8 @@ def test_lr_schedules_warm_up_then_decay_to_the_last_update(schedule):
     else:
         assert all(a > b > 0 for a, b in zip(factors[2:], factors[3:]))  # down, never to 0 inside the run
         assert factors[4] == pytest.approx(0.5)  # half way through the decay
+    if schedule == "linear":  # the docs' formula: the last update at lr / (updates - warmup)
+        assert factors[5] == pytest.approx(1 / 4)
     assert lr_factor(OptimConfig(), 0, 1) == 1.0
 
 
@@ -461,9 +463,23 @@ def test_gae_and_returns():
     assert ret.tolist() == pytest.approx([a + v for a, v in zip(expected, values.tolist())])
     _, mc = gae(values, 2.0, gamma=1.0, lam=1.0)  # Monte Carlo: every token's return is the reward
     assert mc.tolist() == pytest.approx([2.0, 2.0, 2.0])
-    white = whiten([[torch.tensor([1.0, 2.0]), torch.tensor([3.0])]], counts=[[1, 2]])
+    white = whiten([[torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64)]],
+                   counts=[[1, 2]])
     flat = torch.cat([white[0][0], white[0][1], white[0][1]])  # the count-2 completion twice
-    assert float(flat.mean()) == pytest.approx(0.0, abs=1e-12) and float(flat.std(unbiased=False)) == pytest.approx(1.0)
+    # verl's masked_whiten: mean 0 and the unbiased variance 1 (to its eps of 1e-8)
+    assert float(flat.mean()) == pytest.approx(0.0, abs=1e-12) and float(flat.var()) == pytest.approx(1.0, rel=1e-7)
+
+
+def test_one_mask_leaves_a_completion_out_of_the_whitening_and_the_value_loss():
+    advantages = [[torch.tensor(a, dtype=torch.float64) for a in row] for row in [[[1.0, 2.0], [30.0]], [[3.0]]]]
+    white = whiten(advantages, mask=[[True, False], [True]])
+    kept = torch.cat([white[0][0], white[1][0]])
+    assert float(kept.mean()) == pytest.approx(0.0, abs=1e-12) and float(kept.var()) == pytest.approx(1.0, rel=1e-7)
+    old = [[torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]]
+    ret = [[torch.ones(2, dtype=torch.float64), torch.full((1,), 10.0, dtype=torch.float64)]]
+    values = [[torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]]
+    batch = CriticBatch(old_values=old, returns=ret, clip=0.0, mask=[[True, False]])
+    assert float(value_loss(values, batch)) == pytest.approx(0.5)  # the masked return of 10 counts nowhere
 
 
 def test_value_loss_clips_and_the_head_starts_at_zero():

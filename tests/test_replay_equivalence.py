@@ -19,11 +19,13 @@ import torch
 import transformers
 
 from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
-from lsreplay.algos.critic import CRITIC_HEADS, VALUE, CriticBatch, attach_value_head, gae, value_loss
+from lsreplay.algos.critic import VALUE, CriticBatch, attach_value_head, critic_heads, gae, value_loss
 from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import reference_logprobs, with_kl
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
+from lsreplay.models.distribution import RAW, SamplingParams
+from lsreplay.replay.heads import logprob_heads
 from lsreplay.tree import RolloutTree
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
@@ -127,33 +129,33 @@ def token_advantages(trees, seed=1):
 def critic_batch(model, trees, clip=0.1):
     """Old values from the caching pass, GAE returns of random rewards; the model then moves
     one SGD step along the value loss's gradient, so that some values clip and some do not."""
-    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=CRITIC_HEADS)
+    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads())
     old = scores[VALUE]
     returns = [[gae(v, float(r), gamma=0.9, lam=0.8)[1] for v, r in zip(vs, rs)]
                for vs, rs in zip(old, rewards_for(trees))]
     batch = CriticBatch(old_values=old, returns=returns, clip=clip)
-    replay_loss_backward(model, trees, lambda s: value_loss(s[VALUE], batch), heads=CRITIC_HEADS)
+    replay_loss_backward(model, trees, lambda s: value_loss(s[VALUE], batch), heads=critic_heads())
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     torch.optim.SGD(model.parameters(), lr=0.01 / float(norm)).step()
     model.zero_grad(set_to_none=True)
-    now, _ = capture_logprobs(model, trees, keep_kv=False, heads=CRITIC_HEADS)
+    now, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads())
     moved = torch.cat([(n - o).abs() for tn, to in zip(now[VALUE], old) for n, o in zip(tn, to)])
     return batch, {"clipped": float((moved > clip).double().mean())}
 
 
-def build_loss(name: str, kind: str, dtype, model, trees):
-    """(loss_fn, heads, info) for `model` at its current weights (heads None: the loss takes
-    logprobs alone). PPO first moves the model by one optimizer step away from the weights
-    its old logprobs came from, the value losses one along the value loss."""
+def build_loss(name: str, kind: str, dtype, model, trees, sampling: SamplingParams = RAW):
+    """(loss_fn, heads, info) for `model` at its current weights, its logprobs those of the
+    distribution `sampling` draws from. PPO first moves the model by one optimizer step away
+    from the weights its old logprobs came from, the value losses one along the value loss."""
     if name in ("value", "ppo-critic"):
         batch, info = critic_batch(model, trees)
         if name == "value":
-            return (lambda s: value_loss(s[VALUE], batch)), CRITIC_HEADS, info
-        old, _ = capture_logprobs(model, trees, keep_kv=False)
+            return (lambda s: value_loss(s[VALUE], batch)), critic_heads(sampling), info
+        old, _ = capture_logprobs(model, trees, keep_kv=False, heads=logprob_heads(sampling))
         ppo = PPOBatch(advantages=token_advantages(trees), old_logprobs=old, clip_eps=0.1, critic=batch, vf_coef=0.5)
-        return (lambda s: ppo_loss(s, ppo)), CRITIC_HEADS, info
+        return (lambda s: ppo_loss(s, ppo)), critic_heads(sampling), info
     loss_fn, info = build_logprob_loss(name, kind, dtype, model, trees)
-    return loss_fn, None, info
+    return loss_fn, logprob_heads(sampling), info
 
 
 def build_logprob_loss(name: str, kind: str, dtype, model, trees):
@@ -190,15 +192,15 @@ def build_logprob_loss(name: str, kind: str, dtype, model, trees):
     raise KeyError(name)
 
 
-def compare(kind: str, dtype, depth: int, name: str):
+def compare(kind: str, dtype, depth: int, name: str, sampling: SamplingParams = RAW):
     model = fresh_model(kind, dtype, critic=name in ("value", "ppo-critic"))
     trees = make_trees(depth)
-    loss_fn, heads, info = build_loss(name, kind, dtype, model, trees)
+    loss_fn, heads, info = build_loss(name, kind, dtype, model, trees, sampling)
     replay_loss, stats = replay_loss_backward(model, trees, loss_fn, heads=heads)
     replay = grads(model)
     naive_loss = naive_loss_backward(model, trees, loss_fn, heads=heads)
     naive = grads(model)
-    return replay_loss, naive_loss, max_rel_diff(replay, naive), stats, info
+    return replay_loss, naive_loss, max_rel_diff(replay, naive), stats, info, naive
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -206,7 +208,7 @@ def compare(kind: str, dtype, depth: int, name: str):
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_replay_matches_naive(dtype, kind, depth, name):
-    replay_loss, naive_loss, rel, stats, info = compare(kind, dtype, depth, name)
+    replay_loss, naive_loss, rel, stats, info, _ = compare(kind, dtype, depth, name)
     tol = TOL[dtype]
     assert abs(replay_loss - naive_loss) <= tol * max(1.0, abs(naive_loss)), (replay_loss, naive_loss)
     assert rel <= tol, f"max relative gradient difference {rel:.3g} > {tol}"
@@ -220,9 +222,26 @@ def test_replay_matches_naive(dtype, kind, depth, name):
 def test_replay_exact_without_float32_norm(exact_rmsnorm, kind, name):
     """A far tighter check than 1e-6: with every op in float64, any replay error shows
     (measured: <= 2.1e-14 over all depths and losses)."""
-    replay_loss, naive_loss, rel, _, _ = compare(kind, torch.float64, 3, name)
+    replay_loss, naive_loss, rel, *_ = compare(kind, torch.float64, 3, name)
     assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
     assert rel <= 1e-11, rel
+
+
+# Rollouts drawn at temperature 0.7 from the top 40 tokens' nucleus of 0.9 (on a 64-token
+# vocabulary the nucleus cuts, the top-k too on flat rows).
+TEMPERED = SamplingParams(temperature=0.7, top_p=0.9, top_k=40)
+
+
+@pytest.mark.parametrize("name", ["grpo-token-mean", "kl-k3", "dpo", "ppo-critic"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_replay_matches_naive_under_the_tempered_truncated_distribution(kind, name):
+    """Scored as sampled: both paths differentiate the logprobs of the distribution the
+    rollouts came from, and the gradient is not the untempered one's."""
+    replay_loss, naive_loss, rel, _, _, tempered = compare(kind, torch.float64, 3, name, TEMPERED)
+    assert abs(replay_loss - naive_loss) <= 1e-6 * max(1.0, abs(naive_loss)), (replay_loss, naive_loss)
+    assert rel <= 1e-6, f"max relative gradient difference {rel:.3g} > 1e-6"
+    raw = compare(kind, torch.float64, 3, name)[-1]
+    assert max_rel_diff(tempered, raw) > 1e-2  # the temperature and the cut change the gradient
 
 
 @pytest.mark.parametrize("name", ["kl-k3", "dpo"])

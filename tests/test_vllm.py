@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from lsreplay.core.storage import Store
 from lsreplay.drafter import Drafter
 from lsreplay.drafter.export import load_hf, save_hf
+from lsreplay.models.distribution import RAW, SamplingParams, token_logprobs
 from lsreplay.rollout.speculative import SpecStats, speculative_generate
 from lsreplay.rollout.vllm_engine import EngineSpec, VLLMEngine
 from vllm_models import VLLM_PYTHON, held_out_prompts, needs_vllm, vllm_installed, vllm_model_dir  # noqa: F401
@@ -50,10 +51,11 @@ def hf_greedy(model, prompts, tokens: int, eos: int) -> list[list[int]]:
     return out
 
 
-def teacher_forced(model, prompt, completion) -> torch.Tensor:
+def teacher_forced(model, prompt, completion, sampling: SamplingParams = RAW) -> torch.Tensor:
+    """Each completion token's logprob under the distribution `sampling` draws from."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
-    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    return token_logprobs(logits, torch.tensor(completion), sampling)
 
 
 def test_vllm_serves_the_checkpoint_folder_as_transformers_computes_it(engine, trained_hf, vllm_model_dir):
@@ -88,6 +90,23 @@ def test_trees_follow_the_hf_engines_semantics(engine, trained_hf, vllm_model_di
             assert torch.allclose(torch.tensor(logprobs), teacher_forced(served, prompt, completion), atol=1e-4)
         siblings = [c[:4] for path, c in zip(tree.paths, tree.completions) if path[0] == tree.paths[-1][0]]
         assert all(s == siblings[0] for s in siblings)  # children share their parent's segment
+
+
+def test_tree_logprobs_are_those_of_the_tempered_truncated_distribution(engine, trained_hf, vllm_model_dir):
+    """vLLM reports each sampled token's processed logprob (temperature, top-k, top-p), the
+    one lsreplay's trainer scores: equal to it, and not to the raw one."""
+    served = AutoModelForCausalLM.from_pretrained(trained_hf, local_files_only=True)
+    prompts = held_out_prompts(vllm_model_dir, 3)
+    eos = served.generation_config.eos_token_id
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=20)
+    trees, _ = engine.sample_trees(prompts, [2, 2], [4], 12, temperature=0.7, top_p=0.9, top_k=20, eos=[eos])
+    raw_gaps = []
+    for prompt, tree in zip(prompts, trees):
+        for completion, logprobs in zip(tree.completions, tree.logprobs):
+            engine_lp = torch.tensor(logprobs)
+            assert torch.allclose(engine_lp, teacher_forced(served, prompt, completion, sampling), atol=1e-4)
+            raw_gaps.append((engine_lp - teacher_forced(served, prompt, completion)).abs().max())
+    assert max(raw_gaps) > 1e-2
 
 
 def test_engine_takes_an_update_in_memory(engine, trained_hf, vllm_model_dir):

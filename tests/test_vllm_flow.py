@@ -34,7 +34,7 @@ def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_res
     monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "10")
     run = tiny_vllm_run(run_dir, vllm_model_dir, *VLLM, "steps=3", "rollout.shards=2", "pool.slots=2",
                         "data.prompts_per_step=2", "drafter.steps=16", "drafter.checkpoint_every=2",
-                        "drafter.lr=1e-2", "algo.tis_cap=2")
+                        "drafter.lr=1e-2", "algo.tis_cap=2", "rollout.temperature=0.7", "rollout.top_k=40")
     killed, finished = lsreplay_chain([(["train", *run, unique_pool()], "trees@1:stall,trees@2:kill"),
                                        (["resume", str(run_dir), unique_pool()], "")], tmp_path)
     assert killed["returncode"] == -9, killed["log"][-3000:]
@@ -44,8 +44,9 @@ def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_res
     assert executions[(2, "trees")] > 2  # the killed shard sampled again
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    for m in metrics:  # vLLM's float32 logprobs are the trainer's to a few 1e-5
+    for m in metrics:  # vLLM's float32 logprobs of the tempered, cut distribution are the trainer's to a few 1e-5
         assert 0 < m["engine_logprob_gap_mean"] < 1e-4 and m["engine_logprob_gap_max"] < 1e-3, m
+        assert 0 <= m["tis_capped_fraction"] < 0.01 and abs(m["tis_weight_mean"] - 1) < 1e-3, m
         assert m["grad_norm"] > 0
     assert (run_dir / "checkpoints/policy/step_0002/checkpoint.json").is_file()
     assert (run_dir / "checkpoints/policy/step_0002/hf/model.safetensors").is_file()

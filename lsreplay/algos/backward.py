@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from lsreplay.algos.weights import NestedLogprobs, NestedScores, loss_and_weights
 from lsreplay.replay.backward import BackwardStats, replay_backward
 from lsreplay.replay.capture import TreeActivations, capture_tree
-from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS, Heads
+from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS, Heads, by_head
 from lsreplay.replay.segments import forward_segments
 from lsreplay.tree import RolloutTree
 
@@ -68,7 +68,7 @@ def naive_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_f
     backpropagated into `.grad`; returns the loss."""
     scores = {name: [[s.double() for s in row] for row in nested]
               for name, nested in naive_scores(model, trees, heads or LOGPROB_HEADS).items()}
-    loss = loss_fn(scores if heads else scores[LOGPROB])
+    loss = loss_fn(scores if by_head(heads) else scores[LOGPROB])
     if loss.requires_grad:
         loss.backward()
     return float(loss.detach())
@@ -77,16 +77,16 @@ def naive_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_f
 def capture_logprobs(model: PreTrainedModel, trees: list[RolloutTree], keep_kv: bool = True,
                      heads: Heads | None = None) -> tuple[NestedLogprobs | NestedScores, list[TreeActivations]]:
     """The no-grad caching pass over each tree: per-completion token logprobs (float64, on
-    CPU; with heads, every head's scores by name) and the activations (prefix K/V unless
-    keep_kv=False; no hidden states)."""
-    extra = {name: head for name, head in (heads or {}).items() if name != LOGPROB}
+    CPU; None heads: the raw policy's; with several heads, every head's scores by name) and
+    the activations (prefix K/V unless keep_kv=False; no hidden states)."""
+    heads = heads or LOGPROB_HEADS
     acts = []
     for tree in trees:
-        a = capture_tree(model, tree, keep_hidden=False, heads=extra)
+        a = capture_tree(model, tree, keep_hidden=False, heads=heads)
         if not keep_kv:
             a.prefix_kv = {}
         acts.append(a)
-    return (completion_scores(trees, acts, heads) if heads else completion_logprobs(trees, acts)), acts
+    return scores_of(trees, acts, heads), acts
 
 
 def completion_logprobs(trees: list[RolloutTree], acts: list[TreeActivations]) -> NestedLogprobs:
@@ -97,6 +97,12 @@ def completion_scores(trees: list[RolloutTree], acts: list[TreeActivations], hea
     """{head name: per-completion token scores} from the caching pass's entries."""
     return {name: completion_logprobs(trees, acts) if name == LOGPROB else
             [t.completion_values(a.entry_scores[name]) for t, a in zip(trees, acts)] for name in heads}
+
+
+def scores_of(trees: list[RolloutTree], acts: list[TreeActivations], heads: Heads | None):
+    """What a loss over `heads` takes from the caching pass: scores by head name, or nested
+    logprobs for the logprob alone (heads.by_head)."""
+    return completion_scores(trees, acts, heads) if by_head(heads) else completion_logprobs(trees, acts)
 
 
 def activations_kv(acts: list[TreeActivations]):
@@ -113,7 +119,7 @@ def replay_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_
     if None). Scores and prefix K/V of other weights would give another gradient."""
     if activations is None:
         _, activations = capture_logprobs(model, trees, heads=heads)
-    scores = completion_scores(trees, activations, heads) if heads else completion_logprobs(trees, activations)
+    scores = scores_of(trees, activations, heads)
     loss, weights = loss_and_weights(loss_fn, scores)
     stats = replay_backward(model, trees, weights, prefix_kv=activations_kv(activations),
                             budget_bytes=budget_bytes, heads=heads)

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.algos.grpo import NestedCounts, aggregate, flat_counts
+from lsreplay.algos.grpo import NestedCounts, NestedMask, aggregate, flat_counts, kept
 from lsreplay.algos.weights import NestedLogprobs
-from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.replay.segments import device_index, target_logprobs
+from lsreplay.models.distribution import RAW, SamplingParams
+from lsreplay.replay.heads import LOGPROB, Heads, LogprobHead
+from lsreplay.replay.segments import device_index
 
 VALUE_HEAD = "value_head"  # the module's name on the policy; its tensors are "value_head.*"
 VALUE = "value"
@@ -55,8 +56,10 @@ def value_scores(model: PreTrainedModel, hidden: torch.Tensor, positions, target
     return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
-# What PPO with a critic scores at every entry: the token's logprob and the state's value.
-CRITIC_HEADS: Heads = {LOGPROB: target_logprobs, VALUE: value_scores}
+def critic_heads(sampling: SamplingParams = RAW) -> Heads:
+    """What PPO with a critic scores at every entry: the token's logprob (under the
+    distribution `sampling` draws from) and the state's value."""
+    return {LOGPROB: LogprobHead(sampling), VALUE: value_scores}
 
 
 def is_critic(name: str) -> bool:
@@ -86,18 +89,24 @@ def gae(values: torch.Tensor, reward: float, gamma: float = 1.0, lam: float = 0.
     return advantages, advantages + values
 
 
-def whiten(advantages: list[list[torch.Tensor]], counts: NestedCounts = None, eps: float = 1e-8) -> list[list[torch.Tensor]]:
-    """Per-token advantages over the batch to mean 0, std 1 (each completion's tokens counted
-    as many times as the samples it stands for), as PPO implementations normalise them."""
+def whiten(advantages: list[list[torch.Tensor]], counts: NestedCounts = None, mask: NestedMask = None,
+           eps: float = 1e-8) -> list[list[torch.Tensor]]:
+    """Per-token advantages over the batch to mean 0, variance 1, as verl's masked_whiten:
+    (A - mean) / sqrt(unbiased var + eps) over the tokens of the completions `mask` keeps,
+    each counted as many times as the samples it stands for."""
     flat_n = flat_counts(counts, advantages) or [1] * sum(map(len, advantages))
-    tokens = [(a, n) for a, n in zip((a for row in advantages for a in row), flat_n) if a.numel()]
+    keep = [True] * len(flat_n) if mask is None else [m for row in mask for m in row]
+    tokens = [(a, n) for a, n, k in zip((a for row in advantages for a in row), flat_n, keep) if k and a.numel()]
     if not tokens:
         return advantages
     values = torch.cat([a for a, _ in tokens])
     w = torch.cat([torch.full_like(a, float(n)) for a, n in tokens])
-    mean = (w * values).sum() / w.sum()
-    std = ((w * (values - mean) ** 2).sum() / w.sum()).sqrt()
-    return [[(a - mean) / (std + eps) for a in row] for row in advantages]
+    size = w.sum()
+    mean = (w * values).sum() / size
+    var = (w * (values - mean) ** 2).sum() / size
+    if size > 1:
+        var = var * size / (size - 1)  # Bessel's correction over the samples' tokens
+    return [[(a - mean) * torch.rsqrt(var + eps) for a in row] for row in advantages]
 
 
 @dataclass
@@ -108,6 +117,7 @@ class CriticBatch:
     loss_agg: str = "token-mean"
     max_tokens: int | None = None
     counts: NestedCounts = None
+    mask: NestedMask = None  # per tree, per completion: in the value loss (None: all), as in the policy loss
 
 
 def clipped_value_loss(values: torch.Tensor, old: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:
@@ -121,10 +131,11 @@ def clipped_value_loss(values: torch.Tensor, old: torch.Tensor, returns: torch.T
 
 
 def value_loss(values: NestedLogprobs, batch: CriticBatch) -> torch.Tensor:
-    """The clipped value loss of every completion token, aggregated as the policy loss is."""
+    """The clipped value loss of every completion token `mask` keeps, aggregated as the policy loss is."""
     losses = [clipped_value_loss(v, o, r, batch.clip)
               for vs, os, rs in zip(values, batch.old_values, batch.returns) for v, o, r in zip(vs, os, rs)]
-    return aggregate(losses, batch.loss_agg, batch.max_tokens, flat_counts(batch.counts, values))
+    losses, counts = kept(losses, flat_counts(batch.counts, values), batch.mask)
+    return aggregate(losses, batch.loss_agg, batch.max_tokens, counts)
 
 
 def _flat(nested: NestedLogprobs) -> torch.Tensor:

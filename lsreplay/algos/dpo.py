@@ -8,8 +8,9 @@ a completion (+-beta * sigmoid(-margin) / pairs), and on a prefix shared by the 
 the rejected completion the two weights cancel on the tree's shared entries: the shared
 prefix of a pair gets no gradient from it, as it should.
 
-A leaf that stands for n samples (see grpo: it ended before a branch point) makes a pair
-stand for n_c * n_r pairs of samples, and the mean weighs it so.
+Given `counts`, a leaf that stands for n samples (see grpo: it ended before a branch
+point) makes a pair stand for n_c * n_r pairs of samples, and the mean weighs it so; the
+online pairs below pass none.
 
 The policy's sequence logprobs come from the caching pass (no grad), `loss_and_weights`
 gives the per-token weights, and the replay backward injects them.

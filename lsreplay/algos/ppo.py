@@ -49,7 +49,7 @@ class PPOBatch:
 
         critic = None if self.critic is None else replace(
             self.critic, old_values=pick(self.critic.old_values), returns=pick(self.critic.returns),
-            counts=pick(self.critic.counts))
+            counts=pick(self.critic.counts), mask=pick(self.critic.mask))
         return replace(self, advantages=pick(self.advantages), old_logprobs=pick(self.old_logprobs),
                        counts=pick(self.counts), mask=pick(self.mask), ref_logprobs=pick(self.ref_logprobs),
                        critic=critic)

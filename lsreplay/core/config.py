@@ -190,11 +190,17 @@ class AlgoConfig:
     # prompt, chosen and rejected columns; no rollouts).
     dpo_beta: float = 0.1
     dpo_source: str = "rollouts"
-    # Dynamic sampling (DAPO): a tree whose leaves all got the same reward carries no
-    # gradient; its prompt is replaced by another, drawn in advance by the prompts stage,
-    # for up to this many rounds of draws in all (the first included).
+    # Dynamic sampling (DAPO): a tree whose leaves all score alike on `dynamic_sampling_metric`
+    # is replaced by the tree of another prompt, drawn in advance by the prompts stage, for up
+    # to this many rounds of draws in all (the first included); a tree still all alike after
+    # the last round is left out of the loss and its denominators (DAPO keeps only groups
+    # that differ; verl draws more batches instead).
     dynamic_sampling: bool = False
     dynamic_sampling_draws: int = 4
+    # What "alike" is judged on: "reward" (what the reward functions returned: accuracy for a
+    # checker, verl's filter_groups.metric=acc), "training_reward" (after the overlong
+    # penalty) or "rewards/NAME" (one reward function's values, NAME as in rewards/NAME/mean).
+    dynamic_sampling_metric: str = "reward"
     # Answers cut at rollout.max_new_tokens: "none"; "mask" (left out of the policy loss);
     # "penalty": a reward minus overlong_penalty x (length - (max_new_tokens -
     # overlong_buffer)) / overlong_buffer over the last overlong_buffer tokens (DAPO's).
@@ -212,9 +218,10 @@ class OptimConfig:
     # Max global gradient norm; 0 = no clipping.
     grad_clip: float = 1.0
     # The learning rate over the run's optimizer updates (one per step; algo.epochs x
-    # algo.minibatches per step with PPO): constant, or decaying to 0 at the last step
-    # (linear, cosine, which makes `steps` change the results), after a linear warmup of
-    # warmup_steps updates from lr / warmup_steps.
+    # algo.minibatches per step with PPO): constant, or decaying towards 0 (linear, cosine,
+    # which makes `steps` change the results; as transformers' schedules, the last update
+    # runs at lr / (updates - warmup_steps) and 0 would be the next), after a linear warmup
+    # of warmup_steps updates from lr / warmup_steps.
     schedule: str = "constant"
     warmup_steps: int = 0
 
@@ -659,6 +666,11 @@ def _validate_learning(cfg: Config) -> None:
            "with); set rollout.branching[0] >= 2 or algo.tree_baseline=group", a.tree_baseline)
     _check(a.loss_agg in LOSS_AGGS, "algo.loss_agg", " or ".join(LOSS_AGGS), a.loss_agg)
     _check(a.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS), a.kl_estimator)
+    # k1 = log pi - log ref has the gradient grad log pi, whose expectation over the policy's
+    # own samples is 0: as a loss term it pulls nowhere (docs/algorithms.md, "KL penalty").
+    _check(a.kl_estimator != "k1" or a.kl_coef == 0, "algo.kl_estimator", "k3 (its gradient is that of KL(ref || pi)) "
+           "or k2 (that of KL(pi || ref)) with algo.kl_coef > 0: k1's gradient, grad log pi, is 0 in expectation "
+           "on-policy, so as a loss term it regularizes nothing", a.kl_estimator)
     _check(a.kl_coef >= 0, "algo.kl_coef", "must be >= 0", a.kl_coef)
     _check(a.clip_eps > 0, "algo.clip_eps", "must be > 0 (the ratio's clip range, e.g. 0.2)", a.clip_eps)
     _check(a.clip_eps_high >= 0, "algo.clip_eps_high", "must be >= 0 (0 = algo.clip_eps)", a.clip_eps_high)
@@ -732,10 +744,17 @@ def _validate_dpo(cfg: Config) -> None:
            cfg.eval.path)
 
 
+DYNAMIC_SAMPLING_METRICS = ("reward", "training_reward", "rewards/NAME")
+
+
 def _validate_refinements(cfg: Config) -> None:
     a = cfg.algo
     _check(a.dynamic_sampling_draws >= 1, "algo.dynamic_sampling_draws", "must be >= 1 (rounds of draws, the first "
            "included)", a.dynamic_sampling_draws)
+    metric = a.dynamic_sampling_metric
+    _check(metric in DYNAMIC_SAMPLING_METRICS[:2] or (metric.startswith("rewards/") and len(metric) > 8),
+           "algo.dynamic_sampling_metric", " or ".join(DYNAMIC_SAMPLING_METRICS) + " (one reward function's values)",
+           metric)
     _check(a.overlong in OVERLONG, "algo.overlong", " or ".join(OVERLONG), a.overlong)
     _check(a.overlong != "penalty" or 0 < a.overlong_buffer < cfg.rollout.max_new_tokens, "algo.overlong_buffer",
            f"between 1 and rollout.max_new_tokens - 1 = {cfg.rollout.max_new_tokens - 1} with algo.overlong=penalty "

@@ -61,9 +61,12 @@ class PreferenceSet:
         return [self[i] for i in sample_rows(len(self), step, batch_size, seed)]
 
 
-def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int) -> dict:
+def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_answer_tokens: int) -> dict:
     """The tree record of one row: its prompt's token ids, the chosen and the rejected answer
-    as two completions, the preference as rewards (chosen 1, rejected 0)."""
+    as two completions, the preference as rewards (chosen 1, rejected 0). The prompt is
+    tokenized as rollouts tokenize theirs (no special tokens added: the text or the template
+    has them; TRL's DPOTrainer adds none either); an answer longer than `max_answer_tokens`
+    is cut there, unfinished (as a rollout cut at rollout.max_new_tokens)."""
     chat = not isinstance(pref.prompt, str)
     if chat != (not isinstance(pref.chosen, str)) or chat != (not isinstance(pref.rejected, str)):
         raise DatasetError(f"preference row {pref.index}: prompt, chosen and rejected must all be text or all chat "
@@ -73,15 +76,17 @@ def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int) -> di
         prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         answers = [_chat_answer(tokenizer, pref, prompt_text, a) for a in (pref.chosen, pref.rejected)]
     else:
-        prompt = tokenizer(pref.prompt)["input_ids"]
+        prompt = tokenizer(pref.prompt, add_special_tokens=False)["input_ids"]
         answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                    for a in (pref.chosen, pref.rejected)]
     if not prompt or len(prompt) > max_prompt_tokens:
         raise DatasetError(f"preference row {pref.index}: its prompt has {len(prompt)} tokens; it needs at least one "
                            f"and at most data.max_prompt_tokens={max_prompt_tokens} (raise the limit or drop the row)")
+    finished = [len(a) <= max_answer_tokens for a in answers]
+    answers = [a[:max_answer_tokens] for a in answers]
     texts = [tokenizer.decode(a, skip_special_tokens=True) for a in answers]
     return {"prompt_index": pref.index, "prompt_ids": prompt, "completions": answers, "logprobs": None,
-            "finished": [True, True], "texts": texts, "rewards": [1.0, 0.0], "counts": [1, 1], "paths": [[0], [1]]}
+            "finished": finished, "texts": texts, "rewards": [1.0, 0.0], "counts": [1, 1], "paths": [[0], [1]]}
 
 
 def _chat_answer(tokenizer, pref: Preference, prompt_text: str, answer: list) -> list[int]:
@@ -99,7 +104,7 @@ def check_preferences(cfg, tokenizer, rows: int = 16) -> None:
     prefs = PreferenceSet.from_file(cfg.data.path, cfg.data.split)
     for i in range(min(rows, len(prefs))):
         try:
-            preference_record(tokenizer, prefs[i], cfg.data.max_prompt_tokens)
+            preference_record(tokenizer, prefs[i], cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
         except DatasetError as e:
             raise DatasetError(f"{prefs.path}: {e}") from None
 

@@ -46,20 +46,25 @@ def distillation_loss(
     mask: torch.BoolTensor,
     feature_weight: float = 1.0,
     token_weight: float = 0.1,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SmoothL1 on features plus soft cross-entropy against the target's next-token distribution.
 
-    Both are means over the positions where `mask` is true. `parts` holds the detached
+    Both are means over the positions where `mask` is true. The token loss compares the
+    two distributions at the rollouts' `temperature`, the ones speculative sampling draws
+    from and accepts by (rollout.speculative: q against p, both tempered); the cut of top-k
+    and top-p is left out (a cross-entropy over -inf entries), and the acceptance bound
+    depends on the tempered distributions either way. `parts` holds the detached
     feature_loss, token_loss, top1_accept and the number of positions.
     """
     predicted = drafter(input_ids, hidden_states, position_ids)[mask]
     target = target_hidden_next[mask].to(predicted.dtype)
     # Softmax and losses in float32 whatever the model dtype: bf16 log-softmax over a large vocabulary is coarse.
     feature_loss = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1).mean()
-    draft_logp = F.log_softmax(drafter.logits(predicted).float(), dim=-1)
+    draft_logp = F.log_softmax(drafter.logits(predicted).float() / temperature, dim=-1)
     with torch.no_grad():
         target_logits = drafter.logits(target).float()
-    token_loss = -(F.softmax(target_logits, dim=-1) * draft_logp).sum(-1).mean()
+    token_loss = -(F.softmax(target_logits / temperature, dim=-1) * draft_logp).sum(-1).mean()
     loss = feature_weight * feature_loss + token_weight * token_loss
     accept = (draft_logp.argmax(-1) == target_logits.argmax(-1)).float().mean()
     parts = {
@@ -160,8 +165,10 @@ def distill(
     max_len: int = 2048,
     max_grad_norm: float = MAX_GRAD_NORM,
     stop: Callable[[], bool] | None = None,
+    temperature: float = 1.0,
 ) -> DistillStats:
-    """Train the drafter for `steps` AdamW steps on batches drawn with `generator`.
+    """Train the drafter for `steps` AdamW steps on batches drawn with `generator`, its
+    token loss at the rollouts' `temperature` (distillation_loss).
 
     `lr` and `max_grad_norm` build its trainable state (`drafter_train_state`) when none is
     given; pass one back in to keep its masters and moments across spot-training sessions.
@@ -181,7 +188,7 @@ def distill(
             break
         picks = torch.randint(len(usable), (batch_size,), generator=generator, device=generator.device)
         batch = sequences_to_batch([usable[i] for i in picks.tolist()], max_len)
-        loss, parts = distillation_loss(drafter, **_to_drafter(batch, drafter))
+        loss, parts = distillation_loss(drafter, **_to_drafter(batch, drafter), temperature=temperature)
         train.zero_grad()
         loss.backward()
         train.clip_grad_norm()
@@ -199,7 +206,7 @@ def distill(
 
 @torch.no_grad()
 def evaluate(
-    drafter: Drafter, sequences: list[Sequence], batch_size: int = 8, max_len: int = 2048
+    drafter: Drafter, sequences: list[Sequence], batch_size: int = 8, max_len: int = 2048, temperature: float = 1.0
 ) -> DistillStats:
     """The same metrics as `distill`, over every pair of `sequences`, without training (steps=0)."""
     usable = _usable(sequences)
@@ -208,6 +215,6 @@ def evaluate(
     rows = []
     for start in range(0, len(usable), batch_size):
         batch = sequences_to_batch(usable[start : start + batch_size], max_len)
-        rows.append(_row(*distillation_loss(drafter, **_to_drafter(batch, drafter))))
+        rows.append(_row(*distillation_loss(drafter, **_to_drafter(batch, drafter), temperature=temperature)))
     drafter.train(was_training)
     return _summarise(rows, 0)

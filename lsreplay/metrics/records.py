@@ -33,9 +33,9 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
     """TRL's rollout figures of a step's tree records: per-tree reward spread, each reward
     function's mean and std (over the completions it applies to), completion lengths (all,
     and of those that ended with EOS), the share cut at max_new_tokens, and the entropy of
-    the sampled tokens (their mean negative logprob under the policy, an unbiased estimate
-    of its per-token entropy at temperature 1; not for a preference dataset's answers, which
-    nothing sampled)."""
+    the sampled tokens (their mean negative logprob under the distribution they were drawn
+    from, tempered and truncated: an unbiased estimate of its per-token entropy; not for a
+    preference dataset's answers, which nothing sampled)."""
     counts = [r.get("counts", [1] * len(r["completions"])) for r in records]
     stds = [_weighted(r["rewards"], ns)[1] for r, ns in zip(records, counts)]
     leaves = [(len(c), f, n, lps) for r, ns in zip(records, counts)
@@ -64,14 +64,16 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
 # trees were dropped for that), and the tree shape per tree (stages.trees.group_stats;
 # absent from rollouts sampled before leaves carried counts). prefixes: the rollout
 # engine's logprobs against the trainer's, per token. policy: the algorithm's figures
-# (docs/algorithms.md): KL, updates, the critic's, DPO's pairs and implicit rewards, and
-# TRL's learning rate and clip fractions.
+# (docs/algorithms.md): KL, updates, the critic's, DPO's pairs and implicit rewards, the
+# trees dynamic sampling left out of the loss, what truncated importance sampling capped,
+# and TRL's learning rate and clip fractions.
 OPTIONAL_KEYS = {
     "trees": ("trees_all_alike", "prompts_drawn", "trees_dropped", "leaves_per_tree", "group_size",
               "effective_group_size"),
     "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
     "policy": ("kl", "updates", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
-               "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", *TRL_POLICY_KEYS),
+               "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", "trees_left_out",
+               "tis_capped_fraction", "tis_weight_mean", *TRL_POLICY_KEYS),
 }
 
 

@@ -1,10 +1,10 @@
 """The caching pass: one no-grad forward over a rollout tree.
 
 It visits every trie position once and records what the later stages need: the K/V of
-every branching node (replayed by the backward), the logprob of every entry (for the KL
-term, PPO's old logprobs, DPO), every other head's score of every entry (a critic's old
-values, heads.py) and the last hidden state of every position (drafter training). A pass
-that needs none of them visits only the branching nodes.
+every branching node (replayed by the backward), every entry's score by each head asked
+for (heads.py: the logprob under the sampling distribution for the KL term, PPO's old
+logprobs and DPO; a critic's old values) and the last hidden state of every position
+(drafter training). A pass that needs none of them visits only the branching nodes.
 It computes each node exactly as the replay backward recomputes it, so the cached K/V
 are bit-identical to what the backward would produce itself.
 """
@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.replay.heads import Heads
-from lsreplay.replay.segments import (PrefixKV, concat_kv, forward_segments, new_kv, rollout_logprobs,
-                                      target_logprobs)
+from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS, Heads
+from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, new_kv
 from lsreplay.tree import Node, RolloutTree
 
 
@@ -41,31 +40,34 @@ class TreeActivations:
         return out
 
 
-def _new_activations(tree: RolloutTree, score: bool, heads: Heads) -> TreeActivations:
+def _new_activations(tree: RolloutTree, heads: Heads) -> TreeActivations:
     def zeros():
         return torch.zeros(tree.num_entries, dtype=torch.float64)
 
-    return TreeActivations(entry_logprobs=zeros() if score else None,
-                           entry_scores={name: zeros() for name in heads})
+    return TreeActivations(entry_logprobs=zeros() if LOGPROB in heads else None,
+                           entry_scores={name: zeros() for name in heads if name != LOGPROB})
+
+
+def _record_scores(acts: TreeActivations, heads: Heads, model, hidden: torch.Tensor, entry_ids: list[int],
+                   positions: list[int], targets: list[int]) -> None:
+    """Every head's scores of some entries, from one row of hidden states: the logprob's
+    into entry_logprobs, the others' into entry_scores."""
+    for name, head in heads.items():
+        scores = acts.entry_logprobs if name == LOGPROB else acts.entry_scores[name]
+        scores[entry_ids] = head(model, hidden, positions, targets).double().cpu()
 
 
 @torch.no_grad()
 def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = True,
-                 leaf_batch: int = 16, score: bool = True, heads: Heads | None = None) -> TreeActivations:
-    """score: record every entry's logprob; heads: every entry's score by each of them too;
-    keep_hidden: every position's last hidden state."""
-    heads = heads or {}
-    acts = _new_activations(tree, score, heads)
+                 leaf_batch: int = 16, heads: Heads = LOGPROB_HEADS) -> TreeActivations:
+    """heads: what every entry is scored by (heads.py; the logprob's scores go to
+    entry_logprobs; {} scores nothing); keep_hidden: every position's last hidden state."""
+    acts = _new_activations(tree, heads)
 
     def record(nodes: list[Node], hidden: torch.Tensor) -> None:
         for row, n in enumerate(nodes):
-            if score and n.entry_ids:
-                lp = target_logprobs(model, hidden[row], n.entry_pos, n.entry_targets)
-                acts.entry_logprobs[n.entry_ids] = lp.double().cpu()
-            for name, head in heads.items():
-                if n.entry_ids:
-                    values = head(model, hidden[row], n.entry_pos, n.entry_targets)
-                    acts.entry_scores[name][n.entry_ids] = values.double().cpu()
+            if n.entry_ids:
+                _record_scores(acts, heads, model, hidden[row], n.entry_ids, n.entry_pos, n.entry_targets)
             if keep_hidden:
                 acts.hidden[n.id] = hidden[row, : len(n.tokens)].cpu().clone()
 
@@ -78,7 +80,7 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
         del cache  # the concatenated past is no longer needed
         acts.prefix_kv[node.id] = kv
         below = ancestors + [kv]
-        scored = score or keep_hidden or bool(heads)
+        scored = keep_hidden or bool(heads)
         leaves = [tree.nodes[c] for c in node.children if tree.nodes[c].is_leaf] if scored else []
         for i in range(0, len(leaves), leaf_batch):
             batch = leaves[i : i + leaf_batch]
@@ -94,20 +96,16 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
 
 @torch.no_grad()
 def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16,
-                     heads: Heads | None = None) -> TreeActivations:
-    """The per-rollout baseline's logprob pass: every rollout's full sequence (prompt and
-    completion) forward, `batch` rollouts at a time, right-padded. Entry logprobs (and
-    `heads`' scores) only: a shared entry gets the value of the last rollout that holds it."""
-    heads = heads or {}
-    acts = _new_activations(tree, True, heads)
+                     heads: Heads = LOGPROB_HEADS) -> TreeActivations:
+    """The per-rollout baseline's scoring pass: every rollout's full sequence (prompt and
+    completion) forward, `batch` rollouts at a time, right-padded; every entry scored by
+    `heads` (as capture_tree). A shared entry gets the value of the last rollout that holds it."""
+    acts = _new_activations(tree, heads)
     rollouts = [(j, c) for j, c in enumerate(tree.completions) if c]
     for i in range(0, len(rollouts), batch):
         chunk = rollouts[i : i + batch]
         hidden, _ = forward_segments(model, [tree.prompt_ids + c for _, c in chunk], 0, None)
         for row, (j, completion) in enumerate(chunk):
-            lp = rollout_logprobs(model, hidden[row], tree.prompt_len, completion)
-            acts.entry_logprobs[tree.entry_index[j]] = lp.double().cpu()
             at = list(range(tree.prompt_len - 1, tree.prompt_len - 1 + len(completion)))
-            for name, head in heads.items():
-                acts.entry_scores[name][tree.entry_index[j]] = head(model, hidden[row], at, completion).double().cpu()
+            _record_scores(acts, heads, model, hidden[row], tree.entry_index[j], at, completion)
     return acts

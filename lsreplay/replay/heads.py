@@ -9,30 +9,59 @@ every head, and a loss over those scores reduces to dL/dscore per entry. The gra
 
 is what `replay_backward` accumulates, for any heads: the chain rule through the hidden
 states is the same whatever maps them to the scored quantity, and replay recomputes the
-hidden states exactly. The token logprob (`LOGPROB`, the LM head's) is one head; a
-critic's value head (lsreplay.algos.critic) is another.
+hidden states exactly. The token logprob (`LOGPROB`, the LM head's, under the distribution
+the rollouts were drawn from: `LogprobHead`) is one head; a critic's value head
+(lsreplay.algos.critic) is another. A loss over the logprob alone takes nested logprobs;
+over several heads, scores by head name (`by_head`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.models.distribution import RAW, SamplingParams
 from lsreplay.replay.segments import target_logprobs
 
 Head = Callable[[PreTrainedModel, torch.Tensor, list[int], list[int]], torch.Tensor]
 Heads = Mapping[str, Head]
 
 LOGPROB = "logprob"
-LOGPROB_HEADS: Heads = {LOGPROB: target_logprobs}
+
+
+@dataclass(frozen=True)
+class LogprobHead:
+    """The head `logprob`: each target token's logprob under the distribution `sampling`
+    draws from (RAW: the policy's own, temperature 1)."""
+
+    sampling: SamplingParams = RAW
+
+    def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, positions, targets) -> torch.Tensor:
+        return target_logprobs(model, hidden, positions, targets, self.sampling)
+
+
+LOGPROB_HEADS: Heads = {LOGPROB: LogprobHead()}
+
+
+def logprob_heads(sampling: SamplingParams) -> Heads:
+    """The logprob alone, under `sampling`'s distribution."""
+    return {LOGPROB: LogprobHead(sampling)}
+
+
+def by_head(heads: Heads | None) -> bool:
+    """Whether a loss over `heads` takes (and its weights come as) scores by head name; a
+    loss over the logprob alone takes nested logprobs."""
+    return heads is not None and set(heads) != {LOGPROB}
 
 
 def per_head(weights, heads: Heads | None) -> tuple[dict, Heads]:
     """(weights by head name, heads): nested per-token weights alone are the logprob's."""
-    if heads is None:
-        return {LOGPROB: weights}, LOGPROB_HEADS
+    heads = heads or LOGPROB_HEADS
+    if not by_head(heads) and not isinstance(weights, Mapping):
+        return {LOGPROB: weights}, heads
     if not isinstance(weights, Mapping) or set(weights) != set(heads):
         got = sorted(weights) if isinstance(weights, Mapping) else "one nested list"
         raise ValueError(f"weights must be given per head ({sorted(heads)}), got {got}")

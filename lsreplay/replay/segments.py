@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from lsreplay.models.distribution import RAW, SamplingParams, token_logprobs
 from lsreplay.models.hf_compat import with_cache
 from lsreplay.models.logits import float_logits
 
@@ -80,14 +81,9 @@ def device_index(values, device: torch.device) -> torch.LongTensor:
     return index.pin_memory().to(device, non_blocking=True)
 
 
-def target_logprobs(model: PreTrainedModel, hidden: torch.Tensor, positions, targets) -> torch.Tensor:
-    """log p(targets[i] | position positions[i]) from one row of hidden states (T, d)."""
+def target_logprobs(model: PreTrainedModel, hidden: torch.Tensor, positions, targets,
+                    sampling: SamplingParams = RAW) -> torch.Tensor:
+    """log p(targets[i] | position positions[i]) from one row of hidden states (T, d), p the
+    distribution `sampling` draws from (lsreplay.models.distribution; RAW: the policy's own)."""
     positions, targets = device_index(positions, hidden.device), device_index(targets, hidden.device)
-    logits = float_logits(model, hidden[positions])
-    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-
-
-def rollout_logprobs(model: PreTrainedModel, hidden: torch.Tensor, prompt_len: int, completion: list[int]) -> torch.Tensor:
-    """log p of each completion token, from the hidden states (T, d) of one rollout's full
-    sequence (prompt, then completion)."""
-    return target_logprobs(model, hidden, list(range(prompt_len - 1, prompt_len - 1 + len(completion))), completion)
+    return token_logprobs(float_logits(model, hidden[positions]), targets, sampling)

@@ -58,14 +58,17 @@ class Server:
               gpu_memory_utilization: float, enforce_eager: bool, drafter: str | None, draft_tokens: int,
               spec_threshold: int) -> dict:
         """Build the engine: prefix caching on, the tokenizer left out (lsreplay sends token
-        ids and stop tokens), per-step statistics on (the speculative counters). With a
+        ids and stop tokens), per-step statistics on (the speculative counters), each sampled
+        token's logprob under the distribution it was drawn from (temperature, top-k, top-p:
+        "processed", as lsreplay's trainer scores it; vLLM's default is the raw one). With a
         drafter, speculation runs only while at most `spec_threshold` sequences are in the
         batch (vLLM's dynamic schedule: the long tail), `draft_tokens` drafts each."""
         import vllm
 
         started = time.perf_counter()
         options = dict(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
-                       enforce_eager=enforce_eager, skip_tokenizer_init=True, disable_log_stats=False)
+                       enforce_eager=enforce_eager, skip_tokenizer_init=True, disable_log_stats=False,
+                       logprobs_mode="processed_logprobs")
         if kv_cache_bytes:
             options["kv_cache_memory_bytes"] = kv_cache_bytes
         else:

@@ -7,8 +7,13 @@ import time
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.algos.critic import critic_heads
 from lsreplay.algos.overlong import length_penalty
+from lsreplay.core.config import ConfigError
 from lsreplay.core.run import Run
+from lsreplay.data.preferences import offline
+from lsreplay.models.distribution import RAW, SamplingParams
+from lsreplay.replay.heads import Heads, logprob_heads
 from lsreplay.state.resident import RESIDENT
 from lsreplay.tree import RolloutTree
 
@@ -17,6 +22,22 @@ def policy_before(run: Run, step: int, device: torch.device | str = "cpu") -> Pr
     """The policy that acts in `step` (after updates 0 .. step - 1) on `device`: the copy
     this process holds, else loaded (lsreplay.state.resident)."""
     return RESIDENT.policy(run, step, torch.device(device))
+
+
+def sampled_as(cfg) -> SamplingParams:
+    """The distribution the step's completions were drawn from, and so the one every
+    logprob of the step is scored under (behaviour, old, reference, the update's): the
+    rollouts' temperature, top-k and top-p. A preference dataset's answers were drawn by
+    nothing here: offline DPO scores the policy's own (temperature 1), as TRL's DPOTrainer does."""
+    if offline(cfg):
+        return RAW
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+
+def policy_heads(cfg) -> Heads:
+    """What the update scores at every entry: the logprob under `sampled_as`, and a critic's value."""
+    return critic_heads(sampled_as(cfg)) if cfg.algo.critic else logprob_heads(sampled_as(cfg))
 
 
 class StateClock:
@@ -66,6 +87,32 @@ def training_rewards(cfg, record: dict) -> list[float]:
             for r, c in zip(record["rewards"], record["completions"])]
 
 
-def all_alike(rewards: list[float]) -> bool:
+def all_alike(rewards: list) -> bool:
     """Whether every leaf of a tree got the same reward: no GRPO gradient, no DPO pair."""
-    return max(rewards) == min(rewards)
+    return len(set(rewards)) <= 1
+
+
+def filter_values(cfg, record: dict) -> list:
+    """What dynamic sampling judges a tree's leaves alike on (algo.dynamic_sampling_metric):
+    the reward as the reward functions gave it (DAPO's accuracy), the training reward, or
+    one reward function's values."""
+    metric = cfg.algo.dynamic_sampling_metric
+    if metric == "reward":
+        return list(record["rewards"])
+    if metric == "training_reward":
+        return training_rewards(cfg, record)
+    name = metric.removeprefix("rewards/")
+    functions = record.get("reward_functions", {})
+    if name not in functions:
+        raise ConfigError(f"algo.dynamic_sampling_metric={metric}: no reward function is named {name!r}; the run's "
+                          f"are {sorted(functions)} (rewards/NAME as the metrics name them), or use reward")
+    return list(functions[name])
+
+
+def left_out(cfg, records: list[dict]) -> list[bool]:
+    """Per tree: whether the loss leaves it out. Dynamic sampling keeps only trees whose
+    leaves differ on its metric (DAPO); one still all alike when the draws ran out counts in
+    no term and no denominator. Without dynamic sampling every tree is in."""
+    if not cfg.algo.dynamic_sampling:
+        return [False] * len(records)
+    return [all_alike(filter_values(cfg, r)) for r in records]

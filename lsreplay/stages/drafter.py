@@ -77,7 +77,8 @@ def _distill_drafter(run: Run, step: int, devices: list[int] | None, device: tor
     if trainer.steps_done == 0:
         return _untrained(run, step, devices, stopped_by, time.perf_counter() - start)
     if stats is None:  # resumed from a checkpoint, and no step ran since
-        stats = evaluate(trainer.drafter, sequences, max_len=run.cfg.drafter.max_len)
+        stats = evaluate(trainer.drafter, sequences, max_len=run.cfg.drafter.max_len,
+                         temperature=run.cfg.rollout.temperature)
         files = _save(run, step, trainer)
     exported = save_hf(run.store, f"{run.checkpoint('drafter', step)}/hf", trainer.drafter)
     log.info("drafter of step %d: %d steps (resumed at %d), stopped by %s", step, trainer.steps_done, resumed_at,
@@ -103,7 +104,7 @@ def _train(run: Run, step: int, trainer: _Trainer, sequences, rollouts_ended) ->
             chunk = min(d.checkpoint_every, d.steps - trainer.steps_done)
             ran = distill(trainer.drafter, sequences, steps=chunk, lr=d.lr, batch_size=d.batch_size,
                           max_len=d.max_len, generator=trainer.batches, train=trainer.train, progress=False,
-                          stop=rollouts_ended)
+                          stop=rollouts_ended, temperature=run.cfg.rollout.temperature)
             if ran.steps:
                 stats = ran
                 trainer.steps_done += ran.steps

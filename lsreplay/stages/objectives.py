@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lsreplay.algos.critic import (CRITIC_HEADS, VALUE, CriticBatch, explained_variance, gae, value_clip_fraction,
-                                   value_loss, whiten)
+from lsreplay.algos.critic import (VALUE, CriticBatch, explained_variance, gae, value_clip_fraction, value_loss,
+                                   whiten)
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprobs
 from lsreplay.algos.grpo import clip_fractions, group_advantages
 from lsreplay.algos.kl import kl_loss
@@ -32,7 +32,7 @@ from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.core.run import Run
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.stages.common import leaf_counts, leaf_subtrees, training_rewards
+from lsreplay.stages.common import leaf_counts, leaf_subtrees, left_out, policy_heads, training_rewards
 from lsreplay.stages.prefixes import load_activations
 
 
@@ -41,7 +41,7 @@ class Objective:
     loss_for: Callable[[list[int]], Callable]  # the loss over the scores of the trees of a minibatch
     orders: list[list[list[int]]]  # per epoch, the minibatches' tree indices
     old: dict | NestedLogprobs  # the caching pass's scores of every tree (the first minibatch's too)
-    heads: Heads | None = None  # what the loss scores (None: logprobs alone)
+    heads: Heads  # what the loss scores (heads.by_head: nested logprobs, or scores by head)
     extras: dict = field(default_factory=dict)  # figures of the batch before the update
     # Figures of one minibatch at the scores its loss saw (averaged over the update).
     figures: Callable[[list[int], dict | NestedLogprobs], dict] = lambda idx, scores: {}
@@ -68,6 +68,18 @@ def objective(run: Run, step: int, records: list[dict], trees, prefixes: dict) -
     return _clipped(run, step, records, trees, acts)
 
 
+def response_mask(cfg, records: list[dict]) -> list[list[bool]] | None:
+    """Per tree, per completion: whether its tokens are in the loss, one mask for every term
+    (policy, KL, value loss) and for GAE's whitening. Out: an answer cut at max_new_tokens
+    under algo.overlong=mask, and every leaf of a tree dynamic sampling leaves out
+    (common.left_out). None when every completion is in."""
+    out = left_out(cfg, records)
+    cut = cfg.algo.overlong == "mask"
+    if not cut and not any(out):
+        return None
+    return [[not gone and (finished or not cut) for finished in r["finished"]] for r, gone in zip(records, out)]
+
+
 def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
     """GRPO and PPO: the clipped surrogate, with the critic's value loss where there is one."""
     cfg, algo = run.cfg, run.cfg.algo
@@ -75,29 +87,29 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
                                else a.entry_logprobs) for t, a in zip(trees, acts)]
     counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
     rewards = [training_rewards(cfg, r) for r in records]
-    max_tokens = cfg.rollout.max_new_tokens
-    critic, extras = None, {}
+    mask, max_tokens = response_mask(cfg, records), cfg.rollout.max_new_tokens
+    critic, extras = None, {"trees_left_out": sum(left_out(cfg, records))}
     if algo.critic:
         values = [t.completion_values(a.entry_scores[VALUE]) for t, a in zip(trees, acts)]
         returns = [[gae(v, r, algo.gamma, algo.lam)[1] for v, r in zip(vs, rs)] for vs, rs in zip(values, rewards)]
         critic = CriticBatch(old_values=values, returns=returns, clip=algo.value_clip, loss_agg=algo.loss_agg,
-                             max_tokens=max_tokens, counts=counts)
+                             max_tokens=max_tokens, counts=counts, mask=mask)
         extras["value_explained_variance"] = explained_variance(values, returns)
     if algo.advantage == "gae":
         advantages = whiten([[gae(v, r, algo.gamma, algo.lam)[0] for v, r in zip(vs, rs)]
-                             for vs, rs in zip(critic.old_values, rewards)], counts)
+                             for vs, rs in zip(critic.old_values, rewards)], counts, mask)
     else:
-        advantages = [list(group_advantages(torch.tensor(r), algo.scale_rewards, counts=n,
+        advantages = [list(group_advantages(torch.tensor(r, dtype=torch.float64), algo.scale_rewards, counts=n,
                                             subtrees=leaf_subtrees(rec) if algo.tree_baseline == "independent"
                                             else None))
                       for r, n, rec in zip(rewards, counts, records)]
     if algo.tis_cap:
-        advantages = [importance_weighted(a, o, r["logprobs"], algo.tis_cap)
-                      for a, o, r in zip(advantages, old, records)]
+        weights = [importance_weights(o, r["logprobs"], algo.tis_cap) for o, r in zip(old, records)]
+        advantages = [[a * w for a, w in zip(advs, ws)] for advs, ws in zip(advantages, weights)]
+        extras.update(tis_figures(weights, algo.tis_cap, mask))
     ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)] if algo.kl_coef > 0 else None
     batch = PPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
-                     max_tokens=max_tokens, counts=counts, clip_eps_high=algo.clip_eps_high or None,
-                     mask=[r["finished"] for r in records] if algo.overlong == "mask" else None,
+                     max_tokens=max_tokens, counts=counts, clip_eps_high=algo.clip_eps_high or None, mask=mask,
                      ref_logprobs=ref, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
                      critic=critic, vf_coef=algo.vf_coef)
     if ref is not None:
@@ -120,23 +132,34 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
         return out
 
     old_scores = {LOGPROB: old, VALUE: critic.old_values} if critic is not None else old
-    return Objective(loss_for, orders, old_scores, CRITIC_HEADS if critic is not None else None, extras, figures)
+    return Objective(loss_for, orders, old_scores, policy_heads(cfg), extras, figures)
 
 
-def importance_weighted(advantages, trainer: list[torch.Tensor], engine: list[list[float]],
-                        cap: float) -> list[torch.Tensor]:
-    """Truncated importance sampling (algo.tis_cap): each token's advantage times
-    min(p_trainer / p_engine, cap) of the token, correcting for the rollout engine sampling
-    from slightly other probabilities than the trainer computes (vLLM's kernels, bf16)."""
-    return [a * torch.exp(t - torch.tensor(e, dtype=torch.float64)).clamp(max=cap)
-            for a, t, e in zip(advantages, trainer, engine)]
+def importance_weights(trainer: list[torch.Tensor], engine: list[list[float]], cap: float) -> list[torch.Tensor]:
+    """Truncated importance sampling (algo.tis_cap): per completion, each token's
+    min(p_trainer / p_engine, cap), the weight on its advantage, correcting for the rollout
+    engine sampling from slightly other probabilities than the trainer computes (vLLM's
+    kernels, bf16). Both logprobs are of the distribution sampled from (tempered, truncated)."""
+    return [torch.exp(t - torch.tensor(e, dtype=torch.float64)).clamp(max=cap) for t, e in zip(trainer, engine)]
+
+
+def tis_figures(weights: list[list[torch.Tensor]], cap: float, mask) -> dict:
+    """What truncated importance sampling did to the tokens in the loss: the share whose
+    weight the cap cut (tis_capped_fraction) and the mean weight after the cap (tis_weight_mean)."""
+    keep = [True] * sum(map(len, weights)) if mask is None else [m for row in mask for m in row]
+    tokens = [w for w, k in zip((w for row in weights for w in row), keep) if k and w.numel()]
+    if not tokens:
+        return {}
+    flat = torch.cat(tokens)
+    return {"tis_capped_fraction": float((flat >= cap).double().mean()), "tis_weight_mean": float(flat.mean())}
 
 
 def _dpo(cfg, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
     """DPO over each tree's best and worst leaf (an offline record's chosen and rejected)."""
     logprobs = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
     ref = sequence_logprobs([t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)])
-    pairs = best_worst_pairs([training_rewards(cfg, r) for r in records])
+    pairs = [[] if gone else tree_pairs for tree_pairs, gone in
+             zip(best_worst_pairs([training_rewards(cfg, r) for r in records]), left_out(cfg, records))]
     beta = cfg.algo.dpo_beta
 
     def loss_for(idx: list[int]):
@@ -154,4 +177,4 @@ def _dpo(cfg, records: list[dict], trees, acts: list[TreeActivations]) -> Object
                 "dpo_reward_accuracy": sum(m > 0 for m in margins) / len(margins)}
 
     extras = {"dpo_pairs": sum(map(len, pairs)), "dpo_unpaired_trees": sum(not p for p in pairs)}
-    return Objective(loss_for, [[list(range(len(trees)))]], logprobs, None, extras, figures)
+    return Objective(loss_for, [[list(range(len(trees)))]], logprobs, policy_heads(cfg), extras, figures)

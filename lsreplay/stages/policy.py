@@ -18,7 +18,7 @@ from lsreplay.core import faults
 from lsreplay.core.devices import cuda_determinism
 from lsreplay.core.run import Run
 from lsreplay.models.train_state import TrainState, local, master_dtype
-from lsreplay.stages.common import StateClock, all_alike, load_trees, training_rewards
+from lsreplay.stages.common import StateClock, all_alike, left_out, load_trees, policy_heads, training_rewards
 from lsreplay.stages.objectives import Objective, objective, updates_per_step
 from lsreplay.stages.prefixes import StoredPrefixKV, capture_now
 from lsreplay.state.resident import RESIDENT, policy_model, policy_train_state
@@ -57,6 +57,9 @@ def _trains_nothing(cfg, step: int, records: list[dict]) -> None:
     alike = sum(all_alike(training_rewards(cfg, r)) for r in records)
     why = [f"{alike} of {len(records)} trees have leaves that all got the same reward"
            + ("" if cfg.algo.dynamic_sampling else " (algo.dynamic_sampling=true replaces them by other prompts)")]
+    if out := sum(left_out(cfg, records)):
+        why.append(f"dynamic sampling left {out} trees out of the loss (all alike on "
+                   f"{cfg.algo.dynamic_sampling_metric} after algo.dynamic_sampling_draws rounds)")
     if cfg.algo.overlong == "mask":
         cut = sum(not f for r in records for f in r["finished"])
         why.append(f"algo.overlong=mask left {cut} of {sum(len(r['finished']) for r in records)} answers out")
@@ -190,7 +193,6 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
                  shared: dict) -> dict | None:
     """One data-parallel rank, on devices[rank]: its share of the trees' backward, gradients
     summed over ranks; then plain DP: rank 0 clips and steps; FSDP: every rank steps its shard."""
-    from lsreplay.algos.critic import CRITIC_HEADS
     from lsreplay.distributed.parallel import data_parallel_backward, shard_model
 
     device = torch.device(devices[rank])
@@ -217,7 +219,7 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
                                    prefix_kv=StoredPrefixKV(run, prefixes, device),
                                    budget_bytes=cfg.replay.budget_mb * 2**20 or None,
                                    join_below=cfg.replay.join_below, grad_params=train.masters,
-                                   heads=CRITIC_HEADS if cfg.algo.critic else None)
+                                   heads=policy_heads(cfg))
     try:
         if fsdp or rank == 0:
             _load_moments(train, shared, rank, world)

@@ -20,16 +20,15 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from lsreplay.algos.backward import activations_kv, completion_logprobs, completion_scores
-from lsreplay.algos.critic import VALUE, value_scores
+from lsreplay.algos.backward import activations_kv, scores_of
 from lsreplay.core import faults
 from lsreplay.core.run import Run
 from lsreplay.core.storage import StorageError
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
-from lsreplay.replay.heads import LOGPROB, Heads
+from lsreplay.replay.heads import LOGPROB, Heads, logprob_heads
 from lsreplay.replay.segments import PrefixKV
 from lsreplay.replay.view import read_kv_nodes, replay_view
-from lsreplay.stages.common import StateClock, load_trees, policy_before
+from lsreplay.stages.common import StateClock, load_trees, policy_before, policy_heads, sampled_as
 from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
@@ -113,29 +112,28 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
-def _capture(run: Run, model, tree, score: bool, keep_hidden: bool, heads: Heads | None = None) -> TreeActivations:
-    """Branch replay's pass over the tree; the per-rollout baseline (replay.mode=naive), as a
-    per-rollout trainer does, scores every rollout's full sequence (the drafter's hidden
-    states, if it is on, still come from a tree pass). heads: scored besides the logprob."""
+def _capture(run: Run, model, tree, heads: Heads, keep_hidden: bool) -> TreeActivations:
+    """Branch replay's pass over the tree, every entry scored by `heads`; the per-rollout
+    baseline (replay.mode=naive), as a per-rollout trainer does, scores every rollout's full
+    sequence (the drafter's hidden states, if it is on, still come from a tree pass)."""
     if run.cfg.replay.mode == "replay":
-        return capture_tree(model, tree, keep_hidden=keep_hidden, score=score, heads=heads)
-    acts = capture_rollouts(model, tree, heads=heads) if score or heads else TreeActivations()
+        return capture_tree(model, tree, keep_hidden=keep_hidden, heads=heads)
+    acts = capture_rollouts(model, tree, heads=heads) if heads else TreeActivations()
     if keep_hidden:
-        acts.hidden = capture_tree(model, tree, score=False).hidden
+        acts.hidden = capture_tree(model, tree, heads={}).hidden
     return acts
 
 
-def capture_now(run: Run, model, trees, heads: Heads | None):
+def capture_now(run: Run, model, trees, heads: Heads):
     """The caching pass of the current weights over `trees`, kept in memory: (their scores,
-    by head if `heads`, and a prefix K/V source over them). PPO's later minibatches: the
-    K/V replay reads wait in host memory (off a GPU, page-locked) until it does."""
-    extra = {name: head for name, head in (heads or {}).items() if name != LOGPROB}
-    acts = [_capture(run, model, tree, True, False, extra) for tree in trees]
+    as a loss over `heads` takes them, and a prefix K/V source over them). PPO's later
+    minibatches: the K/V replay reads wait in host memory (off a GPU, page-locked) until it does."""
+    acts = [_capture(run, model, tree, heads, False) for tree in trees]
     for tree, a in zip(trees, acts):
         read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below))
         a.prefix_kv = {n: tuple([_host_copy(t) for t in half] for half in kv) for n, kv in a.prefix_kv.items()
                        if n in read}
-    scores = completion_scores(trees, acts, heads) if heads else completion_logprobs(trees, acts)
+    scores = scores_of(trees, acts, heads)
     device = next(model.parameters()).device
 
     def source(index: int, node):
@@ -156,16 +154,18 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
     model = clock(policy_before, run, step, device)
     # The reference (KL penalty, DPO) is the frozen base model: one more no-grad pass, logprobs only.
     reference = clock(RESIDENT.reference, run, device) if scores_reference(run.cfg) else None
-    heads = {VALUE: value_scores} if run.cfg.algo.critic else {}  # the critic's old values
     # Only replay reads the K/V back (those of the branching spans of its view), only the
     # KL term and the importance weights the logprobs (and they measure the engine's against
-    # the trainer's), only the drafter the hidden states.
-    store_kv, score, keep_hidden = run.cfg.replay.mode == "replay", scores_logprobs(run.cfg), run.cfg.drafter.enabled
+    # the trainer's), only a critic its old values, only the drafter the hidden states.
+    score = scores_logprobs(run.cfg)
+    heads = {name: head for name, head in policy_heads(run.cfg).items() if name != LOGPROB or score}
+    store_kv, keep_hidden = run.cfg.replay.mode == "replay", run.cfg.drafter.enabled
     files, kv_entries, act_entries, gaps, start = [], [], [], [], time.perf_counter()
     for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
-        acts = _capture(run, model, tree, score, keep_hidden, heads)
+        acts = _capture(run, model, tree, heads, keep_hidden)
         if reference is not None:
-            acts.ref_entry_logprobs = _capture(run, reference, tree, True, keep_hidden=False).entry_logprobs
+            acts.ref_entry_logprobs = _capture(run, reference, tree, logprob_heads(sampled_as(run.cfg)),
+                                               keep_hidden=False).entry_logprobs
         nodes = {}
         read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below)) if store_kv else set()
         for node_id in sorted(read):

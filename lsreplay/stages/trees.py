@@ -20,9 +20,9 @@ from lsreplay.drafter.model import Drafter
 from lsreplay.metrics.records import rollout_metrics
 from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.rollout.bandit import DraftLengthBandit
-from lsreplay.rollout.sampling import SamplingParams
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
-from lsreplay.stages.common import StateClock, all_alike, leaf_counts, policy_before, training_rewards
+from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, policy_before, sampled_as,
+                                    training_rewards)
 from lsreplay.stages.drafter import load_drafter, newest_drafter
 from lsreplay.state.resident import RESIDENT
 
@@ -47,7 +47,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     generator, so the draws do not depend on the sharding). `progress`, if given, is called
     with the fraction of the shard's token budget sampled so far; `devices`: the pool slot held.
 
-    Dynamic sampling: a tree whose leaves all got the same reward is replaced by the tree of
+    Dynamic sampling: a tree whose leaves all score alike (algo.dynamic_sampling_metric) is replaced by the tree of
     the prompt the prompts stage drew for its place in the next round (with a generator of
     its own), up to algo.dynamic_sampling_draws rounds; a place out of draws keeps its last."""
     if done := run.done(step, shard_name(shard)):
@@ -81,15 +81,16 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             rounds.append({"figures": figures, "decisions": decisions, "prompts": len(pending),
                            "forward_positions": sum(t.forward_positions for t in trees),
                            "lengths": [len(c) for t in trees for c in t.completions]})
-            pending = [i for i in pending if all_alike(training_rewards(cfg, records[i]))]
+            pending = [i for i in pending if all_alike(filter_values(cfg, records[i]))]
             if not pending:
                 break
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
     if cfg.algo.dynamic_sampling and pending:
-        log.warning("step %d shard %d: %d trees still had leaves all of one reward after %d rounds of draws "
-                    "(algo.dynamic_sampling_draws); they train nothing", step, shard, len(pending), draws)
+        log.warning("step %d shard %d: %d trees still had leaves all alike on %s after %d rounds of draws "
+                    "(algo.dynamic_sampling_draws); the loss leaves them out", step, shard, len(pending),
+                    cfg.algo.dynamic_sampling_metric, draws)
     records = [records[i] for i in indices]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
@@ -122,10 +123,9 @@ def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt]
         trees, figures, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
                                                        advance, clock)
         return trees, {**length_summary([len(c) for t in trees for c in t.completions]), **figures}, [], drafter_step
-    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     generators = [run.generator(step, "trees", i, *([draw] if draw else []), device=device) for i in slots]
     trees, trace = sample_trees(model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
-                                params, eos_ids(tokenizer, model), generators, advance, speculation=speculation)
+                                sampled_as(cfg), eos_ids(tokenizer, model), generators, advance, speculation=speculation)
     return trees, trace.summary([len(c) for t in trees for c in t.completions]), trace.decisions(), drafter_step
 
 
@@ -135,7 +135,8 @@ def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices
     cfg, start = run.cfg, time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
     indices = list(range(shard, len(rows), cfg.rollout.shards))
-    records = [preference_record(tokenizer, Preference(**rows[i]), cfg.data.max_prompt_tokens) for i in indices]
+    records = [preference_record(tokenizer, Preference(**rows[i]), cfg.data.max_prompt_tokens,
+                                 cfg.rollout.max_new_tokens) for i in indices]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
     lengths = [len(c) for rec in records for c in rec["completions"]]
