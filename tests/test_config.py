@@ -54,6 +54,9 @@ def test_bad_values_name_the_key(override, message):
     (["algo.overlong=penalty"], "between 1 and rollout.max_new_tokens - 1 = 47 with algo.overlong=penalty"),
     (["algo.overlong=truncate"], "none or mask or penalty"),
     (["optim.schedule=step"], "constant or linear or cosine"),
+    (["algo.kl_coef=0.1", "algo.kl_estimator=k1"], "is 0 in expectation on-policy, so as a loss term it regularizes"),
+    (["algo.dynamic_sampling_metric=accuracy"], "reward or training_reward or rewards/NAME"),
+    (["rollout.engine=vllm", "rollout.top_k=20"], "vLLM 0.32's CPU sampler fails on a top-k cut alone"),
 ])
 def test_algorithm_settings_that_cannot_work_together(overrides, message):
     with pytest.raises(ConfigError) as e:

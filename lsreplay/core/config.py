@@ -655,6 +655,12 @@ def _validate_rollout(cfg: Config) -> None:
                "> 0 on a CPU pool (the engine's KV cache in host memory, GiB)", r.vllm.kv_cache_gb)
         _check(0 < r.vllm.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "in (0, 1)",
                r.vllm.gpu_memory_utilization)
+        # vLLM 0.32's CPU sampler cuts top-k alone without sorting (apply_top_k_only), which
+        # takes the max of an empty tensor in a speculative step that drafted nothing.
+        speculates = r.spec_threshold > 0 and max(r.draft_lens) > 0 and cfg.drafter.enabled
+        _check(not (speculates and r.top_k and r.top_p == 1 and cfg.pool.accelerator == "cpu"), "rollout.top_k",
+               "0, or with rollout.top_p < 1 too, while a CPU vLLM engine speculates: vLLM 0.32's CPU sampler fails "
+               "on a top-k cut alone in a step that drafted nothing (or set rollout.spec_threshold=0)", r.top_k)
 
 
 def _validate_learning(cfg: Config) -> None:
