@@ -105,7 +105,8 @@ def test_stored_prefix_kv_corrupt_or_missing_is_recomputed(tmp_path, caplog):
     acts = [capture_tree(model, t) for t in trees]
     entries = [{str(n): run.store.write_tensors(kv_key(run, 0, i, n), kv_tensors(kv))
                 for n, kv in a.prefix_kv.items()} for i, a in enumerate(acts)]
-    _, g_reference = grads_of(model, replay_backward, trees, weights)
+    # A budget of a byte keeps no graph: every branching node's K/V is read from the source.
+    _, g_reference = grads_of(model, replay_backward, trees, weights, budget_bytes=1)
 
     corrupt, missing = entries[0]["0"], entries[1]["0"]
     path = tmp_path / corrupt["key"]
@@ -117,7 +118,7 @@ def test_stored_prefix_kv_corrupt_or_missing_is_recomputed(tmp_path, caplog):
     source = StoredPrefixKV(run, {"prefix_kv": entries})
     served = []
     with caplog.at_level(logging.WARNING):
-        _, g = grads_of(model, replay_backward, trees, weights,
+        _, g = grads_of(model, replay_backward, trees, weights, budget_bytes=1,
                         prefix_kv=lambda i, n: served.append((i, n.id)) or source(i, n))
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "tree 0 node 0" in messages and "sha256" in messages.lower()
@@ -143,6 +144,7 @@ def test_host_offloaded_prefix_kv_is_served_from_memory(tmp_path):
             entries[i][str(n)] = entry
             HOST_KV[entry["sha256"]] = kv
             (tmp_path / entry["key"]).unlink()  # only host memory has them now
-    _, g_reference = grads_of(model, replay_backward, trees, weights)
-    _, g = grads_of(model, replay_backward, trees, weights, prefix_kv=StoredPrefixKV(run, {"prefix_kv": entries}))
+    _, g_reference = grads_of(model, replay_backward, trees, weights, budget_bytes=1)  # no graph kept: K/V read
+    _, g = grads_of(model, replay_backward, trees, weights, budget_bytes=1,
+                    prefix_kv=StoredPrefixKV(run, {"prefix_kv": entries}))
     assert all(torch.equal(g_reference[n], g[n]) for n in g) and not HOST_KV

@@ -25,7 +25,10 @@ from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import reference_logprobs, with_kl
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
 from lsreplay.models.distribution import RAW, SamplingParams
+from lsreplay.replay.cascade import cascade_applies
 from lsreplay.replay.heads import logprob_heads
+from lsreplay.replay.memory import ModelDims, default_budget, kept_spans
+from lsreplay.replay.view import replay_view
 from lsreplay.tree import RolloutTree
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
@@ -192,11 +195,11 @@ def build_logprob_loss(name: str, kind: str, dtype, model, trees):
     raise KeyError(name)
 
 
-def compare(kind: str, dtype, depth: int, name: str, sampling: SamplingParams = RAW):
+def compare(kind: str, dtype, depth: int, name: str, sampling: SamplingParams = RAW, budget: int | None = None):
     model = fresh_model(kind, dtype, critic=name in ("value", "ppo-critic"))
     trees = make_trees(depth)
     loss_fn, heads, info = build_loss(name, kind, dtype, model, trees, sampling)
-    replay_loss, stats = replay_loss_backward(model, trees, loss_fn, heads=heads)
+    replay_loss, stats = replay_loss_backward(model, trees, loss_fn, heads=heads, budget_bytes=budget)
     replay = grads(model)
     naive_loss = naive_loss_backward(model, trees, loss_fn, heads=heads)
     naive = grads(model)
@@ -223,6 +226,44 @@ def test_replay_exact_without_float32_norm(exact_rmsnorm, kind, name):
     """A far tighter check than 1e-6: with every op in float64, any replay error shows
     (measured: <= 2.1e-14 over all depths and losses)."""
     replay_loss, naive_loss, rel, *_ = compare(kind, torch.float64, 3, name)
+    assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
+    assert rel <= 1e-11, rel
+
+
+def kept_share(kind: str, dtype, trees, budget: int | None) -> list[tuple[int, int]]:
+    """Per tree: (branching spans whose graph replay keeps at `budget`, branching spans)."""
+    model = _model(kind, dtype)
+    dims, elt = ModelDims.from_hf(model.config), torch.tensor([], dtype=dtype).element_size()
+    out = []
+    for tree in trees:
+        spans = replay_view(tree, 0)
+        longest = max(n.end for n in tree.nodes)
+        kept = kept_spans(spans, dims, elt, budget or default_budget(dims, elt, longest, longest - tree.prompt_len),
+                          cascade_applies(model))
+        out.append((len(kept), sum(not s.is_leaf for s in spans)))
+    return out
+
+
+def mixed_budget(kind: str, dtype, trees) -> int:
+    """A budget at which some tree keeps some of its branching spans' graphs and recomputes others."""
+    for budget in (int(1.25**k) for k in range(40, 120)):
+        if any(0 < kept < branching for kept, branching in kept_share(kind, dtype, trees, budget)):
+            return budget
+    raise AssertionError("no budget mixes the two paths")
+
+
+@pytest.mark.parametrize("path", ["kept", "recompute", "mixed"])
+@pytest.mark.parametrize("name", ["grpo-token-mean", "kl-k3", "dpo", "ppo-critic"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_every_path_of_the_backward_is_exact(exact_rmsnorm, kind, name, path):
+    """Each branching node forwarded once with its graph kept (the default budget fits these
+    trees), recomputed after its subtree (a budget of one byte), or both in one tree."""
+    trees = make_trees(3)
+    budget = {"kept": None, "recompute": 1, "mixed": mixed_budget(kind, torch.float64, trees)}[path]
+    shares = kept_share(kind, torch.float64, trees, budget)
+    expected = {"kept": lambda k, b: k == b, "recompute": lambda k, b: k == 0, "mixed": lambda k, b: 0 < k < b}[path]
+    assert any(expected(k, b) for k, b in shares) and all(b > 0 for _, b in shares), shares
+    replay_loss, naive_loss, rel, *_ = compare(kind, torch.float64, 3, name, budget=budget)
     assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
     assert rel <= 1e-11, rel
 

@@ -88,8 +88,9 @@ def test_joined_view_reads_the_cached_kv_of_its_sources():
         asked.append(node.id)
         return acts.prefix_kv[node.id]
 
-    _, g_self = grads_of(model, replay_backward, [tree], weights, join_below=3)
-    _, g_cached = grads_of(model, replay_backward, [tree], weights, prefix_kv=source, join_below=3)
+    # A budget of one byte keeps no graph: every branching span reads its K/V.
+    _, g_self = grads_of(model, replay_backward, [tree], weights, join_below=3, budget_bytes=1)
+    _, g_cached = grads_of(model, replay_backward, [tree], weights, prefix_kv=source, join_below=3, budget_bytes=1)
     assert sorted(asked) == sorted(read_kv_nodes(replay_view(tree, 3)))
     assert max_rel_diff(g_self, g_cached) <= 1e-10  # a span's K/V computed in one piece or per node
 
@@ -109,9 +110,10 @@ def test_joining_saves_runs():
     plain = len(calls)
     calls.clear()
     replay_backward(model, [tree], weights, budget_bytes=1 << 30, join_below=100)
-    # plain: the K/V of 4 branching nodes, 3 leaf batches, 4 node runs; joined: the root's K/V,
-    # one batch of all 5 rollouts' answers, the root's run
-    assert (plain, len(calls)) == (11, 3)
+    # The budget keeps every branching node's graph, so each runs forward once. plain: 4
+    # branching nodes, 3 leaf batches; joined: the root, one batch of all 5 rollouts' answers.
+    # (Without kept graphs, each branching node also ran once more for its K/V: 11 and 3.)
+    assert (plain, len(calls)) == (7, 2)
 
 
 def test_plan_follows_the_joined_shape():

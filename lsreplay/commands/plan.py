@@ -43,10 +43,11 @@ rollouts both). A plan that does not fit exits non-zero with a message saying wh
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,13 +55,14 @@ from lsreplay.models.train_state import master_dtype
 from lsreplay.replay.attention_kernels import kernel_for
 from lsreplay.replay.memory import (
     ModelDims,
-    default_leaf_budget,
+    default_budget,
+    kept_spans,
     kv_bytes_per_position,
     leaf_rows,
     per_position_bytes,
     saved_bytes,
 )
-from lsreplay.replay.view import joins
+from lsreplay.replay.view import joins, replay_view
 from lsreplay.stages.objectives import updates_per_step
 from lsreplay.stages.prefixes import scores_logprobs, scores_reference
 from lsreplay.tree import RolloutTree
@@ -146,7 +148,7 @@ class RunPeak:
     """The forward/backward at which activation memory peaks."""
 
     what: str
-    held_kv: int = 0  # held prefix K/V + their gradients (ActivationMeter.hold)
+    held_kv: int = 0  # what the path above holds: prefix K/V and gradients, kept graphs (ActivationMeter)
     saved: int = 0  # saved for backward
     rows: int = 1
     width: int = 0
@@ -182,36 +184,67 @@ def joined_levels(levels: tuple[tuple[int, int], ...], join_below: int) -> tuple
     return tuple(out)
 
 
-def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-                accelerator: bool = False, join_below: int = 0) -> RunPeak:
-    """The largest run of `replay_backward` on a tree of this shape (branching nodes'
-    K/V recomputed or loaded: neither is saved for backward). Runs after a prefix use
-    cascade attention where the device kind (CPU, or a CUDA `accelerator`) has a kernel for
-    the dtype and head size (see cascade.cascade_applies); sdpa otherwise."""
+def kept_view(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
+              accelerator: bool = False, join_below: int = 0) -> tuple[list, set[int], int, bool]:
+    """The replay view of a tree of this shape, the branching spans whose graphs the
+    backward keeps (replay.backward.replay_plan's rule), the budget, and whether runs after
+    a prefix use cascade attention."""
     cascade = kernel_for("cuda" if accelerator else "cpu", dtype, dims.head_dim) is not None
     elt = torch.tensor([], dtype=dtype).element_size()
-    kvpp = kv_bytes_per_position(dims, elt)
-    root, levels = shape.radix()
-    levels = joined_levels(levels, join_below)
-    if not levels:  # a single chain: the root is the one leaf
+    spans = replay_view(shape.random_tree(dims.vocab), join_below)
+    budget = budget_bytes or default_budget(dims, elt, shape.prompt + shape.completion, shape.completion)
+    return spans, kept_spans(spans, dims, elt, budget, cascade), budget, cascade
+
+
+def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
+                accelerator: bool = False, join_below: int = 0) -> RunPeak:
+    """The largest run of `replay_backward` on a tree of this shape, over its replay view
+    as the backward walks it: a branching span memory.kept_spans keeps holds its graph
+    (and its K/V's gradient) while its subtree runs; one it does not holds its K/V and
+    their gradient, and runs again with grad after its subtree (its "recompute"). Runs
+    after a prefix use cascade attention where the device kind (CPU, or a CUDA
+    `accelerator`) has a kernel for the dtype and head size (see cascade.cascade_applies);
+    sdpa otherwise."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    spans, kept, budget, cascade = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below)
+    if spans[0].is_leaf:  # a single chain: the root is the one leaf
         return _run(dims, elt, "single chain", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
-    longest = shape.prompt + shape.completion
-    budget = budget_bytes or default_leaf_budget(dims, elt, longest, shape.completion)
-    runs = []
-    start, length = 0, root  # the branching node at depth d: positions [start, start + length)
-    for depth, (branching, seg) in enumerate(levels):
-        end = start + length
-        held = 2 * kvpp * end  # this node's and its ancestors' K/V and gradients
-        first = "prompt" if depth == 0 else f"level-{depth} segment"
-        # the node itself, with grad, injecting its children's dK/dV; it also scores its own
-        # completion tokens and, at its last position, each child's first token
-        own_entries = (length - 1 if depth > 0 else length - shape.prompt) + branching
-        runs.append(_run(dims, elt, f"{first} recompute", held, 1, length, start, own_entries, cascade))
-        if depth == len(levels) - 1:  # children are leaves: micro-batches of siblings
-            rows = leaf_rows(dims, elt, branching, seg, end, budget - held, cascade)
-            runs.append(_run(dims, elt, f"{rows} leaves x {seg}", held, rows, seg, end, rows * (seg - 1), cascade))
-        start, length = end, seg
+    kvpp = kv_bytes_per_position(dims, elt)
+    runs, held, span = [], 0, spans[0]
+    for depth in itertools.count():  # down the first child: every path has the same shape
+        name = "prompt" if depth == 0 else f"level-{depth} segment"
+        own = _run(dims, elt, name, held, 1, len(span.tokens), span.start, len(span.entry_ids), cascade)
+        if span.id in kept:  # run once, its graph held below
+            runs.append(replace(own, what=f"{name}, graph kept"))
+            held += own.saved + kvpp * len(span.tokens)
+        else:
+            held += 2 * kvpp * len(span.tokens)
+            runs.append(replace(own, what=f"{name} recompute", held_kv=held))
+        leaves = [spans[c] for c in span.children if spans[c].is_leaf]
+        if leaves:  # micro-batches of siblings, as replay_backward.leaf_batches cuts them
+            width = max(len(c.tokens) for c in leaves)
+            rows = leaf_rows(dims, elt, len(leaves), width, span.end, budget - held, cascade)
+            runs.append(_run(dims, elt, f"{rows} leaves x {width}", held, rows, width, span.end,
+                             rows * (width - 1), cascade))
+            break
+        span = spans[span.children[0]]
     return max(runs, key=lambda r: r.total)
+
+
+def replay_path(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
+                accelerator: bool = False, join_below: int = 0) -> str:
+    """How the update runs each branching level of the replay view (down the first path):
+    forwarded once with its graph kept while its subtree replays, or its K/V written by the
+    caching pass and the level run again with grad after its subtree (it did not fit)."""
+    spans, kept, _, _ = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below)
+    out, span = [], spans[0]
+    for depth in itertools.count():
+        if span.is_leaf:
+            break
+        name = "prompt" if depth == 0 else f"level-{depth} segment"
+        out.append(f"{name} {'forwarded once, graph kept' if span.id in kept else 'recomputed after its subtree'}")
+        span = spans[span.children[0]]
+    return "; ".join(out) or "a single chain"
 
 
 # -- model state ----------------------------------------------------------------------------
@@ -400,20 +433,26 @@ class StepIO:
 
 
 def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
-    """Bytes per step: K/V of the branching spans replay reads (after joining), with a KL
-    penalty every entry's logprobs, with the drafter every position's hidden state; a checkpoint per
-    checkpoint.every steps; and, for stages that keep nothing, the models they load (each
-    rollout shard and the caching pass the weights, the update the masters and moments)."""
+    """Bytes per step: K/V of the branching spans replay reads (after joining; not those
+    whose graphs it keeps), with a KL penalty every entry's logprobs, with the drafter every
+    position's hidden state; a checkpoint per checkpoint.every steps; and, for stages that
+    keep nothing, the models they load (each rollout shard and the caching pass the
+    weights, the update the masters and moments)."""
     elt, n = ELT[cfg.model.dtype], dims.params()
-    root, levels = shape.radix()
-    levels = joined_levels(levels, cfg.replay.join_below)
-    branching_positions = TreeShape(root, levels[:-1]).unique_positions if levels else 0
     trees = cfg.data.prompts_per_step
-    kv = trees * branching_positions * kv_bytes_per_position(dims, elt) if cfg.replay.mode == "replay" else 0
+    kv = 0
+    if cfg.replay.mode == "replay":
+        spans, kept, _, _ = kept_view(dims, getattr(torch, cfg.model.dtype), shape, cfg.replay.budget_mb * 2**20 or None,
+                                      cfg.pool.accelerator == "cuda", cfg.replay.join_below)
+        read = sum(len(s.tokens) for s in spans if not s.is_leaf and s.id not in kept)
+        kv = trees * read * kv_bytes_per_position(dims, elt)
     # The caching pass scores entries (float64) where a loss reads them: the policy's
-    # logprobs (KL, PPO, DPO), the reference's (KL, DPO), the critic's values; it keeps
-    # hidden states only for the drafter.
-    scored = scores_logprobs(cfg) + scores_reference(cfg) + cfg.algo.critic
+    # logprobs (KL, PPO, DPO; with vLLM every logprob_gap_every steps, to measure the
+    # engine's), the reference's (KL, DPO), the critic's values; it keeps hidden states
+    # only for the drafter.
+    gap = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.logprob_gap_every > 0
+    scored = max(scores_logprobs(cfg), gap / max(cfg.rollout.vllm.logprob_gap_every, 1)) + scores_reference(cfg) \
+        + cfg.algo.critic
     logprobs = (shape.unique_positions - shape.prompt) * scored * 8
     hidden = shape.unique_positions * dims.hidden * elt if cfg.drafter.enabled else 0
     master = ELT[master_dtype(cfg.model.dtype)]
@@ -449,6 +488,7 @@ class Plan:
     # PPO's later minibatches: the caching pass again, its prefix K/V held in host memory
     minibatch_kv: int = 0
     critic: int = 0  # the critic's parameters (a value head on the trunk)
+    replay_path: str = ""  # how the update runs each branching level (replay_path)
 
     @property
     def trees_per_device(self) -> int:
@@ -541,8 +581,8 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     ranks, fsdp = values["pool.devices_per_step"], values["replay.fsdp"]
     budget = cfg.replay.budget_mb * 2**20 or None
     # Leaves attend to their prefix in place where the pool's device kind has a kernel.
-    replay = replay_peak(dims, dtype, shape, budget, accelerator=values["pool.accelerator"] == "cuda",
-                         join_below=cfg.replay.join_below)
+    accelerator = values["pool.accelerator"] == "cuda"
+    replay = replay_peak(dims, dtype, shape, budget, accelerator, cfg.replay.join_below)
     naive = naive_peak(dims, elt, shape)
     io = step_io(cfg, dims, shape)
     updates = updates_per_step(cfg)
@@ -555,7 +595,8 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
                 naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES[r.engine](cfg, dims, shape),
                 io=io, budget_bytes=budget, join_below=cfg.replay.join_below, algo=cfg.algo.name, updates=updates,
                 minibatch_kv=io.prefix_kv * minibatch // cfg.data.prompts_per_step if updates > 1 else 0,
-                critic=critic_params(cfg, dims))
+                critic=critic_params(cfg, dims),
+                replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below))
 
 
 def format_plan(p: Plan) -> str:
@@ -570,6 +611,7 @@ def format_plan(p: Plan) -> str:
         (f"step      {p.trees} trees on {p.ranks} device(s), {p.trees_per_device} per device (whole trees); "
          f"per-rollout positions {p.positions_per_step:,}, replay positions {p.replay_positions_per_step:,}"),
         f"peak run  replay: {p.replay.what} (past {p.replay.past}); naive: {p.naive.what} ({p.naive.width} positions)",
+        f"branches  replay: {p.replay_path}",
         format_update(p),
         "",
         f"{'per device, GiB':<44} {'replay':>10} {'naive':>10}",

@@ -8,13 +8,16 @@ or, with `heads` (heads.py), of sum over heads h of weights[h][i][j][t] * head_h
 hidden state that predicts token t): any per-position loss on the last hidden states
 (a critic's value loss, a logprob loss, both at once) reduces to such weights.
 
-Replay walks each tree depth first. At a branching node it takes the node's keys/values
-as leaf tensors (from the caching pass, or computed here without grad), runs every child
-subtree on top of them (so their dK/dV accumulates in the leaves' .grad), then runs the
-node itself once with grad and injects the accumulated dK/dV through its recomputed K/V
-together with its own token losses, including the logits at its last position that
-predict each child's first token. Memory holds one root-to-leaf path of activations plus
-its ancestors' K/V, whatever the number of branches. Where the model allows it (see
+Replay walks each tree depth first. A branching node whose activations fit the budget
+(memory.kept_spans) runs forward once with grad and keeps its graph: its keys/values,
+as leaf tensors viewing them, feed every child subtree (so their dK/dV accumulates in the
+leaves' .grad), and the kept graph then backpropagates the accumulated dK/dV together
+with the node's own token losses, including the logits at its last position that predict
+each child's first token. Each position is then forwarded once for the update. A node
+that does not fit takes its keys/values as leaf tensors from the caching pass (or
+computed here without grad), runs its subtrees on them, then runs itself again with grad
+to inject the dK/dV: memory then holds one root-to-leaf path's K/V instead of its graphs.
+Either way memory holds one root-to-leaf path at a time, whatever the number of branches. Where the model allows it (see
 cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row.
 The walk is over the tree's replay view (view.py), where branching nodes too short to be
 worth a run of their own are joined into their children.
@@ -36,8 +39,8 @@ from transformers import PreTrainedModel
 
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
-from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_leaf_budget, device_peak_bytes, leaf_rows,
-                                    reset_device_peak)
+from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_budget, device_peak_bytes, kept_spans,
+                                    leaf_rows, reset_device_peak)
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
 from lsreplay.replay.view import Span, replay_view
 from lsreplay.tree import Node, RolloutTree
@@ -81,12 +84,8 @@ class _Replay:
         self.index, self.t = index, tree
         # A head of no weight in the tree is not run at all (a value loss alone needs no LM head).
         self.w = {name: w.to(self.objective.device) for name, w in entry_weights.items() if w.ne(0).any()}
-        self.spans = replay_view(tree, self.join_below)
+        self.spans, self.kept, self.budget = replay_plan(self.model, tree, self.join_below, self.budget_bytes)
         self.live = _live_spans(self.spans, entry_weights)
-        # Unless configured, a leaf micro-batch (with the K/V held for it) may use what the
-        # per-rollout backward needs for this tree's longest rollout.
-        longest = max(n.end for n in tree.nodes)
-        self.budget = self.budget_bytes or default_leaf_budget(self.dims, self.elt, longest, longest - tree.prompt_len)
         root = self.spans[0]
         if not self.live[root.id]:
             return
@@ -100,16 +99,34 @@ class _Replay:
         if not children:  # only its own entries carry weight
             self.run([span], ancestors, None)
             return
+        if span.id in self.kept:
+            self.kept_node(span, ancestors, children)
+            return
         kv = self.leaf_kv(span, ancestors)
         with self.meter.hold(kv_bytes(kv), tensors=kv[0] + kv[1]):  # the K/V and its gradient
-            below = ancestors + [kv]
-            for batch in self.leaf_batches([c for c in children if c.is_leaf], span.end):
-                self.run(batch, below, None)
-            for child in children:
-                if not child.is_leaf:
-                    self.node(child, below)
-            grads = ([k.grad for k in kv[0]], [v.grad for v in kv[1]])
-            self.run([span], ancestors, grads)
+            self.subtrees(children, ancestors + [kv], span.end)
+            self.run([span], ancestors, _grads(kv))
+
+    def kept_node(self, span: Span, ancestors: list[PrefixKV], children: list[Span]) -> None:
+        """Forward the span once with grad and keep its graph while its subtree replays on
+        its K/V (leaf tensors viewing them), then backward its own scores and the subtree's
+        dK/dV through that graph: no second forward (kept_spans chose it)."""
+        hidden, own_kv = self.forward([span], ancestors)
+        objective = self.score([span], hidden)
+        del hidden  # what backward needs of it, the graph holds
+        kv = ([k.detach().requires_grad_() for k in own_kv[0]], [v.detach().requires_grad_() for v in own_kv[1]])
+        with self.meter.hold(kv_bytes(kv)):  # their gradient
+            self.subtrees(children, ancestors + [kv], span.end)
+            self.backward(objective, own_kv, _grads(kv))
+
+    def subtrees(self, children: list[Span], below: list[PrefixKV], past_len: int) -> None:
+        """Replay every live child of a branching span on top of `below`: the leaves in
+        micro-batches, the branching children depth first."""
+        for batch in self.leaf_batches([c for c in children if c.is_leaf], past_len):
+            self.run(batch, below, None)
+        for child in children:
+            if not child.is_leaf:
+                self.node(child, below)
 
     def leaf_kv(self, span: Span, ancestors: list[PrefixKV]) -> PrefixKV:
         kv = self.cached_kv(span)
@@ -159,15 +176,15 @@ class _Replay:
         segments, start = [n.tokens for n in nodes], nodes[0].start
         if ancestors and self.cascade:
             hidden, cache = forward_cascade(self.model, segments, start, ancestors)
-            return hidden, new_kv(cache, 0)  # the cache holds only the nodes' own K/V
-        hidden, cache = forward_segments(self.model, segments, start, concat_kv(ancestors))
-        return hidden, new_kv(cache, start)
-
-    def run(self, nodes: list[Span], ancestors: list[PrefixKV], kv_grads) -> None:
-        """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward their
-        entries' weighted scores, with `kv_grads` (dK, dV) injected at a node's own K/V."""
-        hidden, own_kv = self.forward(nodes, ancestors)
+            own = new_kv(cache, 0)  # the cache holds only the nodes' own K/V
+        else:
+            hidden, cache = forward_segments(self.model, segments, start, concat_kv(ancestors))
+            own = new_kv(cache, start)
         self.positions += hidden.shape[0] * hidden.shape[1]
+        return hidden, own
+
+    def score(self, nodes: list[Span], hidden: torch.Tensor) -> torch.Tensor:
+        """The weighted scores of the nodes' entries, every head's (with grad)."""
         objective = hidden.new_zeros(())
         for row, n in enumerate(nodes):
             if n.entry_ids:
@@ -177,6 +194,11 @@ class _Replay:
                     term = (score * w[ids].to(score)).sum()
                     self.objective += term.detach().double()
                     objective = objective + term
+        return objective
+
+    @staticmethod
+    def backward(objective: torch.Tensor, own_kv: PrefixKV, kv_grads) -> None:
+        """Backward the objective, with `kv_grads` (dK, dV) injected at the run's own K/V."""
         outputs, grads = [objective], [torch.ones_like(objective)]
         if kv_grads is not None:
             for own, grad in zip(own_kv[0] + own_kv[1], kv_grads[0] + kv_grads[1]):
@@ -187,6 +209,30 @@ class _Replay:
         live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
         if live:
             torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+
+    def run(self, nodes: list[Span], ancestors: list[PrefixKV], kv_grads) -> None:
+        """Forward `nodes` (siblings) with grad on their ancestors' K/V and backward their
+        entries' weighted scores, with `kv_grads` (dK, dV) injected at a node's own K/V."""
+        hidden, own_kv = self.forward(nodes, ancestors)
+        self.backward(self.score(nodes, hidden), own_kv, kv_grads)
+
+
+def _grads(kv: PrefixKV):
+    """The gradients accumulated in K/V leaf tensors."""
+    return [k.grad for k in kv[0]], [v.grad for v in kv[1]]
+
+
+def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0,
+                budget_bytes: int | None = None) -> tuple[list[Span], set[int], int]:
+    """How replay_backward walks `tree`: its replay view (view.py), the branching spans whose
+    graphs it keeps (memory.kept_spans) and the memory budget of one path, `budget_bytes` or
+    by default what the per-rollout backward needs for the tree's longest rollout, with its
+    K/V (memory.default_budget). The caching pass asks it which K/V the backward will read."""
+    dims, elt = ModelDims.from_hf(model.config), next(model.parameters()).element_size()
+    spans = replay_view(tree, join_below)
+    longest = max(n.end for n in tree.nodes)
+    budget = budget_bytes or default_budget(dims, elt, longest, longest - tree.prompt_len)
+    return spans, kept_spans(spans, dims, elt, budget, cascade_applies(model)), budget
 
 
 def _live_spans(spans: list[Span], entry_weights: dict[str, torch.Tensor]) -> list[bool]:

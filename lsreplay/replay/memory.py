@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lsreplay.replay.view import Span
+
 
 class _Saved:
     """A saved-for-backward tensor, counted until autograd drops it."""
@@ -196,10 +198,45 @@ def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, ent
     return out
 
 
-def default_leaf_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> int:
-    """Replay's default budget for a micro-batch of sibling leaves: what the per-rollout
-    backward saves for one rollout, so batching leaves never costs more than naive does."""
-    return saved_bytes(dims, elt, 1, longest, 0, completion)
+def default_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> int:
+    """Replay's default budget (replay.budget_mb=0) for what one root-to-leaf path holds at
+    once: what the per-rollout backward saves for the tree's longest rollout, plus that
+    rollout's keys and values twice (replay holds a branching node's K/V and their gradient
+    beside the activations). A path whose branching nodes keep their graphs (kept_spans)
+    holds about one rollout's activations, so the prompt's forward is not run twice, and
+    batched sibling leaves never cost more than that."""
+    return saved_bytes(dims, elt, 1, longest, 0, completion) + 2 * longest * kv_bytes_per_position(dims, elt)
+
+
+def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascade: bool = False) -> set[int]:
+    """The branching spans of a replay view (view.py) whose forward with grad replay keeps
+    while their subtree replays, so that each is forwarded once for the update: its K/V
+    feed the children and its graph takes their dK/dV afterwards. The others take their
+    K/V as leaf tensors (from the caching pass, or computed without grad) and run again
+    with grad after their subtree: the fallback that bounds memory. Kept: a span whose
+    saved activations and K/V gradient, next to what the path above it holds and one row of
+    its longest child, fit `budget`. Decided from the view alone, so the caching pass knows
+    which K/V the backward will read."""
+    kv = kv_bytes_per_position(dims, elt)
+    kept: set[int] = set()
+
+    def visit(span: Span, held: int) -> None:
+        if span.is_leaf:
+            return
+        own = saved_bytes(dims, elt, 1, len(span.tokens), span.start, len(span.entry_ids), cascade)
+        width = max(len(spans[c].tokens) for c in span.children)
+        child = saved_bytes(dims, elt, 1, width, span.end, width - 1, cascade)
+        grads = kv * len(span.tokens)
+        if held + own + grads + child <= budget:
+            kept.add(span.id)
+            held += own + grads
+        else:
+            held += 2 * grads  # the K/V as leaf tensors, and their gradient
+        for c in span.children:
+            visit(spans[c], held)
+
+    visit(spans[0], 0)
+    return kept
 
 
 def leaf_rows(dims: ModelDims, elt: int, count: int, width: int, past: int, budget: int,

@@ -75,6 +75,7 @@ def _first_kept(nodes: list[Node], node: Node, joined: set[int]) -> int:
     return node.id
 
 
-def read_kv_nodes(spans: list[Span]) -> set[int]:
-    """The tree nodes whose cached K/V the replay of this view reads: its branching spans'."""
-    return {s for span in spans if not span.is_leaf for s in span.sources}
+def read_kv_nodes(spans: list[Span], kept: set[int] = frozenset()) -> set[int]:
+    """The tree nodes whose cached K/V the replay of this view reads: its branching spans',
+    but those whose graph it keeps (`kept`, memory.kept_spans), which make their own."""
+    return {s for span in spans if not span.is_leaf and span.id not in kept for s in span.sources}
