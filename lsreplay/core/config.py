@@ -101,6 +101,10 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.3
     # Skip vLLM's graph compilation: on 2 CPU cores start-up takes ~12 s instead of ~2 min.
     enforce_eager: bool = True
+    # Steps between measurements of the engine's logprobs against the trainer's
+    # (engine_logprob_gap_*, from step 0): each scores every token of the step in the caching
+    # pass, which a GRPO step without a KL term does not otherwise need. 0 = never.
+    logprob_gap_every: int = 10
 
 
 ENGINES = ("hf", "vllm")
@@ -655,6 +659,8 @@ def _validate_rollout(cfg: Config) -> None:
                "> 0 on a CPU pool (the engine's KV cache in host memory, GiB)", r.vllm.kv_cache_gb)
         _check(0 < r.vllm.gpu_memory_utilization < 1, "rollout.vllm.gpu_memory_utilization", "in (0, 1)",
                r.vllm.gpu_memory_utilization)
+        _check(r.vllm.logprob_gap_every >= 0, "rollout.vllm.logprob_gap_every", "must be >= 0 (steps between "
+               "measurements of the engine's logprobs; 0 = never)", r.vllm.logprob_gap_every)
         # vLLM 0.32's CPU sampler cuts top-k alone without sorting (apply_top_k_only), which
         # takes the max of an empty tensor in a speculative step that drafted nothing.
         speculates = r.spec_threshold > 0 and max(r.draft_lens) > 0 and cfg.drafter.enabled

@@ -109,6 +109,23 @@ def filter_values(cfg, record: dict) -> list:
     return list(functions[name])
 
 
+def trains_nothing(cfg, record: dict) -> bool:
+    """Whether every loss weight of a tree is zero whatever the policy scores, so that
+    neither the caching pass nor replay has anything to do for it: the loss leaves it out
+    (dynamic sampling), masks every answer (algo.overlong=mask), DPO finds no pair in it, or
+    the clipped surrogate is all it trains (no KL term, no critic) and its leaves' training
+    rewards are all alike, so that every advantage is 0."""
+    a = cfg.algo
+    if a.dynamic_sampling and all_alike(filter_values(cfg, record)):
+        return True
+    alike = all_alike(training_rewards(cfg, record))
+    if a.name == "dpo":
+        return alike
+    if a.overlong == "mask" and not any(record["finished"]):
+        return True
+    return alike and a.kl_coef == 0 and not a.critic
+
+
 def left_out(cfg, records: list[dict]) -> list[bool]:
     """Per tree: whether the loss leaves it out. Dynamic sampling keeps only trees whose
     leaves differ on its metric (DAPO); one still all alike when the draws ran out counts in

@@ -68,6 +68,19 @@ def objective(run: Run, step: int, records: list[dict], trees, prefixes: dict) -
     return _clipped(run, step, records, trees, acts)
 
 
+def completion_values(tree, entries: torch.Tensor | None) -> list[torch.Tensor]:
+    """Per completion, the caching pass's per-token scores of a tree; zeros for a tree it
+    did not score (one that trains nothing: common.trains_nothing; no weight reads them)."""
+    return tree.completion_values(torch.zeros(tree.num_entries, dtype=torch.float64) if entries is None else entries)
+
+
+def kept_only(mask, *nested: list[list[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
+    """Each nested list (per tree, per completion) with only the completions `mask` keeps."""
+    if mask is None:
+        return list(nested)
+    return [[[x for x, m in zip(row, keep) if m] for row, keep in zip(values, mask)] for values in nested]
+
+
 def response_mask(cfg, records: list[dict]) -> list[list[bool]] | None:
     """Per tree, per completion: whether its tokens are in the loss, one mask for every term
     (policy, KL, value loss) and for GAE's whitening. Out: an answer cut at max_new_tokens
@@ -83,18 +96,17 @@ def response_mask(cfg, records: list[dict]) -> list[list[bool]] | None:
 def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
     """GRPO and PPO: the clipped surrogate, with the critic's value loss where there is one."""
     cfg, algo = run.cfg, run.cfg.algo
-    old = [t.completion_values(torch.zeros(t.num_entries, dtype=torch.float64) if a.entry_logprobs is None
-                               else a.entry_logprobs) for t, a in zip(trees, acts)]
+    old = [completion_values(t, a.entry_logprobs) for t, a in zip(trees, acts)]
     counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
     rewards = [training_rewards(cfg, r) for r in records]
     mask, max_tokens = response_mask(cfg, records), cfg.rollout.max_new_tokens
     critic, extras = None, {"trees_left_out": sum(left_out(cfg, records))}
     if algo.critic:
-        values = [t.completion_values(a.entry_scores[VALUE]) for t, a in zip(trees, acts)]
+        values = [completion_values(t, a.entry_scores.get(VALUE)) for t, a in zip(trees, acts)]
         returns = [[gae(v, r, algo.gamma, algo.lam)[1] for v, r in zip(vs, rs)] for vs, rs in zip(values, rewards)]
         critic = CriticBatch(old_values=values, returns=returns, clip=algo.value_clip, loss_agg=algo.loss_agg,
                              max_tokens=max_tokens, counts=counts, mask=mask)
-        extras["value_explained_variance"] = explained_variance(values, returns)
+        extras["value_explained_variance"] = explained_variance(*kept_only(mask, values, returns))
     if algo.advantage == "gae":
         advantages = whiten([[gae(v, r, algo.gamma, algo.lam)[0] for v, r in zip(vs, rs)]
                              for vs, rs in zip(critic.old_values, rewards)], counts, mask)
@@ -107,7 +119,7 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
         weights = [importance_weights(o, r["logprobs"], algo.tis_cap) for o, r in zip(old, records)]
         advantages = [[a * w for a, w in zip(advs, ws)] for advs, ws in zip(advantages, weights)]
         extras.update(tis_figures(weights, algo.tis_cap, mask))
-    ref = [t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)] if algo.kl_coef > 0 else None
+    ref = [completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)] if algo.kl_coef > 0 else None
     batch = PPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
                      max_tokens=max_tokens, counts=counts, clip_eps_high=algo.clip_eps_high or None, mask=mask,
                      ref_logprobs=ref, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
@@ -156,8 +168,8 @@ def tis_figures(weights: list[list[torch.Tensor]], cap: float, mask) -> dict:
 
 def _dpo(cfg, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
     """DPO over each tree's best and worst leaf (an offline record's chosen and rejected)."""
-    logprobs = [t.completion_values(a.entry_logprobs) for t, a in zip(trees, acts)]
-    ref = sequence_logprobs([t.completion_values(a.ref_entry_logprobs) for t, a in zip(trees, acts)])
+    logprobs = [completion_values(t, a.entry_logprobs) for t, a in zip(trees, acts)]
+    ref = sequence_logprobs([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)])
     pairs = [[] if gone else tree_pairs for tree_pairs, gone in
              zip(best_worst_pairs([training_rewards(cfg, r) for r in records]), left_out(cfg, records))]
     beta = cfg.algo.dpo_beta

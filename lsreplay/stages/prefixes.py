@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -27,8 +28,9 @@ from lsreplay.core.storage import StorageError
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
 from lsreplay.replay.heads import LOGPROB, Heads, logprob_heads
 from lsreplay.replay.segments import PrefixKV
-from lsreplay.replay.view import read_kv_nodes, replay_view
-from lsreplay.stages.common import StateClock, load_trees, policy_before, policy_heads, sampled_as
+from lsreplay.replay.backward import replay_plan
+from lsreplay.replay.view import read_kv_nodes
+from lsreplay.stages.common import StateClock, load_trees, policy_before, policy_heads, sampled_as, trains_nothing
 from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,10 @@ def activation_tensors(acts: TreeActivations) -> dict[str, torch.Tensor]:
 
 def load_activations(run: Run, step: int, tree: int, manifest: dict) -> TreeActivations:
     """What the caching pass kept of tree `tree`: nothing (an empty TreeActivations) when
-    neither the KL term nor the drafter reads it."""
-    if not manifest["activations"]:
+    no later stage reads anything of it."""
+    entry = manifest["activations"][tree] if manifest["activations"] else None
+    if entry is None:
         return TreeActivations()
-    entry = manifest["activations"][tree]
     with run.reading(step, "prefixes"):
         tensors = run.store.read_tensors(entry["key"], sha256=entry["sha256"])
     hidden = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("hidden.")}
@@ -130,7 +132,7 @@ def capture_now(run: Run, model, trees, heads: Heads):
     minibatches: the K/V replay reads wait in host memory (off a GPU, page-locked) until it does."""
     acts = [_capture(run, model, tree, heads, False) for tree in trees]
     for tree, a in zip(trees, acts):
-        read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below))
+        read = kv_read(run, model, tree)
         a.prefix_kv = {n: tuple([_host_copy(t) for t in half] for half in kv) for n, kv in a.prefix_kv.items()
                        if n in read}
     scores = scores_of(trees, acts, heads)
@@ -143,8 +145,18 @@ def capture_now(run: Run, model, trees, heads: Heads):
     return scores, source
 
 
+def kv_read(run: Run, model, tree) -> set[int]:
+    """The tree nodes whose K/V the replay backward will read: those of its branching spans
+    whose graphs it does not keep (replay_plan), none for the per-rollout baseline."""
+    if run.cfg.replay.mode != "replay":
+        return set()
+    spans, kept, _ = replay_plan(model, tree, run.cfg.replay.join_below, run.cfg.replay.budget_mb * 2**20 or None)
+    return read_kv_nodes(spans, kept)
+
+
 def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dict:
-    """`devices`: the pool slot held (the caching pass computes on its device)."""
+    """`devices`: the pool slot held (the caching pass computes on its device). A tree gets
+    only what a later stage reads of it, and nothing when nothing does."""
     if done := run.done(step, "prefixes"):
         return done
     run.begin(step, "prefixes")
@@ -154,49 +166,90 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
     model = clock(policy_before, run, step, device)
     # The reference (KL penalty, DPO) is the frozen base model: one more no-grad pass, logprobs only.
     reference = clock(RESIDENT.reference, run, device) if scores_reference(run.cfg) else None
-    # Only replay reads the K/V back (those of the branching spans of its view), only the
-    # KL term and the importance weights the logprobs (and they measure the engine's against
-    # the trainer's), only a critic its old values, only the drafter the hidden states.
-    score = scores_logprobs(run.cfg)
-    heads = {name: head for name, head in policy_heads(run.cfg).items() if name != LOGPROB or score}
-    store_kv, keep_hidden = run.cfg.replay.mode == "replay", run.cfg.drafter.enabled
-    files, kv_entries, act_entries, gaps, start = [], [], [], [], time.perf_counter()
-    for i, tree in enumerate(tqdm(trees, desc=f"step {step} prefix cache", leave=False)):
-        acts = _capture(run, model, tree, heads, keep_hidden)
-        if reference is not None:
-            acts.ref_entry_logprobs = _capture(run, reference, tree, logprob_heads(sampled_as(run.cfg)),
-                                               keep_hidden=False).entry_logprobs
-        nodes = {}
-        read = read_kv_nodes(replay_view(tree, run.cfg.replay.join_below)) if store_kv else set()
-        for node_id in sorted(read):
-            kv = acts.prefix_kv[node_id]
-            if run.cfg.replay.kv_offload == "host":  # one copy off the device, both written and kept
-                kv = tuple([_host_copy(t) for t in half] for half in kv)
-            nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, i, node_id), kv_tensors(kv))
-            if run.cfg.replay.kv_offload == "host":
-                HOST_KV[nodes[str(node_id)]["sha256"]] = kv
+    files, kv_entries, act_entries, gaps, cached, start = [], [], [], [], 0, time.perf_counter()
+    for i, (record, tree) in enumerate(zip(tqdm(records, desc=f"step {step} prefix cache", leave=False), trees)):
+        need = TreeNeeds.of(run, step, record, model, tree)
+        nodes, entry, acts = _cache_tree(run, step, i, tree, model, reference if need.reference else None, need)
         kv_entries.append(nodes)
-        files += nodes.values()
-        if score or keep_hidden or heads:
-            act_entries.append(run.store.write_tensors(activations_key(run, step, i), activation_tensors(acts)))
-            files.append(act_entries[-1])
-        if score and records[i].get("logprobs") is not None:  # a preference dataset's pair was not sampled
-            gaps += logprob_gaps(tree, acts.entry_logprobs, records[i]["logprobs"])
+        act_entries.append(entry)
+        files += [*nodes.values(), *([entry] if entry else [])]
+        cached += need.anything
+        if need.gap:
+            gaps += logprob_gaps(tree, acts.entry_logprobs, record["logprobs"])
         if i == 0:
             faults.hook("prefixes", step, "mid")  # some of the step's K/V written, no done marker
     return run.finish(step, "prefixes", {
-        "files": files, "prefix_kv": kv_entries, "activations": act_entries,
+        "files": files, "prefix_kv": kv_entries, "activations": act_entries, "trees_cached": cached,
         "unique_positions": sum(t.unique_positions for t in trees),
         "kv_bytes": sum(e["bytes"] for nodes in kv_entries for e in nodes.values()), "device": str(device),
         "seconds": time.perf_counter() - start, "state_seconds": clock.seconds, **gap_stats(gaps)})
 
 
+@dataclass(frozen=True)
+class TreeNeeds:
+    """What later stages read of one tree's caching pass: the K/V of the branching nodes
+    replay does not keep the graph of, the heads' scores (the policy's logprobs where a loss
+    or the engine's mismatch reads them, a critic's old values), the reference's logprobs,
+    and the drafter's hidden states. A tree that trains nothing (common.trains_nothing)
+    needs no K/V or scores."""
+
+    kv: frozenset[int]
+    heads: Heads
+    reference: bool
+    hidden: bool
+    gap: bool  # its logprobs measure the rollout engine's
+
+    @classmethod
+    def of(cls, run: Run, step: int, record: dict, model, tree) -> TreeNeeds:
+        cfg = run.cfg
+        trains = not trains_nothing(cfg, record)
+        gap = measures_gap(cfg, step) and record.get("logprobs") is not None  # a preference pair was not sampled
+        score = (trains and scores_logprobs(cfg)) or gap
+        heads = {name: head for name, head in policy_heads(cfg).items()
+                 if (name == LOGPROB and score) or (name != LOGPROB and trains)}
+        return cls(frozenset(kv_read(run, model, tree)) if trains else frozenset(), heads,
+                   trains and scores_reference(cfg), cfg.drafter.enabled, gap)
+
+    @property
+    def anything(self) -> bool:
+        return bool(self.kv or self.heads or self.reference or self.hidden)
+
+
+def _cache_tree(run: Run, step: int, index: int, tree, model, reference,
+                need: TreeNeeds) -> tuple[dict, dict | None, TreeActivations | None]:
+    """One tree's caching pass, as much as `need` asks: the K/V entries it wrote (by node),
+    its activations file's entry (None when it scores and keeps nothing) and the activations."""
+    if not need.anything:
+        return {}, None, None
+    acts = _capture(run, model, tree, need.heads, need.hidden)
+    if reference is not None:
+        acts.ref_entry_logprobs = _capture(run, reference, tree, logprob_heads(sampled_as(run.cfg)),
+                                           keep_hidden=False).entry_logprobs
+    nodes = {}
+    for node_id in sorted(need.kv):
+        kv = acts.prefix_kv[node_id]
+        if run.cfg.replay.kv_offload == "host":  # one copy off the device, both written and kept
+            kv = tuple([_host_copy(t) for t in half] for half in kv)
+        nodes[str(node_id)] = run.store.write_tensors(kv_key(run, step, index, node_id), kv_tensors(kv))
+        if run.cfg.replay.kv_offload == "host":
+            HOST_KV[nodes[str(node_id)]["sha256"]] = kv
+    if not (need.heads or need.reference or need.hidden):
+        return nodes, None, acts
+    return nodes, run.store.write_tensors(activations_key(run, step, index), activation_tensors(acts)), acts
+
+
 def scores_logprobs(cfg) -> bool:
-    """Whether the caching pass scores the policy's logprobs: for the KL term, for truncated
-    importance sampling, PPO's old logprobs, DPO's margins, and with the vLLM engine, to
-    measure its logprobs against these."""
+    """Whether the caching pass scores the policy's logprobs for the loss: for the KL term,
+    truncated importance sampling, PPO's old logprobs, DPO's margins."""
     a = cfg.algo
-    return a.kl_coef > 0 or a.tis_cap > 0 or a.name in ("ppo", "dpo") or cfg.rollout.engine == "vllm"
+    return a.kl_coef > 0 or a.tis_cap > 0 or a.name in ("ppo", "dpo")
+
+
+def measures_gap(cfg, step: int) -> bool:
+    """Whether the caching pass of `step` measures the vLLM engine's logprobs against the
+    trainer's (engine_logprob_gap_*): every rollout.vllm.logprob_gap_every steps, from step 0."""
+    every = cfg.rollout.vllm.logprob_gap_every
+    return cfg.rollout.engine == "vllm" and every > 0 and step % every == 0
 
 
 def scores_reference(cfg) -> bool:
