@@ -6,6 +6,9 @@ of DPO's pairs and of what decides a tree trains nothing."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -82,3 +85,39 @@ def test_reward_figures_leave_unscorable_samples_out():
 def test_unscorable_leaves_take_no_part_in_pairs_or_in_what_trains():
     assert best_worst_pairs([[None, 1.0, 0.0], [None, None], [None, 2.0]]) == [[(1, 2)], [], []]
     assert all_alike([None, 1.0, 1.0]) and all_alike([None, None]) and not all_alike([None, 1.0, 0.0])
+
+
+def test_a_step_with_unscorable_completions_trains_on_the_rest(tiny_model_dir, tmp_path, monkeypatch):
+    """TRL's multi-task reward (its docs' Example 4): a function for math rows returns None on
+    the others. Their trees keep reward None, the step's figures leave them out, the update
+    runs; the reward functions got the run's TrainerState."""
+    from lsreplay import stages
+    from lsreplay.core.config import load_config
+    from lsreplay.stages.preflight import preflight
+    from lsreplay.stages.trainer_state import trainer_state
+
+    (tmp_path / "multi_task_15.py").write_text(
+        "def math_reward_func(completions, task, **kwargs):\n"
+        "    return [float(len(c) % 2) if t == 'math' else None for c, t in zip(completions, task)]\n")
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "tasks.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i} + {i} =", "task": "math" if i % 2 else "code"}) + "\n"
+                            for i in range(6)))
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", f"data.path={rows}",
+                             "data.prompts_per_step=6", "rollout.branching=[2,2]", "rollout.segment_tokens=[2]",
+                             "rollout.max_new_tokens=5", "drafter.enabled=false", "optim.lr=1e-2",
+                             "reward.functions=[multi_task_15.math_reward_func]", "steps=2"])
+    run = preflight(cfg)
+    stages.sample_prompts(run, 0)
+    manifest = stages.generate_trees(run, 0)
+    records = json.loads(run.store.read_bytes(manifest["files"][0]["key"]))["trees"]
+    code = [r for r in records if r["prompt_index"] % 2 == 0]
+    assert len(code) == 3 and all(reward is None for r in code for reward in r["rewards"])
+    scored = [(n, v) for r in records for n, v in zip(r["counts"], r["rewards"]) if v is not None]
+    assert manifest["reward_mean"] == pytest.approx(sum(n * v for n, v in scored) / sum(n for n, _ in scored))
+    stages.cache_prefixes(run, 0)
+    assert math.isfinite(stages.train_policy(run, 0)["loss"])
+    state = trainer_state(run, 1)
+    assert (state.global_step, state.max_steps, state.epoch) == (1, 2, 1.0)  # 6 prompts of 6 rows
+    assert state.num_input_tokens_seen == manifest["num_tokens"] == sum(
+        n * (len(r["prompt_ids"]) + len(c)) for r in records for n, c in zip(r["counts"], r["completions"]))

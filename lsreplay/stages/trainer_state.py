@@ -18,14 +18,15 @@ def trainer_state(run: Run, step: int) -> TrainerState:
     prompt and completion tokens of the samples of the steps before (TRL's num_tokens); and
     log_history, the run's metrics.jsonl lines of those steps."""
     cfg = run.cfg
-    prompts = run.done(min(step, cfg.steps - 1), "prompts") or {}
-    rows = prompts.get("rows")
-    per_epoch = rows / cfg.data.prompts_per_step if rows else None
+    # The training set's size, as the prompts stage of this step (rollouts) or of the step
+    # before (the evaluation that runs first) recorded it; none before step 0's.
+    prompts = run.done(step, "prompts") or (run.done(step - 1, "prompts") if step else None) or {}
+    steps_per_epoch = prompts["rows"] / cfg.data.prompts_per_step if prompts.get("rows") else None
     return TrainerState(
         global_step=step, max_steps=cfg.steps, logging_steps=1, eval_steps=cfg.eval.every,
         save_steps=cfg.checkpoint.every, train_batch_size=cfg.data.prompts_per_step * math.prod(cfg.rollout.branching),
-        epoch=step / per_epoch if per_epoch else None,
-        num_train_epochs=math.ceil(cfg.steps / per_epoch) if per_epoch else 0,
+        epoch=step / steps_per_epoch if steps_per_epoch else 0.0 if step == 0 else None,
+        num_train_epochs=math.ceil(cfg.steps / steps_per_epoch) if steps_per_epoch else 0,
         num_input_tokens_seen=tokens_seen(run, step),
         log_history=[line for line in run.metrics() if line["step"] < step],
         is_local_process_zero=True, is_world_process_zero=True)
