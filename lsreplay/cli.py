@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(fn=_generate)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = sub.choices.get(argv[0]) if argv else None
+    # A command's own options, from argparse's list of its actions (it has no public one).
     if command is not None and any(a.dest == "overrides" for a in command._actions):
         argv = argv[:1] + flags_to_overrides(argv[1:], {s for a in command._actions for s in a.option_strings})
     # Overrides may also follow options (`resume RUN --steps 5 pool.slots=2`).

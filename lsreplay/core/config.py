@@ -436,15 +436,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     validated. Every unknown key of the file and the overrides is reported at once."""
     try:
         layers = ([_file_layer(path)] if path is not None else []) + [_override_layer(item) for item in overrides]
-        unknown = [key for layer, _ in layers for key in unknown_keys(OmegaConf.to_container(layer))]
+        unknown = [key for layer, _ in layers for key in _unknown_keys(OmegaConf.to_container(layer))]
         if unknown:
-            raise ConfigError(unknown_keys_message(unknown))
+            raise ConfigError(_unknown_keys_message(unknown))
         merged = OmegaConf.structured(Config)
         for layer, replaced in layers:
             merged = _merge(merged, layer, replaced)
         cfg = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
-        raise ConfigError(unknown_keys_message([e.full_key or str(e.key)])) from None
+        raise ConfigError(_unknown_keys_message([e.full_key or str(e.key)])) from None
     except ValidationError as e:
         raise ConfigError(f"config key {e.full_key!r}: {e.msg.splitlines()[0]}") from None
     except OmegaConfBaseException as e:
@@ -458,7 +458,7 @@ def _file_layer(path: str | Path) -> tuple[DictConfig, list[str]]:
     """A YAML file as a layer, and the free dicts it gives whole (they replace the defaults')."""
     if not Path(path).is_file():
         raise ConfigError(f"config file {path} does not exist")
-    layer = _trl_spellings(OmegaConf.load(path))
+    layer = _report_to_as_trl(OmegaConf.load(path))
     return layer, _given_whole(layer)
 
 
@@ -471,13 +471,13 @@ def _override_layer(item: str) -> tuple[DictConfig, list[str]]:
     key, _, value = (part.strip() for part in item.partition("="))
     if value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
         item = f"{key}=''"
-    layer = _trl_spellings(OmegaConf.from_dotlist([item]))
+    layer = _report_to_as_trl(OmegaConf.from_dotlist([item]))
     given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
         isinstance(OmegaConf.select(layer, key), DictConfig)
     return layer, [key] if given_whole else []
 
 
-def _trl_spellings(layer: DictConfig) -> DictConfig:
+def _report_to_as_trl(layer: DictConfig) -> DictConfig:
     """report_to as TRL takes it: one name or a comma-separated string (YAML's `report_to:
     wandb` too), "all" (the trackers installed here) or "none"."""
     value = layer.get("report_to") if isinstance(layer, DictConfig) else None
@@ -515,7 +515,7 @@ def _default_of(f):
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
-def unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
+def _unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
     """The dotted keys of a config layer (a plain dict) that the schema has no place for. A
     section unknown as a whole is named by every key under it (verl's nested keys)."""
     known = {f.name: f for f in fields(cls)}
@@ -527,7 +527,7 @@ def unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
             continue
         default = _default_of(known[name])
         if is_dataclass(default) and isinstance(value, dict):
-            out += unknown_keys(value, type(default), key + ".")
+            out += _unknown_keys(value, type(default), key + ".")
     return out
 
 
@@ -585,7 +585,7 @@ def _schema_keys(cls=Config, prefix: str = "") -> list[str]:
     return out
 
 
-def unknown_keys_message(keys: list[str]) -> str:
+def _unknown_keys_message(keys: list[str]) -> str:
     """One message for every unknown key: each with the keys allowed where it is, and
     lsreplay's name for TRL's and verl's (lsreplay.core.aliases) or the nearest keys."""
     if len(keys) == 1:

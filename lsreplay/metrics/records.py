@@ -39,22 +39,16 @@ def _scored(values: list, counts: list[int]) -> tuple[list[float], list[int]]:
 
 
 def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
-    """TRL's rollout figures of a step's tree records: the std of the batch's rewards, the
-    share of trees whose rewards do not vary, each reward function's mean and std (over the
-    completions it applies to), completion lengths (all, and of those that ended with EOS),
-    the share cut at max_new_tokens, the entropy of the sampled tokens (their mean negative
-    logprob under the policy, an unbiased estimate of its per-token entropy at temperature
-    1; not for a preference dataset's answers, which nothing sampled), and the mean of each
-    numeric column the reward functions logged per completion (extras/COLUMN/mean)."""
+    """TRL's rollout figures of a step's tree records: the reward figures (_reward_figures),
+    completion lengths (all, and of those that ended with EOS), the share cut at
+    max_new_tokens, the entropy of the sampled tokens (their mean negative logprob under the
+    policy, an unbiased estimate of its per-token entropy at temperature 1; not for a
+    preference dataset's answers, which nothing sampled), and the mean of each numeric column
+    the reward functions logged per completion (extras/COLUMN/mean)."""
     counts = [r.get("counts", [1] * len(r["completions"])) for r in records]
-    trees = [_scored(r["rewards"], ns) for r, ns in zip(records, counts)]
-    batch = _scored([v for vs, _ in trees for v in vs], [n for _, ns in trees for n in ns])
     leaves = [(len(c), f, n, lps) for r, ns in zip(records, counts)
               for c, f, n, lps in zip(r["completions"], r["finished"], ns, r["logprobs"] or [None] * len(ns))]
-    # As TRL's nanstd: a group of fewer than two scored samples has no std (it is not "zero").
-    zero = [sum(ns) >= 2 and _weighted(vs, ns)[1] == 0 for vs, ns in trees]
-    out = {"reward_std": _weighted(*batch)[1] if sum(batch[1]) else 0.0,
-           "frac_reward_zero_std": sum(zero) / len(zero)}
+    out = _reward_figures(records, counts)
     for key, chosen in (("", leaves), ("_terminated", [leaf for leaf in leaves if leaf[1]])):
         samples = sum(n for _, _, n, _ in chosen)
         out[f"completions/mean{key}_length"] = sum(n * k for k, _, n, _ in chosen) / samples if samples else 0.0
@@ -65,15 +59,28 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
     tokens = sum(n * k for k, _, n, _ in leaves)
     if tokens and all(lps is not None for *_, lps in leaves):
         out["entropy"] = -sum(n * sum(lps) for _, _, n, lps in leaves) / tokens
-    for name in dict.fromkeys(k for r in records for k in r.get("reward_functions", {})):
-        values, ns = _scored([v for r in records for v in r["reward_functions"][name]], [n for ns in counts for n in ns])
-        if values:
-            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _weighted(values, ns)
     for column in dict.fromkeys(k for r in records for k in r.get("extras", {})):
         pairs = [(v, n) for r, ns in zip(records, counts) for v, n in zip(r.get("extras", {}).get(column, []), ns)
                  if isinstance(v, numbers.Real)]  # numbers and bools (verl's acc); text stays in trees.json
         if pairs:
             out[f"extras/{column}/mean"] = _weighted([float(v) for v, _ in pairs], [n for _, n in pairs])[0]
+    return out
+
+
+def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
+    """The std of the batch's rewards (TRL's reward_std since 0.27), the share of trees whose
+    rewards do not vary, and each reward function's mean and std over the completions it
+    applies to; unscorable completions (reward None) left out, as TRL's nanstd leaves NaN."""
+    trees = [_scored(r["rewards"], ns) for r, ns in zip(records, counts)]
+    batch = _scored([v for vs, _ in trees for v in vs], [n for _, ns in trees for n in ns])
+    # As TRL's nanstd: a group of fewer than two scored samples has no std (it is not "zero").
+    zero = [sum(ns) >= 2 and _weighted(vs, ns)[1] == 0 for vs, ns in trees]
+    out = {"reward_std": _weighted(*batch)[1] if sum(batch[1]) else 0.0,
+           "frac_reward_zero_std": sum(zero) / len(zero)}
+    for name in dict.fromkeys(k for r in records for k in r.get("reward_functions", {})):
+        values, ns = _scored([v for r in records for v in r["reward_functions"][name]], [n for ns in counts for n in ns])
+        if values:
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _weighted(values, ns)
     return out
 
 
