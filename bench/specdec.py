@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lsreplay.core.config import DataConfig, ModelConfig, load_config  # noqa: E402
+from lsreplay.core.config import SYSTEM_PROMPT, ModelConfig, load_config  # noqa: E402
 from lsreplay.data.rendering import render_prompt  # noqa: E402
 from lsreplay.data.sources import PromptSet, generate_prompt_file  # noqa: E402
 from lsreplay.drafter.distill import distill, drafter_train_state  # noqa: E402
@@ -69,10 +69,10 @@ def log(msg: str) -> None:
 
 def prompt_ids(cfg, tokenizer, count: int, seed: int) -> list[list[int]]:
     """`count` rendered prompts of the default prompt set's tasks, with the short system
-    prompt (DataConfig's default), not the config's long shared context: these benchmarks
+    prompt (SYSTEM_PROMPT, lsreplay's for generated prompts), not the config's long shared context: these benchmarks
     measure decoding, and their README figures were taken on short prompts."""
     d = cfg.data
-    short = dataclasses.replace(d, system_prompt=DataConfig.system_prompt)
+    short = dataclasses.replace(d, system_prompt=SYSTEM_PROMPT)
     key = hashlib.sha256(json.dumps([list(d.tasks), count, seed, dict(d.task_args)], sort_keys=True).encode())
     path = generate_prompt_file(ROOT / ".cache/prompts" / f"specdec-{key.hexdigest()[:12]}.jsonl", list(d.tasks),
                                 count, seed, dict(d.task_args))

@@ -34,6 +34,7 @@ resident), the resident run's state share of its policy stage, and what each run
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -46,11 +47,16 @@ sys.path.insert(0, str(REPO))
 
 from e2e import train  # noqa: E402  (a real `lsreplay train` flow run)
 from lsreplay.commands.report import read_metrics  # noqa: E402
+from lsreplay.core.config import ANSWER_INSTRUCTION, SYSTEM_PROMPT  # noqa: E402
 from lsreplay.data.sources import generate_prompt_file  # noqa: E402
 from side_by_side import key_values  # noqa: E402
 
 WORKLOAD = ["data.prompts_per_step=2", "rollout.branching=[8]", "rollout.segment_tokens=[]",
             "rollout.max_new_tokens=128", "model.dtype=float32", "drafter.enabled=false", "rollout.spec_threshold=0"]
+# The prompts as issue #14 sent them: a data.path file gets nothing added now unless the config
+# says so, so this checkout's runs ask for lsreplay's system prompt, instruction and template.
+AS_GENERATED = [f"data.system_prompt={SYSTEM_PROMPT}", f"data.answer_instruction={json.dumps(ANSWER_INSTRUCTION)}",
+                "data.chat_template=true"]
 RUNS = {
     "reload": ["checkpoint.resident=false", "checkpoint.background=false", "checkpoint.keep_last=0",
                "checkpoint.keep_step_data=true"],
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in order if round_ % 2 == 0 else order[::-1]:
             run_dir = out / (name if round_ == 0 else f"{name}-{round_}")
             rows = (train_before(source, run_dir, common) if name == "before"
-                    else train(None, run_dir, [*common, *RUNS[name]]))
+                    else train(None, run_dir, [*common, *AS_GENERATED, *RUNS[name]]))
             metrics[name] += [{**r, "round": round_} for r in rows]
     print("| run | round | step | step s | rollouts s | prefix cache s | policy s | backward s | state s | policy state s |")
     print("|---" * 10 + "|")

@@ -149,6 +149,27 @@ def _generate(args) -> int:
     return 0
 
 
+def flags_to_overrides(argv: list[str], own: set[str]) -> list[str]:
+    """TRL's and HF's command-line spelling of a key, `--num_generations 8`, `--max-steps=5`
+    or a bare `--bf16` (true), as the `key=value` override it stands for: the config then
+    names lsreplay's key for TRL's and verl's, or takes lsreplay's own (`--steps 2`). The
+    command's own options (`own`) and what follows them stay as they are."""
+    out, i = [], 0
+    while i < len(argv):
+        item = argv[i]
+        name, eq, value = item.partition("=")
+        if not item.startswith("--") or name in own or len(name) == 2:
+            out.append(item)
+        else:
+            if not eq:
+                follows = argv[i + 1] if i + 1 < len(argv) else None
+                is_value = follows is not None and "=" not in follows and not follows.startswith("--")
+                value, i = (follows, i + 1) if is_value else ("true", i)
+            out.append(f"{name[2:].replace('-', '_')}={value}")
+        i += 1
+    return out
+
+
 def _config_and_overrides(args) -> None:
     if args.config and "=" in args.config:
         args.overrides.insert(0, args.config)  # `lsreplay train steps=2`: no config file given
@@ -214,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--draft-len", type=int, default=4)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(fn=_generate)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = sub.choices.get(argv[0]) if argv else None
+    # A command's own options, from argparse's list of its actions (it has no public one).
+    if command is not None and any(a.dest == "overrides" for a in command._actions):
+        argv = argv[:1] + flags_to_overrides(argv[1:], {s for a in command._actions for s in a.option_strings})
     # Overrides may also follow options (`resume RUN --steps 5 pool.slots=2`).
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]

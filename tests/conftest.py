@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from s3server import s3_endpoint, store  # noqa: F401  (for every test module: one S3 server, started on first use)
 
@@ -118,6 +119,20 @@ def tiny_model_dir(tmp_path_factory):
         head = model.get_output_embeddings().weight
         head.mul_(0.05)
         head[digits] = u + 0.05 * torch.randn(len(digits), len(u), generator=g)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory):
+    """A tiny random Llama reward model (sequence classification, one label) with the real
+    SmolLM2 tokenizer, saved as an HF folder."""
+    out = tmp_path_factory.mktemp("models") / "tiny-rm"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig()), local_files_only=True)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(**SIZES, vocab_size=len(tokenizer), num_labels=1,
+                                                       pad_token_id=tokenizer.pad_token_id))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -112,14 +112,19 @@ def test_chat_preferences_render_with_the_chat_template(tiny_model_dir):
 
 
 def test_text_preferences_tokenize_as_rollouts_do_and_cut_long_answers(tiny_model_dir):
-    """No special tokens added to the prompt, even by a tokenizer that adds BOS by default
-    (Llama's): the rollouts' prompts get none either. An answer past the limit is cut there."""
+    """A text prompt gets the tokenizer's own special tokens (BOS here, as a Llama tokenizer
+    adds it), as a rollout's text prompt does; an answer past the limit is cut there."""
+    from lsreplay.core.config import DataConfig
+    from lsreplay.data.rendering import render_prompt
+    from lsreplay.data.sources import Prompt
+
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_bos_token = True
-    assert tokenizer("2+2=")["input_ids"][0] == tokenizer.bos_token_id
     pref = Preference(0, "2+2=", " four, as everyone knows", " 5")
     record = preference_record(tokenizer, pref, 256, 3)
-    assert record["prompt_ids"] == tokenizer("2+2=", add_special_tokens=False)["input_ids"]
+    as_rollout = render_prompt(tokenizer, Prompt(0, "", "2+2=", "", {}),
+                               DataConfig(chat_template=False, system_prompt="", answer_instruction=""))
+    assert record["prompt_ids"] == as_rollout and as_rollout[0] == tokenizer.bos_token_id
     chosen = tokenizer(" four, as everyone knows", add_special_tokens=False)["input_ids"]
     assert record["completions"][0] == chosen[:3] and record["finished"] == [False, True]
     assert record["completions"][1][-1] == tokenizer.eos_token_id

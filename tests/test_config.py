@@ -1,8 +1,11 @@
 """Config loading: defaults, overrides, and errors that name the key and what is allowed."""
 
+import sys
+
 import pytest
 
-from lsreplay.core.config import ConfigError, from_dict, load_config, result_hash, to_dict, to_yaml
+from lsreplay.core.config import (ANSWER_INSTRUCTION, SYSTEM_PROMPT, ConfigError, from_dict, load_config, result_hash,
+                                  to_dict, to_yaml)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -122,8 +125,31 @@ def test_a_dict_given_whole_replaces_the_default(tmp_path):
     ("max_completion_length=64", "lsreplay's key is rollout.max_new_tokens"),
     ("algo.beta=0.04", "lsreplay's key is algo.kl_coef"),
     ("epsilon=0.2", "lsreplay's key is algo.clip_eps"),
-    ("loss_type=dapo", "lsreplay's key is algo.loss_agg (TRL's dapo: token-mean"),
+    ("loss_type=dapo", "lsreplay's key is algo.loss_agg (TRL's dapo and bnpo: token-mean"),
     ("learning_rate=1e-6", "lsreplay's key is optim.lr"),
+    # GRPOConfig's keys with an equivalent, and those whose nearest lsreplay key would mislead
+    ("epsilon_high=0.28", "lsreplay's key is algo.clip_eps_high"),
+    ("mask_truncated_completions=true", "lsreplay's key is algo.overlong=mask"),
+    ("save_total_limit=2", "lsreplay's key is checkpoint.keep_last"),
+    ("save_steps=10", "lsreplay's key is checkpoint.every"),
+    ("eval_steps=10", "lsreplay's key is eval.every"),
+    ("lr_scheduler_type=cosine", "lsreplay's key is optim.schedule (constant, linear or cosine"),
+    ("bf16=true", "lsreplay's key is model.dtype=bfloat16"),
+    ("use_vllm=true", "lsreplay's key is rollout.engine=vllm"),
+    ("num_iterations=2", "lsreplay's key is algo.epochs (with algo.name=ppo"),
+    ("vllm_importance_sampling_correction=true", "lsreplay's key is algo.tis_cap"),
+    ("per_device_train_batch_size=16", "TRL's per_device_train_batch_size counts completions: prompts_per_step = "
+                                       "per_device_train_batch_size x gradient_accumulation_steps x processes / "
+                                       "num_generations"),
+    ("dataset_test_split=test", "lsreplay's key is eval.split"),
+    # verl's nested keys, named whole and answered by their own entry
+    ("actor_rollout_ref.rollout.n=8", "unknown config key 'actor_rollout_ref.rollout.n': 'rollout.n' is TRL's or "
+                                      "verl's name: lsreplay's key is rollout.branching"),
+    ("actor_rollout_ref.actor.clip_ratio_high=0.28", "lsreplay's key is algo.clip_eps_high"),
+    ("algorithm.norm_adv_by_std_in_grpo=false", "lsreplay's key is algo.scale_rewards (true: group, false: none)"),
+    ("trainer.save_freq=5", "lsreplay's key is checkpoint.every"),
+    ("data.train_files=train.parquet", "lsreplay's key is data.path"),
+    ("custom_reward_function.reward_kwargs={n: 1}", "lsreplay's key is reward.kwargs"),
     ("rollout.max_new_token=8", "did you mean rollout.max_new_tokens"),
     ("data.colums.prompt=text", "did you mean data.columns."),
     ("sed=1", "did you mean seed?"),
@@ -135,9 +161,63 @@ def test_near_misses_and_trl_names_point_at_the_key(override, message):
 
 
 def test_every_alias_points_at_a_real_key():
-    from lsreplay.core.config import ALIASES, _schema_keys
+    from lsreplay.core.aliases import ALIASES
+    from lsreplay.core.config import _schema_keys
 
-    assert {a.split()[0] for a in ALIASES.values()} <= set(_schema_keys())
+    assert {a.split()[0].split("=")[0] for a in ALIASES.values()} <= set(_schema_keys())
+
+
+def test_every_unknown_key_of_a_file_and_its_overrides_is_named_at_once(tmp_path):
+    config = tmp_path / "trl.yaml"
+    config.write_text("num_generations: 8\nmodel:\n  pth: x\nactor_rollout_ref:\n  rollout: {n: 8, temperature: 1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(config, ["steps=2", "beta=0.04", "sed=1"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "6 unknown config keys:"
+    assert [line.split("'")[1] for line in lines[1:]] == [
+        "num_generations", "model.pth", "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature",
+        "beta", "sed"]
+    assert "lsreplay's key is rollout.temperature" in lines[4] and "did you mean seed?" in lines[6]
+
+
+@pytest.mark.parametrize("value, scale", [("group", "group"), ("batch", "batch"), ("none", "none"),
+                                          ("true", "group"), ("false", "none"), ("True", "group")])
+def test_scale_rewards_as_trl_takes_it(value, scale):
+    assert load_config(None, [f"algo.scale_rewards={value}"]).algo.scale_rewards == scale
+
+
+def test_scale_rewards_names_what_it_takes(tmp_path):
+    with pytest.raises(ConfigError, match="'algo.scale_rewards' = 'std' is not allowed: group, batch or none"):
+        load_config(None, ["algo.scale_rewards=std"])
+    config = tmp_path / "dr_grpo.yaml"
+    config.write_text("algo:\n  scale_rewards: false\n")
+    assert load_config(config).algo.scale_rewards == "none"
+    assert from_dict(to_dict(load_config(config))).algo.scale_rewards == "none"
+
+
+def test_report_to_as_trl_takes_it(tmp_path, monkeypatch):
+    config = tmp_path / "wandb.yaml"
+    config.write_text("report_to: wandb\n")
+    assert load_config(config).report_to == ["wandb"]  # a YAML string, not a list
+    assert load_config(None, ["report_to=wandb,tensorboard"]).report_to == ["wandb", "tensorboard"]
+    assert load_config(None, ["report_to=none"]).report_to == [] == load_config(None, ["report_to=[none]"]).report_to
+    assert load_config(None, ["report_to=all"]).report_to == ["tensorboard", "mlflow", "trackio", "wandb"]
+    monkeypatch.setitem(sys.modules, "trackio", None)  # as where it is not installed
+    assert load_config(None, ["report_to=[all,wandb]"]).report_to == ["tensorboard", "mlflow", "wandb"]
+
+
+def test_prompts_get_lsreplays_additions_only_where_lsreplay_generates_them():
+    generated = load_config(None, []).data
+    assert (generated.system_prompt, generated.answer_instruction, generated.chat_template) == (
+        SYSTEM_PROMPT, ANSWER_INSTRUCTION, True)
+    yours = load_config(None, ["data.path=train.parquet"]).data
+    assert (yours.system_prompt, yours.answer_instruction, yours.chat_template) == ("", "", False)
+    asked = load_config(None, ["data.path=train.parquet", "data.system_prompt=Be terse.", "data.chat_template=true"])
+    assert (asked.data.system_prompt, asked.data.answer_instruction, asked.data.chat_template) == (
+        "Be terse.", "", True)
+    assert from_dict(to_dict(asked)).data == asked.data  # settled once: the saved config keeps it
+    assert load_config(None, ["data.chat_template_kwargs={enable_thinking: false}"]).data.chat_template_kwargs == {
+        "enable_thinking": False}
 
 
 def test_hydra_prefixes_and_trl_spellings_of_values():
@@ -158,3 +238,18 @@ def test_config_command_prints_the_resolved_config_and_validates(tmp_path, capsy
     assert "secret: '***'" in out.out and "valid" in out.err
     assert cli.main(["config", "beta=0.1"]) == 2
     assert "lsreplay's key is algo.kl_coef" in capsys.readouterr().err
+
+
+def test_trls_command_line_flags_are_overrides(capsys):
+    from lsreplay import cli
+
+    assert cli.flags_to_overrides(["--num_generations", "8", "--bf16", "steps=2", "--max-steps=5", "--force", "--lr",
+                                   "-1"], {"--force"}) == ["num_generations=8", "bf16=true", "steps=2", "max_steps=5",
+                                                           "--force", "lr=-1"]
+    assert cli.main(["config", "--steps", "4", "--rollout.max_new_tokens=64"]) == 0
+    assert "steps: 4" in capsys.readouterr().out
+    assert cli.main(["config", "--num_generations", "8", "--use_vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "2 unknown config keys" in err and "lsreplay's key is rollout.branching" in err and "rollout.engine=vllm" in err
+    assert cli.main(["resume", "no-such-run", "--steps", "5"]) == 2  # resume's own --steps stays its option
+    assert "holds no run" in capsys.readouterr().err

@@ -1,13 +1,17 @@
 """docs/configuration.md documents every config key once: each leaf of lsreplay.core.config's
-schema is named by exactly one row of its table, and the table names nothing else."""
+schema is named by exactly one row of its table, and the table names nothing else; the
+guides' example commands load as written."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 from pathlib import Path
 
-from lsreplay.core.config import Config
+import pytest
+
+from lsreplay.core.config import Config, load_config
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -57,3 +61,30 @@ def test_every_config_key_is_documented_once():
     missing = sorted(set(schema_keys()) - set(documented))
     unknown = sorted(set(documented) - set(schema_keys()))
     assert (missing, twice, unknown) == ([], [], [])
+
+
+GUIDES = [REFERENCE.parents[1] / "README.md", REFERENCE.parent / "data-and-rewards.md"]
+
+
+def train_commands(text: str) -> list[list[str]]:
+    """The arguments of every `lsreplay train` line of a page's code blocks (continued lines
+    joined; comments and `...` left out)."""
+    commands = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if line.startswith("lsreplay train "):
+            words = shlex.split(line.partition(" #")[0])[2:]
+            commands.append([w for w in words if w != "..."])
+    return commands
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.name)
+def test_the_guides_train_commands_load_as_written(guide):
+    """Every key and value of the guides' example commands is one lsreplay takes (the files
+    they name are the user's)."""
+    from lsreplay.cli import flags_to_overrides
+
+    commands = train_commands(guide.read_text())
+    assert commands
+    for words in commands:
+        config = words[0] if words and words[0].endswith(".yaml") else None
+        load_config(config, flags_to_overrides(words[1:] if config else words, {"--force"}))

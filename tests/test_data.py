@@ -213,6 +213,36 @@ def test_missing_split_and_unmapped_column_say_what_to_set(tmp_path):
         PromptSet.from_file(tmp_path / "e")
 
 
+def test_a_hub_dataset_name_says_how_to_save_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetError, match=r"openai/gsm8k: no such file or folder here; a dataset name on the Hugging "
+                                           r"Face Hub is not read, because nothing is downloaded at run time. Save it "
+                                           r"to disk once, .*load_dataset\('openai/gsm8k'\).save_to_disk\('gsm8k'\)"
+                                           r".*data.path=gsm8k"):
+        PromptSet.from_file("openai/gsm8k")
+    with pytest.raises(DatasetError, match="prompt file not found"):  # a file's name is no Hub name
+        PromptSet.from_file("data/train.jsonl")
+
+
+def test_eval_split_reads_a_datasetdicts_test_split_and_only_that(tmp_path):
+    import datasets
+
+    from lsreplay.core.config import load_config
+    from lsreplay.data.prompt_sets import heldout_prompts, training_prompts
+
+    rows = _own_rows()
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                          "test": datasets.Dataset.from_list(rows[4:])}).save_to_disk(str(tmp_path / "d"))
+    base = [f"data.path={tmp_path / 'd'}", "data.columns.answer=solution", "reward.function=m:f", "eval.every=1",
+            "eval.size=2", "data.prompts_per_step=2"]
+    cfg = load_config(None, [*base, "eval.split=test"])
+    assert heldout_prompts(cfg).column("question") == [r["prompt"] for r in rows[4:6]]
+    assert training_prompts(cfg).column("question") == [r["prompt"] for r in rows[:4]]  # all of train
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError, match="eval.split='test' names a split of a folder datasets' save_to_disk wrote"):
+        heldout_prompts(load_config(None, [*base[1:], f"data.path={tmp_path / 'train.jsonl'}", "eval.split=test"]))
+
+
 def test_select_keeps_the_file_row_numbers(prompt_file):
     prompts = PromptSet.from_file(prompt_file).select([3, 7, 11])
     assert [prompts[i].index for i in range(3)] == [3, 7, 11]

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from lsreplay.core.config import ANSWER_INSTRUCTION, load_config
 from lsreplay.data.rendering import render_prompt
 from lsreplay.data.sources import DatasetError, Prompt, PromptSet, generate_prompt_file
+from trl_rendering import save_llama_style_tokenizer, trl_prompt_ids
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -45,29 +46,50 @@ def test_the_default_configs_render_the_same_ids_as_before(config, tokenizer, tm
             tokenizer, prompts[i], cfg.data.system_prompt, cfg.data.max_prompt_tokens)
 
 
-def test_prompts_as_trl_reads_them(tokenizer):
-    """Nothing added: a string goes as it is, messages through the chat template; with
-    lsreplay's settings the system prompt comes first unless the prompt has one, and the
-    instruction ends the last user message."""
-    bare = load_config(None, ["data.system_prompt=", "data.answer_instruction=", "data.chat_template=false"]).data
-    assert render_prompt(tokenizer, prompt("The sky is"), bare) == tokenizer("The sky is", add_special_tokens=False)[
-        "input_ids"]
-    templated = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    assert render_prompt(tokenizer, prompt(MESSAGES), bare) == tokenizer(templated, add_special_tokens=False)[
-        "input_ids"]
+def test_your_prompts_as_trl_renders_them(tokenizer, tmp_path):
+    """With data.path nothing is added: a string goes as it is (with the tokenizer's special
+    tokens, as TRL's processing_class(text=...)), messages through the chat template with the
+    generation prompt, a last assistant message too (TRL's GRPOTrainer._tokenize_prompts; the
+    rules are tests/trl_rendering.py, checked against TRL itself in test_trl_parity)."""
+    yours = load_config(None, [f"data.path={tmp_path / 'train.jsonl'}"]).data
     continued = MESSAGES + [{"role": "assistant", "content": "Let me see:"}]
-    text = tokenizer.decode(render_prompt(tokenizer, prompt(continued), bare))
-    assert text.endswith("Let me see:")  # the model continues the assistant's message
+    for question in ("The sky is", MESSAGES, continued):
+        assert render_prompt(tokenizer, prompt(question), yours) == trl_prompt_ids(tokenizer, question)
+    assert tokenizer.decode(render_prompt(tokenizer, prompt(continued), yours)).endswith(
+        "Let me see:<|im_end|>\n<|im_start|>assistant\n")
+    thinking_off = load_config(None, ["data.path=t.jsonl", "data.chat_template_kwargs={enable_thinking: false}"])
+    assert render_prompt(tokenizer, prompt(MESSAGES), thinking_off.data) == trl_prompt_ids(tokenizer, MESSAGES)
 
+
+def test_string_prompts_get_the_tokenizers_bos_as_in_trl(tiny_model_dir, tmp_path):
+    """A Llama-family tokenizer adds BOS to a string prompt (TRL's processing_class(text=...));
+    none is doubled where the chat template writes one."""
+    bos = save_llama_style_tokenizer(tiny_model_dir, tmp_path / "tokenizer")
+    yours = load_config(None, ["data.path=train.jsonl"]).data
+    assert render_prompt(bos, prompt("The sky is"), yours) == [bos.bos_token_id] + bos(
+        "The sky is", add_special_tokens=False)["input_ids"]
+    templated = render_prompt(bos, prompt(MESSAGES), yours)
+    assert templated == trl_prompt_ids(bos, MESSAGES) and templated[1] != bos.bos_token_id
+    thinking_off = load_config(None, ["data.path=t.jsonl", "data.chat_template_kwargs={enable_thinking: false}"])
+    text = bos.decode(render_prompt(bos, prompt(MESSAGES), thinking_off.data))
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_only_what_the_config_asks_is_added(tokenizer):
+    """lsreplay's own prompts get its system prompt and <answer> instruction; a dataset's only
+    when the config says so, and never over a system message of its own."""
     default = load_config(None, []).data
     text = tokenizer.decode(render_prompt(tokenizer, prompt(MESSAGES), default))
     assert text.count(default.system_prompt) == 1 and (MESSAGES[0]["content"] + ANSWER_INSTRUCTION) in text
     own_system = [{"role": "system", "content": "Be terse."}] + MESSAGES
     text = tokenizer.decode(render_prompt(tokenizer, prompt(own_system), default))
     assert "Be terse." in text and default.system_prompt not in text
+    asked = load_config(None, ["data.path=t.jsonl", "data.answer_instruction=' Answer with a number.'"]).data
+    assert tokenizer.decode(render_prompt(tokenizer, prompt("The sky is"), asked)) == "The sky is Answer with a number."
     with pytest.raises(DatasetError, match="data.system_prompt is set, but string prompts go to the model as they "
                                            "are .data.chat_template=false."):
-        render_prompt(tokenizer, prompt("The sky is"), load_config(None, ["data.chat_template=false"]).data)
+        render_prompt(tokenizer, prompt("The sky is"), load_config(None, ["data.path=t.jsonl",
+                                                                          "data.system_prompt=Be terse."]).data)
 
 
 def verl_rows(n: int = 6) -> list[dict]:

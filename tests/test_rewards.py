@@ -8,6 +8,7 @@ import math
 import re
 
 import pytest
+from transformers import TrainerState
 
 from lsreplay.core.config import load_config
 from lsreplay.data.rewards import Reward, RewardError
@@ -55,7 +56,7 @@ def reward(function: str) -> Reward:
 
 def one(reward: Reward, prompt: Prompt, completion: str) -> float:
     """The reward of one completion (its token ids do not matter to lsreplay-style functions)."""
-    return reward.score([prompt], [[completion]], [[[]]], step=0)[0][0][0]
+    return reward.score([prompt], [[completion]], [[[]]], TrainerState()).totals[0][0]
 
 
 def test_own_function_gets_the_prompt_record_and_the_text(reward_module):

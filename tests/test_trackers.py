@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lsreplay.core.config import ConfigError, load_config
-from lsreplay.metrics.trackers import Trackers, check_trackers
+from lsreplay.metrics.trackers import Trackers, check_trackers, hf_keys
 
 RECORDS = [{"step": 0, "eval_accuracy": 0.25}, {"step": 0, "reward": 0.5, "loss": 1.5, "rewards/f/mean": 0.5},
            {"step": 1, "reward": 0.75, "loss": 1.25, "rewards/f/mean": 0.75, "engine": "hf"}]
@@ -51,19 +51,59 @@ def test_every_tracker_gets_the_lines_and_the_config(tmp_path, monkeypatch):
     trackers.close()
 
     folder = tmp_path / "run/tracking"
-    assert tensorboard_scalars(folder / "tensorboard", "reward") == [(0, 0.5), (1, 0.75)]
-    assert tensorboard_scalars(folder / "tensorboard", "eval_accuracy") == [(0, 0.25)]
+    # Keys as the HF trainer's callbacks write them: train/ and eval/ (MLflow's as they are).
+    assert tensorboard_scalars(folder / "tensorboard", "train/reward") == [(0, 0.5), (1, 0.75)]
+    assert tensorboard_scalars(folder / "tensorboard", "eval/accuracy") == [(0, 0.25)]
     history, params = mlflow_history(folder / "mlflow.db", "lsreplay-test", "rewards/f/mean")
     assert history == [(0, 0.5), (1, 0.75)] and params["optim.lr"] == "3e-05" and params["storage.secret"] == ""
 
     from trackio.sqlite_storage import SQLiteStorage
 
     logs = SQLiteStorage.get_logs("lsreplay-test", "run")
-    assert [(r["step"], r.get("loss")) for r in logs if "loss" in r] == [(0, 1.5), (1, 1.25)]
+    assert [(r["step"], r.get("train/loss")) for r in logs if "train/loss" in r] == [(0, 1.5), (1, 1.25)]
     assert SQLiteStorage.get_run_config("lsreplay-test", "run")["optim"]["lr"] == 3e-5
     if fresh_trackio:
         assert (folder / "trackio/lsreplay-test.db").is_file()
     assert list((folder / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B's offline run file
+
+
+def test_runs_go_where_the_trackers_own_variables_say(tmp_path, monkeypatch):
+    """No tracking.project: MLFLOW_EXPERIMENT_NAME and WANDB_PROJECT name the project, as for
+    the user's other runs (HF's callbacks); Trackio, which reads no variable, files it under
+    the HF trainer's default project."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "mlflow-env-15")
+    monkeypatch.setenv("WANDB_PROJECT", "wandb-env-15")
+    cfg = load_config(None, [f"run_dir={tmp_path / 'env-run-15'}", "report_to=mlflow,wandb,trackio"])
+    trackers = Trackers(cfg)
+    trackers.log(RECORDS[1])
+    trackers.close()
+    folder = tmp_path / "env-run-15/tracking"
+    assert mlflow_history(folder / "mlflow.db", "mlflow-env-15", "reward")[0] == [(0, 0.5)]
+    (run_file,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"wandb-env-15" in run_file.read_bytes()
+
+    from trackio.sqlite_storage import SQLiteStorage
+
+    assert [r["train/reward"] for r in SQLiteStorage.get_logs("huggingface", "env-run-15")] == [0.5]
+
+
+def test_keys_as_metrics_jsonl_has_them_without_prefixes(tmp_path):
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "report_to=[tensorboard]", "tracking.prefixes=false"])
+    trackers = Trackers(cfg)
+    for record in RECORDS:
+        trackers.log(record)
+    trackers.close()
+    assert tensorboard_scalars(tmp_path / "run/tracking/tensorboard", "reward") == [(0, 0.5), (1, 0.75)]
+    assert tensorboard_scalars(tmp_path / "run/tracking/tensorboard", "eval_accuracy") == [(0, 0.25)]
+
+
+def test_hf_keys_are_transformers_rewrite_logs():
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    figures = {"reward": 1.0, "eval_accuracy": 0.5, "test_loss": 2.0, "rewards/f/mean": 0.25, "evaluation": 3.0}
+    assert hf_keys(figures) == rewrite_logs(figures)
 
 
 def test_a_failing_tracker_is_logged_once_and_the_run_goes_on(tmp_path, caplog):

@@ -39,12 +39,16 @@ from lsreplay.tree import RolloutTree
 Pairs = list[list[tuple[int, int]]]
 
 
-def best_worst_pairs(rewards: list[list[float]]) -> Pairs:
+def best_worst_pairs(rewards: list[list[float | None]]) -> Pairs:
     """Per tree: [(the first leaf of the highest reward, the first of the lowest)], or [] when
-    every leaf scored alike (no preference to learn)."""
+    every leaf scored alike (no preference to learn). Unscorable leaves (None) take no part."""
     pairs = []
     for r in rewards:
-        best, worst = max(range(len(r)), key=lambda j: (r[j], -j)), min(range(len(r)), key=lambda j: (r[j], j))
+        scored = [j for j in range(len(r)) if r[j] is not None]
+        if not scored:
+            pairs.append([])
+            continue
+        best, worst = max(scored, key=lambda j: (r[j], -j)), min(scored, key=lambda j: (r[j], j))
         pairs.append([(best, worst)] if r[best] != r[worst] else [])
     return pairs
 

@@ -32,6 +32,7 @@ The functions here are plain torch over nested logprobs; they serve both the rep
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -185,20 +186,26 @@ def clip_fractions(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, advan
                    clip_eps_high: float | None = None) -> dict:
     """TRL's clip_ratio/*: the share of completion tokens whose ratio exp(logp - old logp)
     the clipped surrogate cuts off, below 1 - eps where the advantage is negative (low),
-    above 1 + eps_high where it is positive (high), either (region). At ratio 1 (one update
-    per batch, its first minibatch) none is cut."""
+    above 1 + eps_high where it is positive (high), either (region); and, per completion,
+    the least share cut low (low_min) and the most cut high (high_max). At ratio 1 (one
+    update per batch, its first minibatch) none is cut."""
     high_eps = clip_eps if clip_eps_high is None else clip_eps_high
     low = high = tokens = 0
+    per_completion = []  # (share cut low, share cut high) of each non-empty completion
     for lps, olds, advs in zip(logprobs, old_logprobs, advantages):
         for lp, old, a in zip(lps, olds, advs):
             ratio = torch.exp(lp.detach() - old.to(lp))
             adv = torch.as_tensor(a).to(lp).expand_as(ratio)
-            low += int(((ratio < 1 - clip_eps) & (adv < 0)).sum())
-            high += int(((ratio > 1 + high_eps) & (adv > 0)).sum())
-            tokens += ratio.numel()
+            cut_low = int(((ratio < 1 - clip_eps) & (adv < 0)).sum())
+            cut_high = int(((ratio > 1 + high_eps) & (adv > 0)).sum())
+            low, high, tokens = low + cut_low, high + cut_high, tokens + ratio.numel()
+            if ratio.numel():
+                per_completion.append((cut_low / ratio.numel(), cut_high / ratio.numel()))
     tokens = max(tokens, 1)
     return {"clip_ratio/region_mean": (low + high) / tokens, "clip_ratio/low_mean": low / tokens,
-            "clip_ratio/high_mean": high / tokens}
+            "clip_ratio/high_mean": high / tokens,
+            "clip_ratio/low_min": min((lo for lo, _ in per_completion), default=0.0),
+            "clip_ratio/high_max": max((hi for _, hi in per_completion), default=0.0)}
 
 
 @dataclass
@@ -217,3 +224,37 @@ def grpo_loss(logprobs: NestedLogprobs, batch: GRPOBatch) -> torch.Tensor:
     """Negative clipped surrogate, aggregated over the batch's completion tokens."""
     return clipped_policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.clip_eps,
                                batch.loss_agg, batch.max_tokens, batch.counts, batch.clip_eps_high, batch.mask)
+
+
+def batch_reward_std(rewards: list[list[float | None]], counts: NestedCounts = None) -> float:
+    """The std of every scored sample's reward in the batch (a leaf counted as its samples,
+    Bessel-corrected, as TRL's nanstd): what scale_rewards=batch divides advantages by."""
+    pairs = [(float(r), n) for rs, ns in zip(rewards, counts or [[1] * len(rs) for rs in rewards])
+             for r, n in zip(rs, ns) if r is not None]
+    size = sum(n for _, n in pairs)
+    if size < 2:
+        return 0.0
+    mean = sum(r * n for r, n in pairs) / size
+    return math.sqrt(sum(n * (r - mean) ** 2 for r, n in pairs) / (size - 1))
+
+
+def tree_advantages(rewards: list[float | None], scale: str = "group", counts: list[int] | None = None,
+                    subtrees: list[int] | None = None, batch_std: float | None = None,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """group_advantages of one tree with TRL's scale_rewards (group: the group's std; batch:
+    `batch_std`, the batch's; none) and TRL's unscorable completions (reward None: no reward
+    function applies): left out of the baseline and the std, advantage 0 (TRL >= 1.6). Where
+    the scored leaves lie in one first-level subtree, no leaf is independent of another, and
+    their baseline is the group mean."""
+    keep = [j for j, r in enumerate(rewards) if r is not None]
+    out = torch.zeros(len(rewards), dtype=torch.float64)
+    if not keep:
+        return out
+    kept_subtrees = None if subtrees is None else [subtrees[j] for j in keep]
+    if kept_subtrees is not None and len(set(kept_subtrees)) < 2:
+        kept_subtrees = None
+    scored = torch.tensor([float(rewards[j]) for j in keep], dtype=torch.float64)
+    centred = group_advantages(scored, scale == "group", eps,
+                               None if counts is None else [counts[j] for j in keep], kept_subtrees)
+    out[keep] = centred / (batch_std + eps) if scale == "batch" else centred
+    return out

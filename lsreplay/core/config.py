@@ -10,15 +10,23 @@ import json
 import math
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from difflib import get_close_matches
+from importlib.util import find_spec
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from lsreplay.core.aliases import alias_of
+
 # The names algo.loss_agg and algo.kl_estimator take; lsreplay.algos.grpo and .kl implement each.
 LOSS_AGGS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
+# What algo.scale_rewards divides advantages by: the group's reward std, the batch's, nothing.
+SCALE_REWARDS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
+# What lsreplay adds to the prompts it generates (data.path empty): its reasoning-gym rewards
+# read the <answer> tag. A dataset of yours gets nothing unless the config says so.
+SYSTEM_PROMPT = "You are a helpful assistant. Answer briefly."
 ANSWER_INSTRUCTION = (
     "\n\nWork it out briefly, then end your reply with the final answer inside "
     "<answer> and </answer> tags, with nothing else inside the tags."
@@ -77,16 +85,23 @@ class DataConfig:
         "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}})
     size: int = 256
     prompts_per_step: int = 4
-    # What the model sees of a prompt. A list of messages goes through the tokenizer's chat
-    # template; a string too with chat_template=true (as the user's message), as it is
-    # otherwise. system_prompt: a system message put first (in a template only, and only
-    # where the prompt has none of its own); answer_instruction: text appended to the
-    # prompt (to its last user message). Empty = nothing added: the dataset's prompts as
-    # TRL and verl read them.
-    chat_template: bool = True
-    system_prompt: str = "You are a helpful assistant. Answer briefly."
-    answer_instruction: str = ANSWER_INSTRUCTION
+    # What the model sees of a prompt, as TRL's GRPOTrainer renders it. A list of messages
+    # goes through the tokenizer's chat template (with the generation prompt); a string too
+    # with chat_template=true (as the user's message), else as it is (tokenized with the
+    # tokenizer's special tokens, BOS where it adds one). system_prompt: a system message put
+    # first (in a template only, and only where the prompt has none of its own);
+    # answer_instruction: text appended to the prompt (to its last user message). Unset
+    # (null): lsreplay's own for the prompts it generates (SYSTEM_PROMPT, ANSWER_INSTRUCTION,
+    # the template), nothing for data.path: your prompts as TRL and verl send them.
+    chat_template: bool | None = None
+    system_prompt: str | None = None
+    answer_instruction: str | None = None
+    # Keywords for the chat template (TRL's chat_template_kwargs, verl's
+    # apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_tokens: int = 256
+    # The column verl's compute_score gets as data_source (verl's data.reward_fn_key).
+    reward_fn_key: str = "data_source"
 
 
 @dataclass
@@ -156,8 +171,10 @@ class AlgoConfig:
     # seq-mean: each completion's token mean, averaged over completions;
     # seq-mean-token-sum-norm: Dr. GRPO's unbiased sum / (completions * max_new_tokens).
     loss_agg: str = "token-mean"
-    # Divide advantages by the group's reward std (False = Dr. GRPO's unbiased variant).
-    scale_rewards: bool = True
+    # What advantages are divided by, as TRL's scale_rewards: "group", the std of the
+    # group's rewards; "batch", the std of the step's rewards (Lite PPO); "none" (Dr. GRPO's
+    # unbiased variant). true and false mean group and none, as in TRL.
+    scale_rewards: str = "group"
     # The baseline a tree leaf's reward is compared with. "independent": the mean over the
     # leaves of the other first-level subtrees (none shares a sampled token with it), scaled
     # so that the expected gradient is flat GRPO's on prod(rollout.branching) rollouts;
@@ -244,6 +261,9 @@ class RewardConfig:
     # One style per function (auto, trl, verl, lsreplay); empty = auto each: told by the
     # function's parameters.
     styles: list[str] = field(default_factory=list)
+    # One dict per function of keywords every call of it gets on top of (and over) those its
+    # style passes (verl's custom_reward_function.reward_kwargs); empty = none.
+    kwargs: list[dict] = field(default_factory=list)
     # One function, the older key: the same as functions=[function].
     function: str = ""
 
@@ -255,9 +275,11 @@ class EvalConfig:
     every: int = 0
     # Held-out prompts with distinct questions: taken out of the training source by a fixed
     # seed (training never samples them), or the first ones of `path` (same format and
-    # columns as data.path).
+    # columns as data.path), or of the split `split` of a save_to_disk DatasetDict (`path`'s,
+    # else data.path's: TRL's dataset_test_split, e.g. test).
     size: int = 64
     path: str = ""
+    split: str = ""
     # Sampled answers per held-out prompt (at the rollout temperature, top_p, top_k) for the
     # mean reward; 0 = greedy answers only.
     samples: int = 4
@@ -371,12 +393,18 @@ class TrackingConfig:
     # <dir>/trackio (unless TRACKIO_DIR is set), W&B's run files in <dir>/wandb.
     # Empty = <run_dir>/tracking.
     dir: str = ""
-    # The MLflow experiment, Trackio project and W&B project.
-    project: str = "lsreplay"
+    # The MLflow experiment, Trackio project and W&B project; empty = each tracker's own
+    # (as the HF trainer's callbacks pick them): MLFLOW_EXPERIMENT_NAME else MLflow's default
+    # experiment, WANDB_PROJECT else "huggingface", Trackio's "huggingface".
+    project: str = ""
     # The run's name in each tracker; empty = the run directory's name.
     run_name: str = ""
     # An MLflow tracking server or store; empty = MLFLOW_TRACKING_URI, else the sqlite store.
     mlflow_uri: str = ""
+    # Keys as the HF trainer's callbacks write them: train/NAME, eval/NAME for eval_NAME, to
+    # TensorBoard, Trackio and W&B (MLflow's callback writes them as they are); false =
+    # metrics.jsonl's keys everywhere.
+    prefixes: bool = True
 
 
 @dataclass
@@ -402,7 +430,9 @@ class Config:
     storage: StorageConfig = field(default_factory=StorageConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     # Experiment trackers every metric line, held-out evaluation and the config go to (TRL's
-    # key): any of tensorboard, mlflow, trackio, wandb; pip install 'lsreplay[trackers]'.
+    # key): any of tensorboard, mlflow, trackio, wandb; pip install 'lsreplay[trackers]'. As
+    # in TRL, one name or a comma-separated string works too, "all" (those installed) and
+    # "none".
     report_to: list[str] = field(default_factory=list)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -413,43 +443,118 @@ NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Schema defaults <- YAML file <- `key=value` overrides, then validated."""
+    """Schema defaults <- YAML file <- `key=value` overrides, then settled (`settle`) and
+    validated. Every unknown key of the file and the overrides is reported at once."""
     try:
+        layers = ([_file_layer(path)] if path is not None else []) + [_override_layer(item) for item in overrides]
+        unknown = [key for layer, _ in layers for key in _unknown_keys(OmegaConf.to_container(layer))]
+        if unknown:
+            raise ConfigError(_unknown_keys_message(unknown))
         merged = OmegaConf.structured(Config)
-        if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            layer = OmegaConf.load(path)
-            merged = _merge(merged, layer, _given_whole(layer))
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not key=value (e.g. steps=2)")
-            item = item.lstrip().removeprefix("++").removeprefix("+")  # Hydra's add / force-add: the keys exist
-            key, _, value = (part.strip() for part in item.partition("="))
-            if key == "report_to" and not value.startswith("["):  # TRL's --report_to tensorboard
-                item = f"report_to=[{'' if value == 'none' else value}]"
-            elif value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
-                item = f"{key}=''"
-            layer = OmegaConf.from_dotlist([item])
-            given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
-                isinstance(OmegaConf.select(layer, key), DictConfig)
-            merged = _merge(merged, layer, [key] if given_whole else [])
+        for layer, replaced in layers:
+            merged = _merge(merged, layer, replaced)
         cfg = OmegaConf.to_object(merged)
     except ConfigKeyError as e:
-        raise ConfigError(_unknown_key_message(e)) from None
+        raise ConfigError(_unknown_keys_message([e.full_key or str(e.key)])) from None
     except ValidationError as e:
         raise ConfigError(f"config key {e.full_key!r}: {e.msg.splitlines()[0]}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: {e}") from None
+    settle(cfg)
     validate(cfg)
     return cfg
+
+
+def _file_layer(path: str | Path) -> tuple[DictConfig, list[str]]:
+    """A YAML file as a layer, and the free dicts it gives whole (they replace the defaults')."""
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    layer = _report_to_as_trl(OmegaConf.load(path))
+    return layer, _given_whole(layer)
+
+
+def _override_layer(item: str) -> tuple[DictConfig, list[str]]:
+    """A `key=value` override as a layer (Hydra's +key and ++key too: the keys exist), and
+    the free dict it gives whole, if it does."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value (e.g. steps=2)")
+    item = item.lstrip().removeprefix("++").removeprefix("+")
+    key, _, value = (part.strip() for part in item.partition("="))
+    if value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
+        item = f"{key}=''"
+    layer = _report_to_as_trl(OmegaConf.from_dotlist([item]))
+    given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
+        isinstance(OmegaConf.select(layer, key), DictConfig)
+    return layer, [key] if given_whole else []
+
+
+def _report_to_as_trl(layer: DictConfig) -> DictConfig:
+    """report_to as TRL takes it: one name or a comma-separated string (YAML's `report_to:
+    wandb` too), "all" (the trackers installed here) or "none"."""
+    value = layer.get("report_to") if isinstance(layer, DictConfig) else None
+    if value is None:
+        return layer
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else [str(n) for n in value]
+    chosen = []
+    for name in names:
+        chosen += [t for t in TRACKERS if find_spec(t) is not None] if name == "all" else \
+            [] if name in ("none", "") else [name]
+    layer["report_to"] = list(dict.fromkeys(chosen))
+    return layer
+
+
+# TRL's booleans for algo.scale_rewards (GRPOConfig: True is "group", False is "none").
+SCALE_REWARDS_BOOLEANS = {"true": "group", "false": "none"}
+
+
+def settle(cfg: Config) -> None:
+    """What a loaded config leaves to be decided: the prompt additions left unset (lsreplay's
+    own for the prompts it generates, nothing for data.path) and TRL's booleans for
+    algo.scale_rewards."""
+    d, own = cfg.data, not cfg.data.path
+    if d.system_prompt is None:
+        d.system_prompt = SYSTEM_PROMPT if own else ""
+    if d.answer_instruction is None:
+        d.answer_instruction = ANSWER_INSTRUCTION if own else ""
+    if d.chat_template is None:
+        d.chat_template = own
+    scale = str(cfg.algo.scale_rewards)
+    cfg.algo.scale_rewards = SCALE_REWARDS_BOOLEANS.get(scale.lower(), scale)
+
+
+def _default_of(f):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def _unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
+    """The dotted keys of a config layer (a plain dict) that the schema has no place for. A
+    section unknown as a whole is named by every key under it (verl's nested keys)."""
+    known = {f.name: f for f in fields(cls)}
+    out = []
+    for name, value in layer.items():
+        key = f"{prefix}{name}"
+        if name not in known:
+            out += [f"{key}.{leaf}" for leaf in _leaves(value)] if isinstance(value, dict) and value else [key]
+            continue
+        default = _default_of(known[name])
+        if is_dataclass(default) and isinstance(value, dict):
+            out += _unknown_keys(value, type(default), key + ".")
+    return out
+
+
+def _leaves(d: dict) -> list[str]:
+    """The dotted keys of a nested dict's values."""
+    out = []
+    for k, v in d.items():
+        out += [f"{k}.{leaf}" for leaf in _leaves(v)] if isinstance(v, dict) and v else [str(k)]
+    return out
 
 
 def _free_dicts(cls=Config, prefix: str = "") -> list[str]:
     """Dotted keys of the schema's free-form dict fields (data.task_args, model.arch)."""
     out = []
     for f in fields(cls):
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        default = _default_of(f)
         if is_dataclass(default):
             out += _free_dicts(type(default), f"{prefix}{f.name}.")
         elif isinstance(default, dict):
@@ -477,53 +582,43 @@ def from_dict(d: dict) -> Config:
     """Rebuild a Config from `to_dict` output (e.g. passed through a Prefect flow)."""
     layer = OmegaConf.create(d)
     cfg = OmegaConf.to_object(_merge(OmegaConf.structured(Config), layer, _given_whole(layer)))
+    settle(cfg)
     validate(cfg)
     return cfg
-
-
-# The names TRL's GRPOConfig and verl's trainer config give what lsreplay calls otherwise.
-ALIASES = {
-    "num_generations": "rollout.branching (G rollouts per prompt are the product of its fan-outs: [8], or [4, 2])",
-    "max_completion_length": "rollout.max_new_tokens", "max_response_length": "rollout.max_new_tokens",
-    "max_prompt_length": "data.max_prompt_tokens", "beta": "algo.kl_coef", "kl_coef": "algo.kl_coef",
-    "epsilon": "algo.clip_eps", "clip_ratio": "algo.clip_eps",
-    "loss_type": "algo.loss_agg (TRL's dapo: token-mean; grpo: seq-mean; dr_grpo: seq-mean-token-sum-norm)",
-    "loss_agg_mode": "algo.loss_agg (verl's token-mean, seq-mean-token-mean: seq-mean, "
-                     "seq-mean-token-sum-norm)",
-    "learning_rate": "optim.lr", "lr": "optim.lr", "max_grad_norm": "optim.grad_clip",
-    "adam_beta1": "optim.beta1", "adam_beta2": "optim.beta2", "max_steps": "steps",
-    "total_training_steps": "steps", "output_dir": "run_dir", "default_local_dir": "run_dir",
-    "reward_funcs": "reward.functions", "reward_weights": "reward.weights",
-    "custom_reward_function": "reward.functions (path/to/file.py:function)",
-    "per_device_train_batch_size": "data.prompts_per_step (prompts per step; each has G rollouts)",
-    "train_batch_size": "data.prompts_per_step", "train_files": "data.path", "dataset_name": "data.path",
-    "val_files": "eval.path", "logger": "report_to", "logging_dir": "tracking.dir", "run_name": "tracking.run_name",
-    "project_name": "tracking.project", "actor_rollout_ref.rollout.n": "rollout.branching",
-}
 
 
 def _schema_keys(cls=Config, prefix: str = "") -> list[str]:
     """Every dotted key of the schema that holds a value (not a section)."""
     out = []
     for f in fields(cls):
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        default = _default_of(f)
         out += _schema_keys(type(default), f"{prefix}{f.name}.") if is_dataclass(default) else [prefix + f.name]
     return out
 
 
-def _unknown_key_message(e: ConfigKeyError) -> str:
-    key = e.full_key or str(e.key)
-    parent, _, name = key.rpartition(".")
-    section = Config()
-    for part in filter(None, parent.split(".")):
-        section = getattr(section, part, None)
-    allowed = ", ".join(f.name for f in fields(section)) if is_dataclass(section) else "(none)"
-    where = f"under {parent!r}" if parent else "at the top level"
-    message = f"unknown config key {key!r}; allowed keys {where}: {allowed}"
-    alias = ALIASES.get(key) or ALIASES.get(name)
-    if alias:
-        return f"{message}. {name!r} is TRL's or verl's name: lsreplay's key is {alias}"
-    return f"{message}{_did_you_mean(key, name, _schema_keys())}"
+def _unknown_keys_message(keys: list[str]) -> str:
+    """One message for every unknown key: each with the keys allowed where it is, and
+    lsreplay's name for TRL's and verl's (lsreplay.core.aliases) or the nearest keys."""
+    if len(keys) == 1:
+        return _unknown_key_message(keys[0])
+    return f"{len(keys)} unknown config keys:\n" + "\n".join(f"  {_unknown_key_message(k)}" for k in keys)
+
+
+def _unknown_key_message(key: str) -> str:
+    """The key, the keys allowed in the deepest section of it that exists, and lsreplay's
+    name for TRL's and verl's key (or the nearest keys)."""
+    section, known = Config(), []
+    for part in key.split(".")[:-1]:
+        inner = getattr(section, part, None)
+        if not is_dataclass(inner):
+            break
+        section, known = inner, known + [part]
+    found = alias_of(key)
+    if found:
+        return f"unknown config key {key!r}: {found[0]!r} is TRL's or verl's name: lsreplay's key is {found[1]}"
+    where = f"under {'.'.join(known)!r}" if known else "at the top level"
+    return (f"unknown config key {key!r}; allowed keys {where}: {', '.join(f.name for f in fields(section))}"
+            f"{_did_you_mean(key, key.rpartition('.')[2], _schema_keys())}")
 
 
 def _did_you_mean(key: str, name: str, keys: list[str]) -> str:
@@ -594,6 +689,13 @@ def reward_specs(reward: RewardConfig) -> list[str]:
     return list(reward.functions) or ([reward.function] if reward.function else [])
 
 
+def is_reward_model(spec: str) -> bool:
+    """A reward function given as a model (TRL's reward_funcs given a str): a local folder, or
+    an `org/name` model id (from the local HF cache only), rather than an import path (one
+    with a slash names a file: path/to/file.py:function)."""
+    return Path(spec).is_dir() or ("/" in spec and ":" not in spec)
+
+
 def _is_import_path(spec: str) -> bool:
     module, colon, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     return bool(module and colon and name)
@@ -605,8 +707,9 @@ def _validate_reward(r: RewardConfig) -> None:
     specs = reward_specs(r)
     for i, spec in enumerate(specs):
         key = f"reward.functions[{i}]" if r.functions else "reward.function"
-        _check(_is_import_path(spec), key, "an import path: module.function or module:function (e.g. "
-               "my_rewards:exact_match), or path/to/file.py:function", spec)
+        _check(is_reward_model(spec) or _is_import_path(spec), key, "an import path: module.function or "
+               "module:function (e.g. my_rewards:exact_match), or path/to/file.py:function; or a reward model's "
+               "folder or model id", spec)
     _check(not r.weights or len(r.weights) == len(specs), "reward.weights",
            f"one weight per reward function ({len(specs)}), or empty (1 each)", r.weights)
     _check(all(math.isfinite(w) for w in r.weights), "reward.weights", "finite numbers", r.weights)
@@ -614,6 +717,8 @@ def _validate_reward(r: RewardConfig) -> None:
            f"one style per reward function ({len(specs)}), or empty (each told by its parameters)", r.styles)
     for style in r.styles:
         _check(style in REWARD_STYLES, "reward.styles", " or ".join(REWARD_STYLES), style)
+    _check(not r.kwargs or len(r.kwargs) == len(specs), "reward.kwargs",
+           f"one dict of keywords per reward function ({len(specs)}), or empty (none)", r.kwargs)
 
 
 def tracker_install_hint() -> str:
@@ -624,8 +729,6 @@ def tracker_install_hint() -> str:
 def _validate_tracking(cfg: Config) -> None:
     for name in cfg.report_to:
         _check(name in TRACKERS, "report_to", f"a list of trackers: {tracker_install_hint()}", name)
-    _check(len(set(cfg.report_to)) == len(cfg.report_to), "report_to", "each tracker once", cfg.report_to)
-    _check(bool(cfg.tracking.project), "tracking.project", "a project name", cfg.tracking.project)
 
 
 def _validate_rollout(cfg: Config) -> None:
@@ -677,6 +780,8 @@ def _validate_learning(cfg: Config) -> None:
            "independent needs rollout.branching[0] >= 2 (leaves of different first-level subtrees to compare "
            "with); set rollout.branching[0] >= 2 or algo.tree_baseline=group", a.tree_baseline)
     _check(a.loss_agg in LOSS_AGGS, "algo.loss_agg", " or ".join(LOSS_AGGS), a.loss_agg)
+    _check(a.scale_rewards in SCALE_REWARDS, "algo.scale_rewards", "group, batch or none (true and false: group "
+           "and none, as TRL takes them)", a.scale_rewards)
     _check(a.kl_estimator in KL_ESTIMATORS, "algo.kl_estimator", " or ".join(KL_ESTIMATORS), a.kl_estimator)
     # k1 = log pi - log ref has the gradient grad log pi, whose expectation over the policy's
     # own samples is 0: as a loss term it pulls nowhere (docs/algorithms.md, "KL penalty").

@@ -7,6 +7,9 @@ prompt, scored by the run's reward, summed up with 95% confidence intervals.
   rollout temperature, what GRPO optimises) and their mean reward. A prompt's answers are
   not independent draws (an easy prompt gets many right), so their intervals are over
   prompts: the normal interval of the mean of the per-prompt means.
+
+An answer no reward function applies to (reward None, TRL's unscorable) is left out of
+every figure, as TRL leaves it out of its reward means; `unscored` counts such greedy answers.
 """
 
 from __future__ import annotations
@@ -61,27 +64,36 @@ def answer(model, prompt_ids: list[list[int]], answers: int, params: SamplingPar
 
 
 def score_answers(prompts: list[Prompt], greedy: list[tuple[str, list[int]]],
-                  sampled: list[list[tuple[str, list[int]]]], reward: Reward, step: int) -> list[dict]:
+                  sampled: list[list[tuple[str, list[int]]]], reward: Reward,
+                  state) -> tuple[list[dict], dict[str, list[float]]]:
     """One record per prompt: its greedy and sampled answers ((text, token ids) each) and
-    their rewards."""
-    best, _ = reward.score(prompts, [[t] for t, _ in greedy], [[c] for _, c in greedy], step)
-    rewards = [[] for _ in prompts]
+    their rewards; and what the reward functions gave log_metric. `state`: the
+    transformers.TrainerState reward functions get."""
+    best = reward.score(prompts, [[t] for t, _ in greedy], [[c] for _, c in greedy], state)
+    rewards, logged = [[] for _ in prompts], {name: list(vs) for name, vs in best.metrics.items()}
     if any(sampled):
-        rewards, _ = reward.score(prompts, [[t for t, _ in s] for s in sampled], [[c for _, c in s] for s in sampled],
-                                  step)
-    return [{"prompt_index": p.index, "question": p.question, "answer": p.answer, "greedy": g[0], "greedy_reward": b[0],
-             "samples": [t for t, _ in s], "sample_rewards": r}
-            for p, g, b, s, r in zip(prompts, greedy, best, sampled, rewards)]
+        scores = reward.score(prompts, [[t for t, _ in s] for s in sampled], [[c for _, c in s] for s in sampled],
+                              state)
+        rewards = scores.totals
+        for name, values in scores.metrics.items():
+            logged.setdefault(name, []).extend(values)
+    records = [{"prompt_index": p.index, "question": p.question, "answer": p.answer, "greedy": g[0],
+                "greedy_reward": b[0], "samples": [t for t, _ in s], "sample_rewards": r}
+               for p, g, b, s, r in zip(prompts, greedy, best.totals, sampled, rewards)]
+    return records, logged
 
 
 def summary(records: list[dict]) -> dict:
-    """Accuracy of the greedy answers and mean reward of the sampled ones, with intervals."""
-    n = len(records)
-    correct = sum(r["greedy_reward"] >= CORRECT for r in records)
-    out = {"prompts": n, "accuracy": correct / n, "greedy_reward": statistics.fmean(r["greedy_reward"] for r in records)}
-    out["accuracy_lo"], out["accuracy_hi"] = wilson_interval(correct, n)
-    if records[0]["sample_rewards"]:
-        rewards = [r["sample_rewards"] for r in records]
+    """Accuracy of the greedy answers and mean reward of the sampled ones, with intervals,
+    over the answers a reward function scored."""
+    greedy = [r["greedy_reward"] for r in records if r["greedy_reward"] is not None]
+    correct = sum(v >= CORRECT for v in greedy)
+    out = {"prompts": len(records), "unscored": len(records) - len(greedy),
+           "accuracy": correct / len(greedy) if greedy else 0.0,
+           "greedy_reward": statistics.fmean(greedy) if greedy else 0.0}
+    out["accuracy_lo"], out["accuracy_hi"] = wilson_interval(correct, len(greedy))
+    rewards = [x for x in ([v for v in r["sample_rewards"] if v is not None] for r in records) if x]
+    if rewards:
         for key, per_prompt in (("reward", [statistics.fmean(x) for x in rewards]),
                                 ("sample_accuracy", [statistics.fmean(v >= CORRECT for v in x) for x in rewards])):
             out[key] = statistics.fmean(per_prompt)

@@ -64,9 +64,11 @@ class PreferenceSet:
 def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_answer_tokens: int) -> dict:
     """The tree record of one row: its prompt's token ids, the chosen and the rejected answer
     as two completions, the preference as rewards (chosen 1, rejected 0). The prompt is
-    tokenized as rollouts tokenize theirs (no special tokens added: the text or the template
-    has them; TRL's DPOTrainer adds none either); an answer longer than `max_answer_tokens`
-    is cut there, unfinished (as a rollout cut at rollout.max_new_tokens)."""
+    tokenized as the rollouts' prompts are (data.rendering) and as TRL 1.16's DPOTrainer
+    tokenizes it (data_utils._tokenize): text with the tokenizer's own special tokens (BOS on
+    Llama-family tokenizers), messages through the template with no more added. An answer
+    longer than `max_answer_tokens` is cut there, unfinished (as a rollout cut at
+    rollout.max_new_tokens)."""
     chat = not isinstance(pref.prompt, str)
     if chat != (not isinstance(pref.chosen, str)) or chat != (not isinstance(pref.rejected, str)):
         raise DatasetError(f"preference row {pref.index}: prompt, chosen and rejected must all be text or all chat "
@@ -76,7 +78,7 @@ def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_a
         prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         answers = [_chat_answer(tokenizer, pref, prompt_text, a) for a in (pref.chosen, pref.rejected)]
     else:
-        prompt = tokenizer(pref.prompt, add_special_tokens=False)["input_ids"]
+        prompt = tokenizer(pref.prompt)["input_ids"]
         answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                    for a in (pref.chosen, pref.rejected)]
     if not prompt or len(prompt) > max_prompt_tokens:

@@ -1,9 +1,10 @@
 """Which prompts a run trains on, and which it holds out for evaluation.
 
 With evaluation on (eval.every > 0), the held-out set is `eval.size` prompts with distinct
-questions: the first such rows of `eval.path`, or rows of the training source chosen by a
-fixed seed, so every run of a config evaluates the same prompts and two runs' curves
-compare point for point. Training never samples a held-out question: rows whose question
+questions: the first such rows of `eval.path` or of the split `eval.split` of a save_to_disk
+DatasetDict (TRL's dataset_test_split), or rows of the training source chosen by a fixed
+seed, so every run of a config evaluates the same prompts and two runs' curves compare
+point for point. Training never samples a held-out question: rows whose question
 equals one are left out of the training set. With evaluation off, training samples every row.
 """
 
@@ -40,10 +41,10 @@ def prompt_file(cfg: Config) -> Path:
     return generate_prompt_file(Path(".cache/prompts") / f"{name}.jsonl", list(d.tasks), d.size, cfg.seed, task_args)
 
 
-def _open(cfg: Config, path: str | Path, columns: dict | None) -> PromptSet:
+def _open(cfg: Config, path: str | Path, columns: dict | None, split: str | None = None) -> PromptSet:
     # reasoning-gym's checkers need each row's answer and task; your own reward functions may not.
     required = ("question",) if reward_specs(cfg.reward) else REQUIRED_FIELDS
-    return PromptSet.from_file(path, columns=columns, required=required, split=cfg.data.split)
+    return PromptSet.from_file(path, columns=columns, required=required, split=split or cfg.data.split)
 
 
 def source_prompts(cfg: Config) -> PromptSet:
@@ -56,8 +57,8 @@ def heldout_prompts(cfg: Config, source: PromptSet | None = None) -> PromptSet |
     e = cfg.eval
     if e.every == 0:
         return None
-    if e.path:
-        heldout = _open(cfg, e.path, asdict(cfg.data.columns))
+    if e.path or e.split:
+        heldout = _open(cfg, _heldout_source(cfg), asdict(cfg.data.columns), e.split)
         rows, fix = _distinct(heldout, range(len(heldout)), e.size), "lower eval.size"
     else:
         heldout = source or source_prompts(cfg)
@@ -66,6 +67,17 @@ def heldout_prompts(cfg: Config, source: PromptSet | None = None) -> PromptSet |
     if len(rows) < e.size:
         raise DatasetError(f"{heldout.path}: {len(rows)} distinct questions, fewer than eval.size={e.size}; {fix}.")
     return heldout.select(rows)
+
+
+def _heldout_source(cfg: Config) -> Path:
+    """eval.path, else (eval.split) data.path: a folder datasets' save_to_disk wrote, whose
+    split eval.split is."""
+    source = cfg.eval.path or cfg.data.path
+    if cfg.eval.split and not (source and Path(source).is_dir()):
+        raise DatasetError(f"eval.split={cfg.eval.split!r} names a split of a folder datasets' save_to_disk wrote (a "
+                           f"DatasetDict), but {source or 'the generated prompt file'!r} is none; give eval.path, a "
+                           "file of held-out prompts, instead")
+    return Path(source)
 
 
 def training_prompts(cfg: Config) -> PromptSet:

@@ -85,18 +85,18 @@ def _shown(value) -> str:
 # ---------------------------------------------------------------- generation
 
 
-def _jsonable(obj):
+def jsonable(obj):
     """Make reasoning-gym metadata JSON-safe, deterministically.
 
     json.dumps alone fails on non-string dict keys such as tuples and on numpy values,
     and set order would make two generations with the same seed differ byte-wise.
     """
     if isinstance(obj, dict):
-        return {k if isinstance(k, str) else str(k): _jsonable(v) for k, v in obj.items()}
+        return {k if isinstance(k, str) else str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     if isinstance(obj, (set, frozenset)):
-        return sorted((_jsonable(v) for v in obj), key=repr)
+        return sorted((jsonable(v) for v in obj), key=repr)
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     if isinstance(obj, np.generic):
@@ -167,7 +167,7 @@ def _rows(path: Path, tasks: list[str], size: int, seed: int, task_args: dict[st
                 "task": name,
                 # A JSON string, not a nested object: each task's metadata has its own
                 # shape, and one Arrow struct column cannot hold them all.
-                "metadata": json.dumps(_jsonable(entry.get("metadata", {})), sort_keys=True),
+                "metadata": json.dumps(jsonable(entry.get("metadata", {})), sort_keys=True),
             }
 
 
@@ -202,7 +202,7 @@ def generate_prompt_file(
     task_args = task_args_for(tasks, task_args or {})
     sidecar = Path(f"{path}.meta.json")
     # The generator version is recorded too: a new release may generate other rows.
-    request = _jsonable({
+    request = jsonable({
         "tasks": list(tasks), "size": size, "seed": seed, "task_args": task_args,
         "reasoning_gym": importlib.metadata.version("reasoning_gym"),
     })
@@ -223,9 +223,21 @@ def generate_prompt_file(
 # ---------------------------------------------------------------- loading
 
 
+def _looks_like_hub_name(path: Path) -> bool:
+    """`org/name` (openai/gsm8k, trl-lib/DeepMath-103K): a dataset on the Hugging Face Hub."""
+    return not path.is_absolute() and len(path.parts) == 2 and path.suffix.lower() not in _LOADERS
+
+
 def _load(path: Path, split: str) -> datasets.Dataset:
     if path.is_dir():
         return _load_saved(path, split)
+    if not path.is_file() and _looks_like_hub_name(path):
+        raise DatasetError(
+            f"{path}: no such file or folder here; a dataset name on the Hugging Face Hub is not read, because "
+            "nothing is downloaded at run time. Save it to disk once, e.g. python -c \"import datasets; "
+            f"datasets.load_dataset('{path.as_posix()}').save_to_disk('{path.name}')\", and give data.path={path.name} "
+            "(data.split picks the training split, eval.split a test split)."
+        )
     if not path.is_file():
         raise DatasetError(
             f"{path}: prompt file not found; create it with generate_prompt_file() or point the config "
@@ -253,7 +265,8 @@ def _load_saved(path: Path, split: str) -> datasets.Dataset:
                            "give a .jsonl/.parquet file or such a folder.") from e
     if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
-            raise DatasetError(f"{path}: no split {split!r}; it holds {sorted(saved)}: set data.split to one of them.")
+            raise DatasetError(f"{path}: no split {split!r}; it holds {sorted(saved)}: set data.split (eval.split for "
+                               "the held-out prompts) to one of them.")
         saved = saved[split]
     return saved
 
@@ -349,7 +362,7 @@ class PromptSet:
         if not -len(self) <= i < len(self):
             raise IndexError(f"prompt index {i} out of range: {self.path} has {len(self)} prompts")
         index = self.rows[i]
-        row = _jsonable(self._table[index])
+        row = jsonable(self._table[index])
         mapped = {c.partition(".")[0] for c in self.columns.values()} | {"metadata"}
         extra = {k: v for k, v in row.items() if k not in mapped}
         question = lookup(row, self.columns["question"])

@@ -1,24 +1,27 @@
 """One flat metrics record per RL step, from the stages' manifests.
 
 Next to lsreplay's own keys (reward_mean, loss, step_seconds, ...) a record carries TRL's
-GRPOTrainer names where the meaning is the same: reward, reward_std, rewards/NAME/mean and
-/std, frac_reward_zero_std, completions/{mean,min,max}_length and
-completions/{mean,min,max}_terminated_length, completions/clipped_ratio, entropy,
-clip_ratio/{region,low,high}_mean, learning_rate, grad_norm, loss, kl, step_time. A tree's
-leaf counts as the samples it stands for, so each figure is that of the G samples per prompt
-a flat GRPO run would draw.
+GRPOTrainer names where the meaning is the same (TRL 1.16): reward, reward_std (over the
+step's batch, as TRL since 0.27), rewards/NAME/mean and /std, frac_reward_zero_std,
+num_tokens, completions/{mean,min,max}_length and completions/{mean,min,max}_terminated_length,
+completions/clipped_ratio, entropy, clip_ratio/{region,low,high}_mean, clip_ratio/low_min,
+clip_ratio/high_max, learning_rate, grad_norm, loss, kl, step_time; and what the reward
+functions gave log_metric, under their names. A tree's leaf counts as the samples it
+stands for, so each figure is that of the G samples per prompt a flat GRPO run would draw;
+a completion no reward function applies to is left out of the reward figures, as in TRL.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
+import numbers
 
 
 # The trees stage's figures under TRL's names (rollout_metrics), copied into the step's record.
-TRL_ROLLOUT_PREFIXES = ("completions/", "rewards/")
-TRL_ROLLOUT_KEYS = ("reward_std", "frac_reward_zero_std", "entropy")
-TRL_POLICY_KEYS = ("learning_rate", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
+TRL_ROLLOUT_PREFIXES = ("completions/", "rewards/", "extras/")
+TRL_ROLLOUT_KEYS = ("reward_std", "frac_reward_zero_std", "entropy", "num_tokens")
+TRL_POLICY_KEYS = ("learning_rate", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                   "clip_ratio/low_min", "clip_ratio/high_max")
 
 
 def _weighted(values: list[float], counts: list[int]) -> tuple[float, float]:
@@ -29,18 +32,23 @@ def _weighted(values: list[float], counts: list[int]) -> tuple[float, float]:
     return mean, math.sqrt(var)
 
 
+def _scored(values: list, counts: list[int]) -> tuple[list[float], list[int]]:
+    """The values a reward function gave (not None), and the samples each stands for."""
+    pairs = [(float(v), n) for v, n in zip(values, counts) if v is not None]
+    return [v for v, _ in pairs], [n for _, n in pairs]
+
+
 def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
-    """TRL's rollout figures of a step's tree records: per-tree reward spread, each reward
-    function's mean and std (over the completions it applies to), completion lengths (all,
-    and of those that ended with EOS), the share cut at max_new_tokens, and the entropy of
-    the sampled tokens (their mean negative logprob under the distribution they were drawn
-    from, tempered and truncated: an unbiased estimate of its per-token entropy; not for a
-    preference dataset's answers, which nothing sampled)."""
+    """TRL's rollout figures of a step's tree records: the reward figures (_reward_figures),
+    completion lengths (all, and of those that ended with EOS), the share cut at
+    max_new_tokens, the entropy of the sampled tokens (their mean negative logprob under the
+    distribution they were drawn from, tempered and truncated: an unbiased estimate of its
+    per-token entropy; not for a preference dataset's answers, which nothing sampled), and the
+    mean of each numeric column the reward functions logged per completion (extras/COLUMN/mean)."""
     counts = [r.get("counts", [1] * len(r["completions"])) for r in records]
-    stds = [_weighted(r["rewards"], ns)[1] for r, ns in zip(records, counts)]
     leaves = [(len(c), f, n, lps) for r, ns in zip(records, counts)
               for c, f, n, lps in zip(r["completions"], r["finished"], ns, r["logprobs"] or [None] * len(ns))]
-    out = {"reward_std": statistics.fmean(stds), "frac_reward_zero_std": sum(s == 0 for s in stds) / len(stds)}
+    out = _reward_figures(records, counts)
     for key, chosen in (("", leaves), ("_terminated", [leaf for leaf in leaves if leaf[1]])):
         samples = sum(n for _, _, n, _ in chosen)
         out[f"completions/mean{key}_length"] = sum(n * k for k, _, n, _ in chosen) / samples if samples else 0.0
@@ -51,11 +59,28 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
     tokens = sum(n * k for k, _, n, _ in leaves)
     if tokens and all(lps is not None for *_, lps in leaves):
         out["entropy"] = -sum(n * sum(lps) for _, _, n, lps in leaves) / tokens
-    for name in dict.fromkeys(k for r in records for k in r.get("reward_functions", {})):
-        pairs = [(v, n) for r, ns in zip(records, counts) for v, n in zip(r["reward_functions"][name], ns)
-                 if v is not None]
+    for column in dict.fromkeys(k for r in records for k in r.get("extras", {})):
+        pairs = [(v, n) for r, ns in zip(records, counts) for v, n in zip(r.get("extras", {}).get(column, []), ns)
+                 if isinstance(v, numbers.Real)]  # numbers and bools (verl's acc); text stays in trees.json
         if pairs:
-            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _weighted(*map(list, zip(*pairs)))
+            out[f"extras/{column}/mean"] = _weighted([float(v) for v, _ in pairs], [n for _, n in pairs])[0]
+    return out
+
+
+def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
+    """The std of the batch's rewards (TRL's reward_std since 0.27), the share of trees whose
+    rewards do not vary, and each reward function's mean and std over the completions it
+    applies to; unscorable completions (reward None) left out, as TRL's nanstd leaves NaN."""
+    trees = [_scored(r["rewards"], ns) for r, ns in zip(records, counts)]
+    batch = _scored([v for vs, _ in trees for v in vs], [n for _, ns in trees for n in ns])
+    # As TRL's nanstd: a group of fewer than two scored samples has no std (it is not "zero").
+    zero = [sum(ns) >= 2 and _weighted(vs, ns)[1] == 0 for vs, ns in trees]
+    out = {"reward_std": _weighted(*batch)[1] if sum(batch[1]) else 0.0,
+           "frac_reward_zero_std": sum(zero) / len(zero)}
+    for name in dict.fromkeys(k for r in records for k in r.get("reward_functions", {})):
+        values, ns = _scored([v for r in records for v in r["reward_functions"][name]], [n for ns in counts for n in ns])
+        if values:
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = _weighted(values, ns)
     return out
 
 
@@ -126,14 +151,23 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
         record["drafter_steps"] = d["steps_done"]
         if d["steps_done"]:  # a session that trained no step has no figures
             record.update(drafter_loss=d["drafter_loss"], drafter_top1_accept=d["drafter_top1_accept"])
-    return record
+    return {**logged(trees), **record}
+
+
+def logged(manifest: dict) -> dict[str, float]:
+    """What the reward functions gave log_metric, under their names (TRL's); lsreplay's own
+    keys win where a name is taken."""
+    return dict(manifest.get("logged", {}))
 
 
 # The evaluation stage's figures, as they appear in a step's record (eval_accuracy, ...).
 EVAL_KEYS = ("accuracy", "accuracy_lo", "accuracy_hi", "greedy_reward", "sample_accuracy", "sample_accuracy_lo",
-             "sample_accuracy_hi", "reward", "reward_lo", "reward_hi", "prompts", "samples", "seconds", "tokens_per_s")
+             "sample_accuracy_hi", "reward", "reward_lo", "reward_hi", "prompts", "unscored", "samples", "seconds",
+             "tokens_per_s")
 
 
 def eval_record(step: int, manifest: dict) -> dict:
-    """The held-out evaluation of the policy after `step` updates, for that step's record."""
-    return {"step": step, **{f"eval_{k}": manifest[k] for k in EVAL_KEYS if k in manifest}}
+    """The held-out evaluation of the policy after `step` updates, for that step's record;
+    what the reward functions gave log_metric as eval_NAME (TRL's eval prefix)."""
+    figures = {**logged(manifest), **{k: manifest[k] for k in EVAL_KEYS if k in manifest}}
+    return {"step": step, **{f"eval_{k}": v for k, v in figures.items()}}

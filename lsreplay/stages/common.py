@@ -77,19 +77,22 @@ def leaf_subtrees(record: dict) -> list[int]:
     return [path[0] for path in record["paths"]]
 
 
-def training_rewards(cfg, record: dict) -> list[float]:
+def training_rewards(cfg, record: dict) -> list[float | None]:
     """The rewards the update learns from: the reward function's, less DAPO's soft overlong
-    penalty with algo.overlong=penalty (lsreplay.algos.overlong)."""
+    penalty with algo.overlong=penalty (lsreplay.algos.overlong); None where no reward
+    function applies (TRL's unscorable completions)."""
     a = cfg.algo
     if a.overlong != "penalty":
         return list(record["rewards"])
-    return [r - length_penalty(len(c), cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+    return [None if r is None else r - length_penalty(len(c), cfg.rollout.max_new_tokens, a.overlong_buffer,
+                                                      a.overlong_penalty)
             for r, c in zip(record["rewards"], record["completions"])]
 
 
-def all_alike(rewards: list) -> bool:
-    """Whether every leaf of a tree got the same reward: no GRPO gradient, no DPO pair."""
-    return len(set(rewards)) <= 1
+def all_alike(rewards: list[float | None]) -> bool:
+    """Whether every scored leaf of a tree got the same reward: no GRPO gradient, no DPO pair."""
+    scored = [r for r in rewards if r is not None]
+    return not scored or max(scored) == min(scored)
 
 
 def filter_values(cfg, record: dict) -> list:

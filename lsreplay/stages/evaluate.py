@@ -24,6 +24,7 @@ from lsreplay.data.rewards import Reward
 from lsreplay.models.distribution import SamplingParams
 from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.stages.common import StateClock, policy_before
+from lsreplay.stages.trainer_state import trainer_state
 
 STAGE = "eval"
 
@@ -43,7 +44,7 @@ def evaluate_policy(run: Run, step: int, devices: list[int] | None = None) -> di
     prompts = heldout_prompts(cfg)
     prompts = [prompts[i] for i in range(len(prompts))]
     device, clock = run.device(devices), StateClock()
-    model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg)
+    model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg, device)
     ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     r, samples = cfg.rollout, cfg.eval.samples
     # A batch decodes as many sequences as a training step's rollouts, which the config sized to fit.
@@ -60,11 +61,12 @@ def evaluate_policy(run: Run, step: int, devices: list[int] | None = None) -> di
 
         greedy = [a[0] for a in answers(1, SamplingParams(temperature=0.0))]
         sampled = answers(samples, SamplingParams(r.temperature, r.top_p, r.top_k)) if samples else [[] for _ in ids]
-    records = score_answers(prompts, greedy, sampled, reward, step)
+    records, logged = score_answers(prompts, greedy, sampled, reward, trainer_state(run, step))
     tokens = sum(len(c) for _, c in greedy) + sum(len(c) for s in sampled for _, c in s)
     entry = run.store.write_json(run.key(step, "eval.json"), {"answers": records})
     faults.hook(STAGE, step, "mid")  # answers written, no done marker
     return run.finish(step, STAGE, {"files": [entry], "devices": devices, "device": str(device), "samples": samples,
                                     "seconds": time.perf_counter() - start, "state_seconds": clock.seconds,
                                     "tokens_per_s": tokens / (time.perf_counter() - start),
+                                    "logged": {name: sum(vs) / len(vs) for name, vs in logged.items()},
                                     **summary(records)})

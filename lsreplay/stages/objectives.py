@@ -25,7 +25,7 @@ import torch
 from lsreplay.algos.critic import (VALUE, CriticBatch, explained_variance, gae, value_clip_fraction, value_loss,
                                    whiten)
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprobs
-from lsreplay.algos.grpo import clip_fractions, group_advantages
+from lsreplay.algos.grpo import batch_reward_std, clip_fractions, tree_advantages
 from lsreplay.algos.kl import kl_loss
 from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
@@ -102,6 +102,9 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
     mask, max_tokens = response_mask(cfg, records), cfg.rollout.max_new_tokens
     critic, extras = None, {"trees_left_out": sum(left_out(cfg, records))}
     if algo.critic:
+        if any(r is None for rs in rewards for r in rs):
+            raise ValueError("a completion no reward function applies to (every one returned None) has no return for "
+                             "the critic to learn: algo.critic needs a reward for every completion")
         values = [completion_values(t, a.entry_scores.get(VALUE)) for t, a in zip(trees, acts)]
         returns = [[gae(v, r, algo.gamma, algo.lam)[1] for v, r in zip(vs, rs)] for vs, rs in zip(values, rewards)]
         critic = CriticBatch(old_values=values, returns=returns, clip=algo.value_clip, loss_agg=algo.loss_agg,
@@ -110,10 +113,10 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
     if algo.advantage == "gae":
         advantages = whiten([[gae(v, r, algo.gamma, algo.lam)[0] for v, r in zip(vs, rs)]
                              for vs, rs in zip(critic.old_values, rewards)], counts, mask)
-    else:
-        advantages = [list(group_advantages(torch.tensor(r, dtype=torch.float64), algo.scale_rewards, counts=n,
-                                            subtrees=leaf_subtrees(rec) if algo.tree_baseline == "independent"
-                                            else None))
+    else:  # TRL's scale_rewards; an unscorable leaf (reward None) is left out and gets advantage 0
+        batch_std = batch_reward_std(rewards, counts) if algo.scale_rewards == "batch" else None
+        advantages = [list(tree_advantages(r, algo.scale_rewards, n, leaf_subtrees(rec) if algo.tree_baseline ==
+                                           "independent" else None, batch_std))
                       for r, n, rec in zip(rewards, counts, records)]
     if algo.tis_cap:
         weights = [importance_weights(o, r["logprobs"], algo.tis_cap) for o, r in zip(old, records)]

@@ -24,14 +24,15 @@ def sample_prompts(run: Run, step: int) -> dict:
     cfg = run.cfg
     n, a = cfg.data.prompts_per_step, cfg.algo
     if offline(cfg):
-        rows = PreferenceSet.from_file(cfg.data.path, cfg.data.split).sample(step, n, cfg.seed)
-        content = {"preferences": [dataclasses.asdict(r) for r in rows]}
+        source = PreferenceSet.from_file(cfg.data.path, cfg.data.split)
+        content = {"preferences": [dataclasses.asdict(r) for r in source.sample(step, n, cfg.seed)]}
     else:
-        training = training_prompts(cfg)
-        content = {"prompts": [dataclasses.asdict(p) for p in training.sample(step, n, cfg.seed)]}
+        source = training_prompts(cfg)
+        content = {"prompts": [dataclasses.asdict(p) for p in source.sample(step, n, cfg.seed)]}
         if a.dynamic_sampling:
-            content["reserve"] = [[dataclasses.asdict(p) for p in training.sample(step, n, cfg.seed, draw)]
+            content["reserve"] = [[dataclasses.asdict(p) for p in source.sample(step, n, cfg.seed, draw)]
                                   for draw in range(1, a.dynamic_sampling_draws)]
     entry = run.store.write_json(run.key(step, "prompts.json"), content)
     faults.hook("prompts", step, "mid")
-    return run.finish(step, "prompts", {"files": [entry], "count": n})
+    # rows: the training set's size, for the epoch reward functions see (stages.trainer_state).
+    return run.finish(step, "prompts", {"files": [entry], "count": n, "rows": len(source)})

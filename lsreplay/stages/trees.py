@@ -24,6 +24,7 @@ from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_tr
 from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, policy_before, sampled_as,
                                     training_rewards)
 from lsreplay.stages.drafter import load_drafter, newest_drafter
+from lsreplay.stages.trainer_state import tokens_seen, trainer_state
 from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,10 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         return _preference_shard(run, step, shard, stored["preferences"], devices)
     indices = list(range(shard, len(stored["prompts"]), r.shards))
     device, clock = run.device(devices), StateClock()
-    model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg)
+    model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg, device)
+    state = trainer_state(run, step)
     draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
-    records, rounds, pending, start = {}, [], indices, time.perf_counter()
+    records, rounds, pending, logged, start = {}, [], indices, {}, time.perf_counter()
     speculation, drafter_step = adaptive_engine(run, step, shard, model) if r.engine == "hf" else (None, None)
     with tqdm(total=len(indices) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
               unit="tok", leave=False) as bar:
@@ -77,7 +79,10 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             prompts = [Prompt(**(stored["prompts"] if draw == 0 else stored["reserve"][draw - 1])[i]) for i in pending]
             trees, figures, decisions, drafter_step = _sample(run, step, device, model, tokenizer, prompts, pending,
                                                               draw, advance, clock, speculation, drafter_step)
-            records.update(zip(pending, tree_records(tokenizer, prompts, trees, reward, step)))
+            scored, metrics = tree_records(tokenizer, prompts, trees, reward, state)
+            records.update(zip(pending, scored))
+            for name, values in metrics.items():  # what the reward functions gave log_metric
+                logged.setdefault(name, []).extend(values)
             rounds.append({"figures": figures, "decisions": decisions, "prompts": len(pending),
                            "forward_positions": sum(t.forward_positions for t in trees),
                            "lengths": [len(c) for t in trees for c in t.completions]})
@@ -109,7 +114,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         "engine": r.engine, "drafter_step": drafter_step,
         "forward_positions": sum(rnd["forward_positions"] for rnd in rounds), "completion_tokens": sum(lengths),
         "prompts_drawn": sum(rnd["prompts"] for rnd in rounds), "seconds": seconds, "state_seconds": clock.seconds,
-        **summary, **cache})
+        "logged": logged, **summary, **cache})
 
 
 def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
@@ -214,6 +219,7 @@ def collect_trees(run: Run, step: int) -> dict:
         "trees_all_alike": sum(all_alike(training_rewards(run.cfg, rec)) for rec in records),
         "prompts_drawn": drawn, "trees_dropped": drawn - len(records),
         **rollout_metrics(records, run.cfg.rollout.max_new_tokens),
+        "num_tokens": tokens_seen(run, step) + sample_tokens(records), "logged": logged_means(shards),
         "completion_tokens": sum(lengths),
         "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
         "tokens_per_s": sum(m["completion_tokens"] for m in shards) / max(seconds, 1e-9), "started": min(m["started"] for m in shards),
@@ -222,28 +228,50 @@ def collect_trees(run: Run, step: int) -> dict:
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
-def tree_records(tokenizer, prompts: list[Prompt], trees, reward: Reward, step: int) -> list[dict]:
-    """What the store keeps of each tree: tokens, behaviour logprobs, texts, rewards (and each
-    reward function's values: one batch of the shard's completions, as TRL scores them), and
-    the samples each leaf stands for (its count, and its path through the branch points)."""
+def tree_records(tokenizer, prompts: list[Prompt], trees, reward: Reward, state) -> tuple[list[dict], dict]:
+    """What the store keeps of each tree: tokens, behaviour logprobs, texts, rewards (None
+    where no reward function applies; each function's values: one batch of the shard's
+    completions, as TRL scores them; the columns they logged), and the samples each leaf
+    stands for (its count, and its path through the branch points). And the scalars the
+    functions gave log_metric."""
     texts = [[tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions] for tree in trees]
-    rewards, by_function = reward.score(prompts, texts, [tree.completions for tree in trees], step)
-    return [{"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
-             "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts[i], "rewards": rewards[i],
-             "reward_functions": {name: values[i] for name, values in by_function.items()},
-             "counts": tree.counts, "paths": tree.paths}
-            for i, (prompt, tree) in enumerate(zip(prompts, trees))]
+    scores = reward.score(prompts, texts, [tree.completions for tree in trees], state)
+    records = [{"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
+                "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts[i], "rewards": scores.totals[i],
+                "reward_functions": {name: values[i] for name, values in scores.by_function.items()},
+                "extras": {column: values[i] for column, values in scores.extras.items()},
+                "counts": tree.counts, "paths": tree.paths}
+               for i, (prompt, tree) in enumerate(zip(prompts, trees))]
+    return records, scores.metrics
+
+
+def sample_tokens(records: list[dict]) -> int:
+    """Prompt and completion tokens of the samples a step's trees stand for (each leaf
+    counted as its samples): TRL's num_tokens of one step."""
+    return sum(n * (len(rec["prompt_ids"]) + len(c)) for rec in records
+               for c, n in zip(rec["completions"], leaf_counts(rec)))
+
+
+def logged_means(shards: list[dict]) -> dict[str, float]:
+    """Each log_metric scalar's mean over the calls of every shard (TRL averages a logging
+    step's calls)."""
+    values: dict[str, list[float]] = {}
+    for manifest in shards:
+        for name, vs in manifest.get("logged", {}).items():
+            values.setdefault(name, []).extend(vs)
+    return {name: sum(vs) / len(vs) for name, vs in values.items()}
 
 
 def group_stats(records: list[dict]) -> dict:
     """The step's mean reward over the samples the leaves stand for (an unbiased estimate of
-    the policy's expected reward), and what the tree shape saves and costs, per tree on
+    the policy's expected reward; unscorable samples left out, as in TRL), and what the tree shape saves and costs, per tree on
     average: leaves sampled, the group size G they stand for, and the effective group size
     (sum n)^2 / sum n^2 of the counts n: G when no leaf ended before a branch point, less
     as copies of a leaf replace independent samples."""
     counts = [leaf_counts(rec) for rec in records]
     samples = sum(map(sum, counts))
-    return {"reward_mean": sum(n * r for rec, ns in zip(records, counts) for n, r in zip(ns, rec["rewards"])) / samples,
+    scored = [(n, r) for rec, ns in zip(records, counts) for n, r in zip(ns, rec["rewards"]) if r is not None]
+    return {"reward_mean": sum(n * r for n, r in scored) / max(sum(n for n, _ in scored), 1),
             "leaves_per_tree": sum(map(len, counts)) / len(records), "group_size": samples / len(records),
             "effective_group_size": sum(sum(ns) ** 2 / sum(n * n for n in ns) for ns in counts) / len(records)}
 
