@@ -30,7 +30,7 @@ from flows import artifacts
 from lsreplay.core.config import Config, ConfigError, load_config
 from lsreplay.core.layout import STAGES
 from lsreplay.core.run import InputCorrupt, StageFailed, open_run_config
-from lsreplay.distributed.hosts import release_hosts
+from lsreplay.distributed.hosts import flush_writers, release_hosts
 from lsreplay.metrics.records import eval_record, step_record
 from lsreplay.metrics.trackers import Trackers
 from lsreplay.stages import evaluated
@@ -64,6 +64,7 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     run.save_or_check_config(force=force)
     run.store.sweep_interrupted_writes()  # left by a killed run; nothing of this one writes yet
     cfg = run.cfg  # its thread count pinned: every stage computes with it
+    checkpointing.WRITER.forget(run)  # what an earlier flow of the run in this process failed to write
     ensure_pool(cfg.pool)
     logger.info("run %s: %d steps, storage %s, %d torch threads", cfg.run_dir, cfg.steps, run.store.uri,
                 cfg.threads)
@@ -111,10 +112,11 @@ def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers) -> list[dict]:
         artifacts.metrics_table(run)
         step += 1
         progress(step / cfg.steps)
-    checkpointing.WRITER.wait()
+    failures = flush_writers(cfg)  # the hosts' writers, not only this process's: the last write may be a host's
     if checkpointing.manifest(run, cfg.steps - 1) is None:  # the run's result must be in the store
         raise StageFailed("policy", cfg.steps - 1, "its checkpoint could not be written: "
-                          + "; ".join(checkpointing.WRITER.failures[-3:]))
+                          + ("; ".join(failures[-3:]) or "no write of it finished"))
+    checkpointing.prune(run)  # the last update is committed now: keep_last checkpoints stand, not one more
     run.store.sweep_interrupted_writes()  # a finished run holds nothing half-written, whoever wrote it
     artifacts.summary(run)
     return run.metrics()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -406,10 +407,18 @@ class Store:
             raise StorageError(f"I/O error on {self.url(key) if key else self.uri}: {e}") from e
 
 
+# I/O errors that do not pass within a few seconds of backoff: a full disk or quota, a file
+# over its size limit, a read-only file system. Failed at once, they stop a run where they
+# happen instead of after a minute of retries.
+_LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 def _transient(error: BaseException | None) -> bool:
     """A failure that may pass: a remote client's error, a dropped connection or timeout, or a
-    generic I/O error; not a missing entry or a refused permission."""
+    generic I/O error; not a missing entry, a refused permission or a full disk."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, *_NOT_RETRIED)):
+        return False
+    if isinstance(error, OSError) and error.errno in _LASTING_ERRNOS:
         return False
     return isinstance(error, (*_REMOTE_ERRORS, ConnectionError, TimeoutError)) or type(error) is OSError
 
