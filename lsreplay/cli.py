@@ -9,7 +9,8 @@
     lsreplay config [CONFIG.yaml] [key=value ...] [--check]            print the resolved config, validated
 
 Exit status: 0 done, 1 a stage failed (the message names it), 2 bad input (config, model,
-data, storage, checkpoint) or no Prefect server to run on.
+data, storage, checkpoint, an entry of the run that is not what lsreplay writes) or no
+Prefect server to run on.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except StageFailed as e:
         print(f"lsreplay: error: {e}", file=sys.stderr)
-        return 1
+        return 2 if e.bad_input else 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from lsreplay.core.config import Config, ConfigError
 from lsreplay.core.faults import InjectedError
 from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import InputCorrupt, Run
-from lsreplay.core.storage import CorruptEntry, MissingEntry
+from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry
 from lsreplay.data.sources import DatasetError
 from lsreplay.distributed.hosts import run_on_host
 from lsreplay.models.loading import ModelError
@@ -25,7 +25,7 @@ from tasks.pool import pool_devices
 # Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt and
 # StateLost are not retried either: the flow recomputes what was damaged or lost.)
 PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss, InjectedError,
-             InputCorrupt, StateLost, MissingEntry, CorruptEntry, EngineStartError)
+             InputCorrupt, StateLost, MissingEntry, CorruptEntry, MalformedEntry, EngineStartError)
 
 # Transient failures (storage errors the store's own retries did not absorb, a flaky node,
 # an injected fault) are retried this many times, after exponentially growing delays with

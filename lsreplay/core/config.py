@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from difflib import get_close_matches
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -406,9 +407,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         merged = OmegaConf.structured(Config)
         if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            layer = OmegaConf.load(path)
+            layer = _load_yaml(path)
             merged = _merge(merged, layer, _given_whole(layer))
         for item in overrides:
             if "=" not in item:
@@ -419,7 +418,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
                 item = f"report_to=[{'' if value == 'none' else value}]"
             elif value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
                 item = f"{key}=''"
-            layer = OmegaConf.from_dotlist([item])
+            try:
+                layer = OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as e:
+                raise ConfigError(f"override {item!r}: its value is not valid YAML ({_yaml_problem(e, line=False)}); "
+                                  "close its brackets and braces (e.g. rollout.branching=[4,2]), or quote a value "
+                                  "meant as text") from None
             given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
                 isinstance(OmegaConf.select(layer, key), DictConfig)
             merged = _merge(merged, layer, [key] if given_whole else [])
@@ -432,6 +436,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raise ConfigError(f"config: {e}") from None
     validate(cfg)
     return cfg
+
+
+def _load_yaml(path: str | Path) -> DictConfig:
+    """A config file's keys; ConfigError naming the file, the place and the fix if it is no
+    YAML mapping."""
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML ({_yaml_problem(e)}); fix it there: one `key: value` "
+                          "per line, nested keys indented under their section, lists as [a, b]") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {path} holds a {type(layer).__name__.removesuffix('Config').lower()}, not a "
+                          "mapping of config keys; write it as `key: value` lines (e.g. steps: 3)")
+    return layer
+
+
+def _yaml_problem(error: yaml.YAMLError, line: bool = True) -> str:
+    """What YAML's parser found wrong and where: line and column in a file, the character of
+    a one-line value (`line` False; past its end: "at its end")."""
+    problem, mark = getattr(error, "problem", None) or str(error), getattr(error, "problem_mark", None)
+    if mark is None:
+        return problem
+    if line:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return f"{problem} at its end" if mark.line else f"{problem} at character {mark.column + 1}"
 
 
 def _free_dicts(cls=Config, prefix: str = "") -> list[str]:
@@ -778,6 +809,28 @@ def to_dict(cfg: Config, redact: bool = True) -> dict:
             if d[section][name]:
                 d[section][name] = "***"
     return d
+
+
+# Query parameters of a URL whose values are credentials.
+_SECRET_PARAMETER = re.compile(r"token|secret|password|passwd|key|signature|credential|auth", re.IGNORECASE)
+
+
+def has_credentials(url: str) -> bool:
+    """Whether `url` carries a user name, a password or a credential query parameter."""
+    return redact_url(url) != url
+
+
+def redact_url(url: str) -> str:
+    """`url` with its user:password part and its credential query values REDACTED."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
+    query = "&".join(f"{name}={REDACTED}" if _SECRET_PARAMETER.search(name) else f"{name}={value}" if sep else name
+                     for name, sep, value in (p.partition("=") for p in parts.query.split("&") if p))
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def to_yaml(cfg: Config) -> str:

@@ -43,7 +43,7 @@ from lsreplay.core import faults
 from lsreplay.core.config import Config, ConfigError
 from lsreplay.core.devices import cuda_determinism, torch_device
 from lsreplay.core.layout import CheckpointError, checkpoint_folder
-from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry, Store, is_file_record
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +61,18 @@ class InputCorrupt(RuntimeError):
 
 
 class StageFailed(RuntimeError):
-    """A stage failed for good; the message names the stage, the step and the cause."""
+    """A stage failed for good; the message names the stage, the step and the cause.
+    `bad_input`: the cause is an entry of the store that is not of the structure lsreplay
+    writes (MalformedEntry), which the command reports as bad input (exit status 2)."""
 
-    def __init__(self, stage: str, step: int, cause: BaseException | str):
+    def __init__(self, stage: str, step: int, cause: BaseException | str, bad_input: bool | None = None):
         self.stage, self.step = stage, step
+        self.bad_input = isinstance(cause, MalformedEntry) if bad_input is None else bad_input
         text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
         super().__init__(f"stage {stage} of step {step} failed: {text}")
 
     def __reduce__(self):
-        return (type(self), (self.stage, self.step, str(self).split(" failed: ", 1)[-1]))
+        return (type(self), (self.stage, self.step, str(self).split(" failed: ", 1)[-1], self.bad_input))
 
 
 def open_store(cfg: Config) -> Store:
@@ -115,12 +118,25 @@ class Run:
         return torch_device(self.cfg.pool, devices[0] if devices else None)
 
     # -- config on disk ---------------------------------------------------------------------
+    def saved_config(self) -> dict | None:
+        """The run's config.json ({"result_hash", "config"}), None if the run has none yet;
+        MalformedEntry if it is JSON of another structure."""
+        try:
+            saved = self.store.read_json("config.json")
+        except MissingEntry:
+            return None
+        if not (isinstance(saved, dict) and isinstance(saved.get("result_hash"), str)
+                and isinstance(saved.get("config"), dict)):
+            raise MalformedEntry(f"{self.store.url('config.json')} is valid JSON but not a run's config.json (a "
+                                 "'result_hash' and a 'config' mapping): another program wrote it or it was edited; "
+                                 "restore it (config.yaml beside it holds the run's keys), or start a new run_dir")
+        return saved
+
     def check_config(self, force: bool = False) -> bool:
         """Refuse a config that changes the results of an existing run (unless `force`).
         True if the run already exists."""
-        if not self.store.exists("config.json"):
+        if (saved := self.saved_config()) is None:
             return False
-        saved = self.store.read_json("config.json")
         if saved["result_hash"] != self.config_hash and not force:
             raise ConfigError(
                 f"the run at {self.store.uri} was started with a different config "
@@ -134,8 +150,8 @@ class Run:
         started, else this process's torch thread count now (recorded by
         save_or_check_config). Every stage then computes with that count (`begin`)."""
         threads = self.cfg.threads
-        if threads == 0 and self.store.exists("config.json"):
-            threads = self.store.read_json("config.json")["config"].get("threads", 0)
+        if threads == 0 and (saved := self.saved_config()) is not None:
+            threads = saved["config"].get("threads", 0)
         if threads == 0:
             threads = torch.get_num_threads()
         return Run(dataclasses.replace(self.cfg, threads=threads), self.store)
@@ -159,6 +175,11 @@ class Run:
         except CorruptEntry as e:
             log.warning("step %d %s: unreadable done marker (%s); recomputing the stage", step, stage, e)
             return None
+        if not (isinstance(manifest, dict) and isinstance(manifest.get("files", []), list)
+                and all(map(is_file_record, manifest.get("files", [])))):
+            raise MalformedEntry(f"{self.store.url(marker)} is valid JSON but not a done marker (a mapping whose "
+                                 "'files' list each written file's key, bytes and sha256): another program wrote it or "
+                                 "it was edited; delete it, and the stage runs again")
         files = manifest.get("files", [])
         sizes = self.store.sizes(_common_dir([e["key"] for e in files])) if files else {}
         bad = [e["key"] for e in files if sizes.get(e["key"]) != e["bytes"]]
@@ -253,11 +274,7 @@ class Run:
     def append_metrics(self, record: dict) -> None:
         """Rewrite metrics.jsonl with `record` merged into the line of its step (a step's
         evaluation and its training figures are recorded apart)."""
-        try:
-            lines = self.store.read_bytes("metrics.jsonl").decode().splitlines()
-        except MissingEntry:
-            lines = []
-        rows = [json.loads(x) for x in lines if x.strip()]
+        rows = self.metrics()
         earlier = next((r for r in rows if r.get("step") == record["step"]), {})
         rows = [r for r in rows if r.get("step") != record["step"]] + [{**earlier, **record}]
         rows.sort(key=lambda r: r["step"])

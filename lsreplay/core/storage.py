@@ -88,6 +88,19 @@ class CorruptEntry(StorageError):
     """The entry exists but its bytes are not what was written (hash or format check failed)."""
 
 
+class MalformedEntry(StorageError):
+    """The entry is valid JSON, but not of the structure lsreplay writes there: another program
+    or version wrote it, or a hand edited it. Nothing is guessed: the message names the entry
+    and what to do."""
+
+
+def is_file_record(obj) -> bool:
+    """Whether `obj` has the shape of the record of a written entry, as manifests list them
+    ({"key", "bytes", "sha256", ...})."""
+    return isinstance(obj, dict) and isinstance(obj.get("key"), str) and isinstance(obj.get("bytes"), int) \
+        and isinstance(obj.get("sha256"), str)
+
+
 class Store:
     """A root (local directory or s3://bucket/prefix) holding entries under '/'-separated keys."""
 

@@ -37,7 +37,7 @@ from lsreplay.core import faults
 from lsreplay.core.config import ConfigError
 from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import Run
-from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry, Store, is_file_record
 from lsreplay.models.hf_folder import write_hf_folder
 from lsreplay.models.train_state import TrainState
 from lsreplay.state.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
@@ -113,6 +113,12 @@ def manifest(run: Run, step: int) -> dict | None:
         record = run.store.read_json(f"{prefix}/{COMPLETE}")
     except (MissingEntry, CorruptEntry):
         return None
+    if not (isinstance(record, dict) and isinstance(record.get("files"), dict)
+            and all(map(is_file_record, record["files"].values()))):
+        raise MalformedEntry(f"{run.store.url(f'{prefix}/{COMPLETE}')} is valid JSON but not a checkpoint record (a "
+                             "'files' mapping of each file's key, bytes and sha256): another program wrote it or it "
+                             f"was edited; delete the folder {run.store.url(prefix)} (the run then resumes from an "
+                             "older checkpoint) or restore the record")
     sizes = run.store.sizes(prefix)
     if any(sizes.get(e["key"]) != e["bytes"] for e in record["files"].values()):
         return None
