@@ -16,25 +16,60 @@ Prefect server to run on.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
+import yaml
+
 # Credentials given as overrides travel by environment, never as flow parameters (which
-# the Prefect server stores and shows).
+# the Prefect server stores and shows): the credential keys always, and a URL key's whole
+# value when it carries credentials. lsreplay reads each variable where the key is empty.
 SECRET_ENV = {"storage.key": "AWS_ACCESS_KEY_ID", "storage.secret": "AWS_SECRET_ACCESS_KEY"}
+CREDENTIAL_URL_ENV = {"storage.endpoint_url": "AWS_ENDPOINT_URL_S3", "tracking.mlflow_uri": "MLFLOW_TRACKING_URI"}
 
 
 def secrets_to_env(overrides: list[str]) -> list[str]:
-    """Move storage.key=/storage.secret= overrides into AWS_* variables; return the rest."""
+    """Move every credential of the overrides into its environment variable, whatever the
+    spelling (storage.secret=, Hydra's +storage.secret= and ++storage.secret=, or inside a
+    section given whole: storage={key: ..., secret: ...}); return the overrides without them."""
     kept = []
     for item in overrides:
-        key, _, value = item.partition("=")
-        if key.strip() in SECRET_ENV:
-            os.environ[SECRET_ENV[key.strip()]] = value
-        else:
+        key, equals, value = item.partition("=")
+        name = key.strip().lstrip("+")  # Hydra's add (+key=) and force-add (++key=)
+        if equals and name in ("storage", "tracking"):  # the section as a mapping
+            if rest := _section_secrets_to_env(name, value):
+                kept.append(f"{key}={json.dumps(rest)}")
+        elif not (equals and _secret_to_env(name, value.strip())):
             kept.append(item)
     return kept
+
+
+def _section_secrets_to_env(section: str, value: str):
+    """The mapping `value` gives config section `section`, less its credentials, which go
+    into their environment variables."""
+    from lsreplay.core.config import ConfigError
+
+    try:
+        given = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise ConfigError(f"override {section}=...: its value is not a YAML mapping of {section}'s keys (not shown: "
+                          f"it may hold credentials); write it as {section}={{key: value, ...}}") from None
+    if not isinstance(given, dict):
+        return given
+    return {k: v for k, v in given.items() if not _secret_to_env(f"{section}.{k}", str(v))}
+
+
+def _secret_to_env(name: str, value: str) -> bool:
+    """Put `value` of config key `name` into its environment variable if it is a credential."""
+    from lsreplay.core.config import has_credentials
+
+    variables = {**SECRET_ENV, **CREDENTIAL_URL_ENV}
+    if name in SECRET_ENV or (name in CREDENTIAL_URL_ENV and has_credentials(value)):
+        os.environ[variables[name]] = value
+        return True
+    return False
 
 
 def _prepare_logging() -> None:
@@ -97,8 +132,8 @@ def _export(args) -> int:
     from lsreplay.core.run import Run, open_run_config
     from lsreplay.state.checkpointing import export_policy
 
-    step, files = export_policy(Run(open_run_config(args.run_dir, secrets_to_env(args.overrides))), args.out,
-                                args.step)
+    cfg = open_run_config(args.run_dir, secrets_to_env(args.overrides), runs_code=False)  # it only copies weights
+    step, files = export_policy(Run(cfg), args.out, args.step)
     size = sum(e["bytes"] for e in files.values())
     print(f"wrote the policy of step {step} to {args.out} ({len(files)} files, {size / 2**20:.1f} MiB): "
           "an HF model folder (AutoModelForCausalLM.from_pretrained, vllm serve)")

@@ -110,6 +110,23 @@ def test_missing_model_path(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # stopped before any work
 
 
+def test_pickled_weights_are_not_loaded(tmp_path, tiny_model_dir, capsys):
+    """A model folder with pytorch_model.bin only: a pickle, which runs code as it loads.
+    Refused before any work, saying how to convert it; the model loads with use_safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled-model"
+    shutil.copytree(tiny_model_dir, model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={model}"]) == 2
+    err = error(capsys)
+    assert f"{model} has no safetensors weights" in err and "pytorch_model.bin: pickled weights" in err, err
+    assert "save_pretrained(folder) writes model.safetensors" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_dataset_file_and_field(tmp_path, tiny_model_dir, capsys):
     base = [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}"]
     assert cli.main(["train", *base, f"data.path={tmp_path / 'prompts.jsonl'}"]) == 2

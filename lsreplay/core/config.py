@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
+import urllib.parse
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from difflib import get_close_matches
 from pathlib import Path
@@ -398,6 +400,14 @@ class Config:
 
 
 SECRET_KEYS = ("storage.key", "storage.secret")
+# URLs that may carry credentials (https://user:token@host/..., ?token=...): written and sent
+# with those parts as REDACTED (redact_url).
+CREDENTIAL_URL_KEYS = ("storage.endpoint_url", "tracking.mlflow_uri")
+REDACTED = "***"
+# Keys naming code a run executes (reward functions, the vLLM interpreter) or weights it
+# loads: a resume takes them from its own command line, not from the stored config, which
+# whoever can write the store can change (lsreplay.core.run.open_run_config).
+EXECUTABLE_KEYS = ("reward.functions", "reward.function", "rollout.vllm.python", "model.path")
 # Keys that do not change what a run computes: allowed to differ on resume.
 NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking")
 
@@ -801,13 +811,17 @@ def _validate_pool(cfg: Config) -> None:
 
 
 def to_dict(cfg: Config, redact: bool = True) -> dict:
-    """Plain dict of the config; secrets replaced unless `redact` is False."""
+    """Plain dict of the config; secrets replaced by REDACTED unless `redact` is False: the
+    credential keys, and the credentials in URLs (redact_url)."""
     d = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if redact:
         for key in SECRET_KEYS:
             section, name = key.split(".")
             if d[section][name]:
-                d[section][name] = "***"
+                d[section][name] = REDACTED
+        for key in CREDENTIAL_URL_KEYS:
+            section, name = key.split(".")
+            d[section][name] = redact_url(d[section][name])
     return d
 
 

@@ -34,6 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -292,30 +293,45 @@ class Run:
         self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
     def metrics(self) -> list[dict]:
+        """metrics.jsonl's lines; MalformedEntry naming the line that is not a step's record."""
         try:
-            return [json.loads(x) for x in self.store.read_bytes("metrics.jsonl").decode().splitlines() if x]
+            lines = self.store.read_bytes("metrics.jsonl").decode(errors="replace").splitlines()
         except MissingEntry:
             return []
+        return [self._metrics_row(line, number) for number, line in enumerate(lines, 1) if line.strip()]
+
+    def _metrics_row(self, line: str, number: int) -> dict:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            raise MalformedEntry(f"line {number} of {self.store.url('metrics.jsonl')} is not a step's metrics (a JSON "
+                                 f"object with its 'step'): {line[:80]!r}; fix or delete that line")
+        return row
 
 
-def open_run_config(uri: str, overrides: list[str] = ()) -> Config:
+def open_run_config(uri: str, overrides: list[str] = (), runs_code: bool = True) -> Config:
     """The config an existing run was started with (its config.json), with `overrides` on top.
 
     `uri` is the run directory or the run's storage URI (s3://bucket/prefix; give the
     endpoint as the override storage.endpoint_url=... if it is not AWS's). Redacted secrets
-    are dropped: credentials come from the environment or the overrides."""
+    are dropped: credentials come from the environment or the overrides. `runs_code`: the
+    config is for running the run (a resume), so the stored values of EXECUTABLE_KEYS must be
+    vouched for (`_check_executable_keys`)."""
     local = "://" not in uri or uri.startswith("file://")
     where = [f"run_dir={uri}"] if local else [f"storage.uri={uri}"]
-    probe = config_mod.load_config(None, where + [o for o in overrides if o.startswith("storage.")])
+    probe = config_mod.load_config(None, where + [o for o in overrides if o.lstrip("+").startswith("storage")])
     store = open_store(probe)
-    try:
-        saved = store.read_json("config.json")["config"]
-    except MissingEntry:
-        raise ConfigError(f"{uri} holds no run (no config.json there); start one with `lsreplay train`") from None
-    for key in config_mod.SECRET_KEYS:
+    if (found := Run(probe, store).saved_config()) is None:
+        raise ConfigError(f"{uri} holds no run (no config.json there); start one with `lsreplay train`")
+    saved = found["config"]
+    for key in (*config_mod.SECRET_KEYS, *config_mod.CREDENTIAL_URL_KEYS):
         section, name = key.split(".")
-        if saved.get(section, {}).get(name) == "***":
+        if config_mod.REDACTED in str(saved.get(section, {}).get(name, "")):
             saved[section][name] = ""
+    if runs_code:
+        _check_executable_keys(store, saved, overrides, uri)
     if local:
         saved["run_dir"] = uri
     else:
@@ -326,6 +342,40 @@ def open_run_config(uri: str, overrides: list[str] = ()) -> Config:
         return config_mod.load_config(f.name, list(overrides))
     finally:
         os.unlink(f.name)
+
+
+def _check_executable_keys(store: Store, saved: dict, overrides: list[str], uri: str) -> None:
+    """Refuse a stored config whose EXECUTABLE_KEYS name code or weights the resume's own
+    command does not: whoever can write the store can change config.json, and a resume would
+    run what it names. A key given among `overrides` (or its section) takes the command's
+    value; a stored value equal to the default needs none. A run folder on this machine that
+    only this user can write is this user's own record, and trusted."""
+    if store.local and _only_mine(Path(store.uri) / "config.json"):
+        return
+    given = [o.partition("=")[0].strip().lstrip("+") for o in overrides]
+    defaults = config_mod.to_dict(Config())
+    named = {key: value for key in config_mod.EXECUTABLE_KEYS
+             if (value := _select(saved, key)) != _select(defaults, key)
+             and not any(key == g or key.startswith(g + ".") for g in given)}
+    if named:
+        repeat = " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in named.items())
+        raise ConfigError(f"{store.url('config.json')} names code or weights this resume would run: {repeat}; whoever "
+                          "can write the store can change that file, so a resume runs only what its own command "
+                          f"names: repeat them (lsreplay resume {uri} {repeat})")
+
+
+def _only_mine(path: Path) -> bool:
+    """Whether `path` and its folder belong to this user and no one else can write them."""
+    try:
+        return all(p.stat().st_uid == os.getuid() and not p.stat().st_mode & 0o022 for p in (path, path.parent))
+    except OSError:
+        return False
+
+
+def _select(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
 
 
 def _common_dir(keys: list[str]) -> str:

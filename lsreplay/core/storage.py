@@ -33,6 +33,7 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors import SafetensorError
 
 from lsreplay.core import faults
+from lsreplay.core.config import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,9 @@ class Store:
         self._s3 = "s3" in fs.protocol
         self._root = os.path.normpath(root) if self._local else root.rstrip("/")
         self.uri = self._root if self._local else fs.unstrip_protocol(self._root)
-        # Kept for error messages only; the credentials stay inside the filesystem object.
-        self._endpoint = (options.get("client_kwargs") or {}).get("endpoint_url") or options.get(
-            "endpoint_url", "the default endpoint"
-        )
+        # Kept for error messages only, without credentials; those stay inside the filesystem object.
+        self._endpoint = redact_url((options.get("client_kwargs") or {}).get("endpoint_url") or options.get(
+            "endpoint_url", "the default endpoint"))
 
     def __repr__(self) -> str:
         return f"Store({self.uri!r})"
@@ -284,10 +284,17 @@ class Store:
             return
         with tempfile.TemporaryDirectory(prefix="lsreplay-store-") as folder:
             for key in self.sizes(prefix):
+                # A key with a `..` part (an object store's keys are any strings) would land
+                # outside the folder: refused before anything is opened or read.
+                if not _valid_key(key):
+                    raise CorruptEntry(f"the store {self.uri} holds an object named {key!r} under {prefix}: a key with "
+                                       "an empty, '.' or '..' part, which lsreplay never writes and will not copy out "
+                                       "(it would land outside the folder); delete that object")
+                data = self.read_bytes(key)
                 path = os.path.join(folder, posixpath.relpath(key, prefix))
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
-                    f.write(self.read_bytes(key))
+                    f.write(data)
             yield folder
 
     def delete(self, key: str) -> None:
@@ -444,11 +451,16 @@ def _with_defaults(uri: str, options: dict) -> dict:
     return options
 
 
+def _valid_key(key: str) -> bool:
+    """A relative '/'-separated path without empty, '.' or '..' parts, and no temporary file's."""
+    return bool(key.strip("/")) and not any(p in ("", ".", "..") for p in key.strip("/").split("/")) \
+        and _TMP_MARK not in key
+
+
 def _check_key(key: str) -> str:
-    parts = key.strip("/").split("/")
-    if not key.strip("/") or any(p in ("", ".", "..") for p in parts) or _TMP_MARK in key:
+    if not _valid_key(key):
         raise ValueError(f"invalid store key {key!r}: use a relative '/'-separated path")
-    return "/".join(parts)
+    return key.strip("/")
 
 
 def _sha256(data: bytes) -> str:
