@@ -69,7 +69,7 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     logger.info("run %s: %d steps, storage %s, %d torch threads", cfg.run_dir, cfg.steps, run.store.uri,
                 cfg.threads)
     checkpointing.rewind(run)  # this process holds nothing yet
-    tasks = configured()
+    tasks = configured(cfg)
     trackers = Trackers(cfg)  # report_to: this process reports, the stages' never do
     try:
         with ray_session(cfg):

@@ -121,7 +121,13 @@ STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_tree_shard, "collect
                "eval": evaluate_policy}
 
 
-def configured() -> dict:
-    """STAGE_TASKS with the retry delays the environment asks for now."""
+def configured(cfg: Config) -> dict:
+    """STAGE_TASKS with the retry delays the environment asks for now, and a try's time limit,
+    pool.stage_timeout_seconds: Prefect's task timeout under the thread runner (it interrupts
+    the stage's thread: a timed-out try is retried); under Ray the host's stage is bounded
+    where the flow waits for it (lsreplay.distributed.hosts.run_on_host), and Prefect's own
+    would wait for that wait to end."""
     delays = retry_delays()
-    return {name: t.with_options(retry_delay_seconds=delays) for name, t in STAGE_TASKS.items()}
+    timeout = cfg.pool.stage_timeout_seconds if cfg.pool.task_runner == "thread" else 0
+    return {name: t.with_options(retry_delay_seconds=delays, timeout_seconds=timeout or None)
+            for name, t in STAGE_TASKS.items()}

@@ -238,6 +238,9 @@ class RewardConfig:
     styles: list[str] = field(default_factory=list)
     # One function, the older key: the same as functions=[function].
     function: str = ""
+    # Seconds the reward functions may take to score one batch (a rollout shard's completions,
+    # or the held-out answers of an evaluation); longer stops the run naming them. 0 = no limit.
+    timeout_seconds: float = 600.0
 
 
 @dataclass
@@ -347,6 +350,11 @@ class PoolConfig:
     ray_address: str = ""
     # GPUs a device's Ray host asks for (0 on CPU).
     ray_gpus: float = 0.0
+    # Seconds one try of a stage may run; longer fails the try (retried as transient). 0 = no limit.
+    stage_timeout_seconds: float = 7200.0
+    # Seconds a stage waits for its pool slots and devices (another run holding them, or the
+    # lease of a killed one); longer fails the try. 0 = no limit.
+    wait_seconds: float = 3600.0
     # On CUDA every op deterministic (torch.use_deterministic_algorithms), flash attention's
     # backward included (no atomics; slower), and an op without a deterministic kernel an
     # error; false: cuBLAS deterministic, the backward's atomics not (docs/gpu.md).
@@ -409,7 +417,8 @@ REDACTED = "***"
 # whoever can write the store can change (lsreplay.core.run.open_run_config).
 EXECUTABLE_KEYS = ("reward.functions", "reward.function", "rollout.vllm.python", "model.path")
 # Keys that do not change what a run computes: allowed to differ on resume.
-NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking")
+NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking",
+                   "reward.timeout_seconds")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -644,6 +653,7 @@ def _validate_reward(r: RewardConfig) -> None:
            f"one style per reward function ({len(specs)}), or empty (each told by its parameters)", r.styles)
     for style in r.styles:
         _check(style in REWARD_STYLES, "reward.styles", " or ".join(REWARD_STYLES), style)
+    _check(r.timeout_seconds >= 0, "reward.timeout_seconds", "must be >= 0 (0 = no limit)", r.timeout_seconds)
 
 
 def tracker_install_hint() -> str:
@@ -806,6 +816,8 @@ def _validate_pool(cfg: Config) -> None:
            "> 0 with pool.accelerator=cuda under pool.task_runner=ray (each device's Ray host asks Ray for "
            "its GPU: pool.ray_gpus=1)", p.ray_gpus)
     _check(p.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)", p.device_memory_gb)
+    for key, value in (("pool.stage_timeout_seconds", p.stage_timeout_seconds), ("pool.wait_seconds", p.wait_seconds)):
+        _check(value >= 0, key, "must be >= 0 (0 = no limit)", value)
     _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",
            p.devices_per_step)
 
@@ -858,5 +870,11 @@ def non_result_keys(cfg: Config) -> tuple[str, ...]:
 
 def result_hash(cfg: Config) -> str:
     """Hash of everything that changes what a run computes (cache keys, resume checks)."""
-    d = {k: v for k, v in to_dict(cfg, redact=True).items() if k not in non_result_keys(cfg)}
+    d = to_dict(cfg, redact=True)
+    for key in non_result_keys(cfg):  # a section, or one key in it
+        *sections, name = key.split(".")
+        folder = d
+        for section in sections:
+            folder = folder[section]
+        folder.pop(name)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -387,7 +387,7 @@ def _common_dir(keys: list[str]) -> str:
 def _diff(old: dict, new: dict, skip: tuple[str, ...] = config_mod.NON_RESULT_KEYS, prefix: str = "") -> str:
     changed = []
     for k in sorted(set(old) | set(new)):
-        if prefix == "" and k in skip:
+        if f"{prefix}{k}" in skip:
             continue
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):

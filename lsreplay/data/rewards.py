@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -36,6 +37,7 @@ import numbers
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable
 from difflib import get_close_matches
 from pathlib import Path
@@ -326,6 +328,7 @@ class Reward:
         r = cfg.reward
         specs = reward_specs(r)
         self.task_args, self.steps = dict(cfg.data.task_args), cfg.steps
+        self.timeout = r.timeout_seconds
         self.answer_column = cfg.data.columns.answer
         self.functions = []
         for i, spec in enumerate(specs):
@@ -354,7 +357,21 @@ class Reward:
     def score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
               step: int) -> tuple[list[list[float]], dict[str, list[list[float | None]]]]:
         """The reward of every completion of every prompt, and each function's value (None
-        where it does not apply), both nested as `completions`."""
+        where it does not apply), both nested as `completions`; a RewardError if the
+        functions take longer than reward.timeout_seconds (a function that hangs)."""
+        if not self.timeout:
+            return self._score(prompts, completions, completion_ids, step)
+        try:
+            return _within(self.timeout, self._score, prompts, completions, completion_ids, step)
+        except TimeoutError:
+            names = ", ".join(rf.spec for rf in self.functions) or "reasoning-gym's checkers"
+            raise RewardError(f"the reward functions ({names}) did not score the completions of prompts "
+                              f"{sorted({p.index for p in prompts})} within reward.timeout_seconds={self.timeout:g}; "
+                              "a function that hangs (a network call without a timeout?) stops the run here: fix it, "
+                              "or raise reward.timeout_seconds if it is only slow") from None
+
+    def _score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
+               step: int) -> tuple[list[list[float]], dict[str, list[list[float | None]]]]:
         if not self.functions:
             values = [[score(p, c, self.task_args.get(p.task)) for c in cs] for p, cs in zip(prompts, completions)]
             return values, {"reasoning_gym": values}
@@ -436,6 +453,28 @@ class Reward:
             log.warning("no reward function applies to a completion of prompt %d (every one returned None); "
                         "it gets reward 0", prompt.index)
         return sum(applicable)
+
+
+def _within(seconds: float, fn: Callable, *args):
+    """fn(*args) on a thread of its own, given `seconds`: its result or error, or TimeoutError.
+    A thread cannot be stopped: one that hangs stays behind, a daemon (it does not keep the
+    process from exiting); the stage that waited for it goes on to fail."""
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=contextvars.copy_context().run, args=(target,), daemon=True, name="reward")
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"not done within {seconds} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _nest(flat: list, like: list[list]) -> list[list]:

@@ -99,7 +99,16 @@ def run_on_host(stage: str, cfg: Config, step: int, devices: list[int], **kwargs
         return STAGE_FUNCTIONS[stage](Run(cfg), step, devices=devices, **kwargs)
     import ray
 
-    return ray.get(ray_host(cfg, devices).run.remote(stage, cfg, step, devices=devices, **kwargs))
+    host = ray_host(cfg, devices)
+    try:
+        return ray.get(host.run.remote(stage, cfg, step, devices=devices, **kwargs),
+                       timeout=cfg.pool.stage_timeout_seconds or None)
+    except ray.exceptions.GetTimeoutError:
+        # The host goes on with the stage, which a retry must not meet there: it goes, with its state.
+        _kill_host(cfg, devices)
+        raise TimeoutError(f"stage {stage} of step {step} ran past pool.stage_timeout_seconds="
+                           f"{cfg.pool.stage_timeout_seconds:g} on Ray host {host_name(cfg, devices)}; the host was "
+                           "ended (a retry starts a new one)") from None
 
 
 def flush_writers(cfg: Config) -> list[str]:
@@ -136,3 +145,11 @@ def release_hosts(cfg: Config) -> None:
     with _HOSTS_LOCK:
         for name in [n for n in _HOSTS if n.startswith(host_name(cfg, []))]:
             ray.kill(_HOSTS.pop(name))
+
+
+def _kill_host(cfg: Config, indices: list[int]) -> None:
+    import ray
+
+    with _HOSTS_LOCK:
+        if (host := _HOSTS.pop(host_name(cfg, indices), None)) is not None:
+            ray.kill(host)
