@@ -27,6 +27,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from flows import artifacts
+from lsreplay.core import run_lock
 from lsreplay.core.config import Config, ConfigError, load_config
 from lsreplay.core.layout import STAGES
 from lsreplay.core.run import InputCorrupt, StageFailed, open_run_config
@@ -59,8 +60,13 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, fo
 
 
 def run_steps(cfg: Config, force: bool = False) -> list[dict]:
-    logger = get_run_logger()
     run = preflight(cfg, force)
+    with run_lock.hold(run.store) as lock:  # one writer per run (the command may hold it already)
+        return _run_locked(run, force, lock)
+
+
+def _run_locked(run, force: bool, lock) -> list[dict]:
+    logger = get_run_logger()
     run.save_or_check_config(force=force)
     run.store.sweep_interrupted_writes()  # left by a killed run; nothing of this one writes yet
     cfg = run.cfg  # its thread count pinned: every stage computes with it
@@ -73,7 +79,7 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
     trackers = Trackers(cfg)  # report_to: this process reports, the stages' never do
     try:
         with ray_session(cfg):
-            return _run_steps(run, tasks, cfg, trackers)
+            return _run_steps(run, tasks, cfg, trackers, lock)
     finally:
         release_parked()  # the slots the last stage left for a next one: there is none
         checkpointing.WRITER.wait()
@@ -81,13 +87,14 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
         trackers.close()
 
 
-def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers) -> list[dict]:
+def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers, lock) -> list[dict]:
     logger = get_run_logger()
     progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
     progress(0.0)
     recomputes: Counter = Counter()
     step = 0
     while step <= cfg.steps:
+        lock.check()  # an S3 lease another process took over: stop before writing beside it
         try:
             if evaluated(cfg, step):  # the policy after `step` updates, on the held-out prompts
                 _evaluate(run, tasks, cfg, step, trackers)

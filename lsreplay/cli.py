@@ -1,7 +1,7 @@
 """The `lsreplay` command.
 
-    lsreplay train [CONFIG.yaml] [key=value ...] [--force]            run, or resume the run in run_dir
-    lsreplay resume RUN_DIR [key=value ...] [--steps N] [--from-step S] [--force]
+    lsreplay train [CONFIG.yaml] [key=value ...] [--force] [--wait]   run, or resume the run in run_dir
+    lsreplay resume RUN_DIR [key=value ...] [--steps N] [--from-step S] [--force] [--wait]
                                                                        continue a run from its saved config
     lsreplay export RUN_DIR OUT [--step N] [key=value ...]             a policy checkpoint as an HF model folder
     lsreplay serve [CONFIG.yaml] [key=value ...] (--cron EXPR | --interval SECONDS) [--name NAME]
@@ -9,8 +9,8 @@
     lsreplay config [CONFIG.yaml] [key=value ...] [--check]            print the resolved config, validated
 
 Exit status: 0 done, 1 a stage failed (the message names it), 2 bad input (config, model,
-data, storage, checkpoint, an entry of the run that is not what lsreplay writes) or no
-Prefect server to run on.
+data, storage, checkpoint, an entry of the run that is not what lsreplay writes), another
+process running the run (without --wait), or no Prefect server to run on.
 """
 
 from __future__ import annotations
@@ -82,33 +82,37 @@ def _train(args) -> int:
     from lsreplay.core.config import load_config
 
     overrides = secrets_to_env(args.overrides)
-    return _run_flow(load_config(args.config, overrides), args.force, config_path=args.config, overrides=overrides)
+    return _run_flow(load_config(args.config, overrides), args.force, args.wait, config_path=args.config,
+                     overrides=overrides)
 
 
 def _resume(args) -> int:
     from lsreplay.core.run import open_run_config
 
     overrides = secrets_to_env(args.overrides) + ([f"steps={args.steps}"] if args.steps else [])
-    return _run_flow(open_run_config(args.run_dir, overrides), args.force, from_step=args.from_step,
+    return _run_flow(open_run_config(args.run_dir, overrides), args.force, args.wait, from_step=args.from_step,
                      resume=args.run_dir, overrides=overrides)
 
 
-def _run_flow(cfg, force: bool, from_step: int | None = None, **flow_args) -> int:
-    """Check the inputs before Prefect starts (and, with `from_step`, forget what came after
-    that step's checkpoint), then run the training flow."""
+def _run_flow(cfg, force: bool, wait: bool, from_step: int | None = None, **flow_args) -> int:
+    """Check the inputs before Prefect starts, take the run's lock (waiting for another
+    process's with `wait`), forget what came after the checkpoint of `from_step` if given,
+    then run the training flow, which holds the lock through."""
     _prepare_logging()
+    from lsreplay.core.run_lock import hold
     from lsreplay.stages.preflight import preflight
 
     run = preflight(cfg, force=force)
-    if from_step is not None:
-        from lsreplay.state.checkpointing import restart_after
+    with hold(run.store, wait=wait):
+        if from_step is not None:
+            from lsreplay.state.checkpointing import restart_after
 
-        restart_after(run, from_step)
-    from flows.prefect_api import connect
-    from flows.train import train
+            restart_after(run, from_step)
+        from flows.prefect_api import connect
+        from flows.train import train
 
-    connect()
-    metrics = train(force=force, **flow_args)
+        connect()
+        metrics = train(force=force, **flow_args)
     print(f"finished {sum('loss' in m for m in metrics)} steps; metrics in the run directory's metrics.jsonl")
     return 0
 
@@ -191,6 +195,9 @@ def _config_and_overrides(args) -> None:
         args.config = None
 
 
+WAIT_HELP = "if another process runs this run, wait for it to end (default: exit 2 naming it)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lsreplay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -199,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=2 rollout.branching=[4,2]")
     train.add_argument("--force", action="store_true", help="resume even if result-affecting config keys changed")
+    train.add_argument("--wait", action="store_true", help=WAIT_HELP)
     train.set_defaults(fn=_train)
     resume = sub.add_parser("resume", help="continue a run from the config saved in its directory")
     resume.add_argument("run_dir", help="the run directory, or its storage URI (s3://bucket/prefix)")
@@ -207,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     resume.add_argument("--from-step", type=int, help="continue from the kept policy checkpoint of this step "
                         "(not the newest): what came after it is forgotten")
     resume.add_argument("--force", action="store_true", help="accept overrides that change results")
+    resume.add_argument("--wait", action="store_true", help=WAIT_HELP)
     resume.set_defaults(fn=_resume)
     export = sub.add_parser("export", help="write a policy checkpoint as an HF model folder")
     export.add_argument("run_dir", help="the run directory, or its storage URI (s3://bucket/prefix)")
@@ -264,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     from lsreplay.core.config import ConfigError
     from lsreplay.core.layout import CheckpointError
     from lsreplay.core.run import StageFailed
+    from lsreplay.core.run_lock import RunLockLost
     from lsreplay.core.storage import StorageError
     from lsreplay.data.sources import DatasetError
     from lsreplay.models.loading import ModelError
@@ -276,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     except StageFailed as e:
         print(f"lsreplay: error: {e}", file=sys.stderr)
         return 2 if e.bad_input else 1
+    except RunLockLost as e:
+        print(f"lsreplay: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

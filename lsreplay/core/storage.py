@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import errno
 import hashlib
 import json
@@ -87,6 +88,10 @@ class MissingEntry(StorageError):
 
 class CorruptEntry(StorageError):
     """The entry exists but its bytes are not what was written (hash or format check failed)."""
+
+
+class Contended(StorageError):
+    """A conditional write or delete found the entry not as it was told to expect it."""
 
 
 class MalformedEntry(StorageError):
@@ -297,6 +302,48 @@ class Store:
                     f.write(data)
             yield folder
 
+    # -- conditional writes (object stores: a lease's create, renewal and release) ----------
+    def write_if(self, key: str, data: bytes, etag: str | None) -> str:
+        """Write entry `key` only if it is absent (`etag` None: S3's If-None-Match: *) or is
+        still the version `etag` names (If-Match); returns the new version's ETag. Contended if
+        not: another writer got there first."""
+        bucket, path, _ = self._fs.split_path(self._path(key))
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        return self._call(key, lambda: self._conditional(key, "put_object", Bucket=bucket, Key=path, Body=data,
+                                                         **condition))["ETag"]
+
+    def read_versioned(self, key: str) -> tuple[bytes, str, float]:
+        """Entry `key`'s bytes, ETag and age: seconds since it was last written, by the
+        server's clock (its Last-Modified against its response's Date), whatever this
+        machine's clock says. MissingEntry if there is none."""
+        bucket, path, _ = self._fs.split_path(self._path(key))
+
+        def op() -> tuple[bytes, str, float]:
+            try:
+                found = fsspec.asyn.sync(self._fs.loop, _get_object, self._fs, bucket, path)
+            except FileNotFoundError as e:
+                raise MissingEntry(f"no entry {self.url(key)}") from e
+            now = email.utils.parsedate_to_datetime(found["ResponseMetadata"]["HTTPHeaders"]["date"])
+            return found["Body"], found["ETag"], (now - found["LastModified"]).total_seconds()
+
+        return self._call(key, op)
+
+    def delete_if(self, key: str, etag: str) -> None:
+        """Delete entry `key` only if it is still the version `etag` names; Contended if not."""
+        bucket, path, _ = self._fs.split_path(self._path(key))
+        self._call(key, lambda: self._conditional(key, "delete_object", Bucket=bucket, Key=path, IfMatch=etag))
+
+    def _conditional(self, key: str, method: str, **request) -> dict:
+        if not self._s3:
+            raise NotImplementedError(f"conditional writes need an object store; {self.uri} is not one")
+        try:
+            return self._fs.call_s3(method, **request)
+        except OSError as e:
+            if isinstance(e, FileExistsError) or _precondition_failed(e.__cause__):
+                raise Contended(f"{self.url(key)} changed under this writer ({method} with "
+                                f"{', '.join(k for k in request if k.startswith('If'))} refused)") from None
+            raise
+
     def delete(self, key: str) -> None:
         """Remove one entry; deleting an absent key is not an error, so cleanup can be rerun."""
         path = self._path(key)
@@ -431,6 +478,21 @@ class Store:
 # over its size limit, a read-only file system. Failed at once, they stop a run where they
 # happen instead of after a minute of retries.
 _LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def _precondition_failed(error: BaseException | None) -> bool:
+    """Whether S3 refused a request for its condition (or for a conditional write racing it)."""
+    code = (getattr(error, "response", None) or {}).get("Error", {}).get("Code")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+async def _get_object(fs, bucket: str, key: str) -> dict:
+    """An object's bytes and its response's metadata (s3fs's reads keep no headers)."""
+    found = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    try:
+        return {**found, "Body": await found["Body"].read()}
+    finally:
+        found["Body"].close()
 
 
 def _transient(error: BaseException | None) -> bool:
