@@ -92,12 +92,14 @@ def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers, lock) -> list[
     progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
     progress(0.0)
     recomputes: Counter = Counter()
+    table = artifacts.MetricsTable(run)
     step = 0
     while step <= cfg.steps:
         lock.check()  # an S3 lease another process took over: stop before writing beside it
         try:
             if evaluated(cfg, step):  # the policy after `step` updates, on the held-out prompts
                 _evaluate(run, tasks, cfg, step, trackers)
+                table()
             if step == cfg.steps:
                 break
             manifests = _step(run, tasks, cfg, step, trackers)
@@ -116,7 +118,7 @@ def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers, lock) -> list[
         _record(run, trackers, record)
         logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in record.items()
                                                     if isinstance(v, float)))
-        artifacts.metrics_table(run)
+        table()
         step += 1
         progress(step / cfg.steps)
     failures = flush_writers(cfg)  # the hosts' writers, not only this process's: the last write may be a host's
@@ -154,7 +156,6 @@ def _evaluate(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> N
     get_run_logger().info("eval after %d updates: held-out accuracy greedy %.3f [%.3f, %.3f]%s (%d prompts)", step,
                           record["eval_accuracy"], record["eval_accuracy_lo"], record["eval_accuracy_hi"], sampled,
                           record["eval_prompts"])
-    artifacts.metrics_table(run)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import json
 import datasets
 from transformers import AutoTokenizer
 
-from flowrun import unique_pool
+from flowrun import tree_records, unique_pool
 from test_formats import verl_rows
 from test_reward_styles import TRL_REWARDS
 
@@ -25,7 +25,7 @@ def overrides(run_dir, model_dir, data, *more) -> list[str]:
 
 
 def trees(run_dir) -> list[dict]:
-    return json.loads((run_dir / "step_0000/trees.json").read_text())["trees"]
+    return tree_records(run_dir, 0)
 
 
 def test_a_verl_parquet_with_its_reward_functions(prefect_server, tiny_model_dir, tmp_path, monkeypatch):

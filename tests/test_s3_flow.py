@@ -41,7 +41,7 @@ def test_run_in_s3_resumes_and_keeps_no_secret(prefect_server, s3_endpoint, tiny
 
     stored = objects(endpoint)
     for key in ["config.yaml", "config.json", "metrics.jsonl", "curves.png", "step_0000/prompts.json",
-                "step_0001/trees.json", "checkpoints/policy/step_0001/model.safetensors",
+                "step_0001/trees/shard_00.json", "checkpoints/policy/step_0001/model.safetensors",
                 "checkpoints/policy/step_0001/optimizer.safetensors", "checkpoints/drafter/step_0001/model.safetensors",
                 *[f"step_{s:04d}/{stage}.done.json" for s in (0, 1) for stage in STAGES]]:
         assert key in stored, key

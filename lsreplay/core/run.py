@@ -3,10 +3,11 @@
 Layout of a run's store (the run directory by default):
 
     config.yaml                     resolved config, secrets redacted
+    run.lock                        held by the process that runs the run (lsreplay.core.run_lock)
     metrics.jsonl                   one JSON line per finished step
     step_0000/prompts.json          the sampled prompt batch
-    step_0000/trees/shard_00.json   one rollout shard's trees (rollout.shards of them)
-    step_0000/trees.json            rollout trees, all shards: tokens, behaviour logprobs, rewards, texts
+    step_0000/trees/shard_00.json   one rollout shard's trees (rollout.shards of them): tokens,
+                                    behaviour logprobs, rewards, texts; the step's trees are its shards'
     step_0000/prefix_kv/...         cached K/V of every branching node (safetensors); deleted
                                     once the step's update is done (checkpoint.keep_step_data)
     step_0000/activations/...       entry logprobs and last hidden states per tree; deleted

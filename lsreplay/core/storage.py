@@ -230,8 +230,9 @@ class Store:
         return data
 
     def write_json(self, key: str, obj: object) -> dict:
-        # Sorted keys give equal objects equal bytes, hence equal hashes.
-        return self.write_bytes(key, json.dumps(obj, sort_keys=True, indent=1).encode())
+        # Sorted keys give equal objects equal bytes, hence equal hashes. Compact: a step's
+        # records are mostly token ids and logprobs, one per line indented (2.4x the bytes).
+        return self.write_bytes(key, json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
     def read_json(self, key: str, sha256: str | None = None) -> object:
         data = self.read_bytes(key, sha256)
