@@ -97,8 +97,9 @@ class Holder:
 # The holder of a lock file that is still empty: a process that has just taken it.
 STARTING = Holder("", 0, "", "")
 
-# The locks this process holds, by store URI, and how many times each is taken.
-_HELD: dict[str, list] = {}
+# The locks this process holds, by store URI: a block inside the one that took a lock holds
+# it too, and the outer block lets it go.
+_HELD: dict[str, _Lock] = {}
 _HELD_LOCK = threading.Lock()
 
 
@@ -107,22 +108,14 @@ def hold(store: Store, wait: bool = False) -> Iterator[_Lock]:
     """Hold the lock of the run in `store` for the block: RunLocked naming the holder if
     another process has it, or with `wait`, once that one lets it go."""
     with _HELD_LOCK:
-        if store.uri in _HELD:
-            _HELD[store.uri][1] += 1
-            taken = _HELD[store.uri][0]
-        else:
-            taken = None
+        taken = _HELD.get(store.uri)
     if taken is not None:
-        try:
-            yield taken
-        finally:
-            with _HELD_LOCK:
-                _HELD[store.uri][1] -= 1
+        yield taken
         return
     lock = _FileLock(store) if store.local else _Lease(store)
     _acquire(lock, store, wait)
     with _HELD_LOCK:
-        _HELD[store.uri] = [lock, 1]
+        _HELD[store.uri] = lock
     try:
         yield lock
     finally:
@@ -169,7 +162,7 @@ class _FileLock(_Lock):
     def try_acquire(self) -> Holder | None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
