@@ -53,7 +53,7 @@ RUNS = {
     "C-replay-on-A": ["replay.mode=replay", "rollout.spec_threshold=0", "drafter.enabled=false"],
 }
 # What C takes over from A, step by step: the sampled prompts and the rollout trees.
-ROLLOUT_FILES = ("prompts.json", "prompts.done.json", "trees.json", "trees.done.json", "trees")
+ROLLOUT_FILES = ("prompts.json", "prompts.done.json", "trees.done.json", "trees")
 
 
 def train(config: str | None, run_dir: Path, overrides: list[str]) -> list[dict]:

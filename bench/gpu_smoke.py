@@ -203,7 +203,7 @@ def flow_checks(run, steps: list[dict], device: torch.device) -> dict[str, bool]
     }
     checkpointing.WRITER.wait()
     # checkpoint.every=2 of 3 steps: after step 1, and after the last
-    checks["checkpoints_complete"] = not checkpointing.WRITER.failures and checkpointing.complete_steps(run) == [1, 2]
+    checks["checkpoints_complete"] = not checkpointing.WRITER.failed(run) and checkpointing.complete_steps(run) == [1, 2]
     checks |= restart_checks(run, device)
     return checks
 

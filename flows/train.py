@@ -27,10 +27,11 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from flows import artifacts
+from lsreplay.core import run_lock
 from lsreplay.core.config import Config, ConfigError, load_config
 from lsreplay.core.layout import STAGES
 from lsreplay.core.run import InputCorrupt, StageFailed, open_run_config
-from lsreplay.distributed.hosts import release_hosts
+from lsreplay.distributed.hosts import flush_writers, release_hosts
 from lsreplay.metrics.records import eval_record, step_record
 from lsreplay.metrics.trackers import Trackers
 from lsreplay.stages import evaluated
@@ -59,20 +60,26 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, fo
 
 
 def run_steps(cfg: Config, force: bool = False) -> list[dict]:
-    logger = get_run_logger()
     run = preflight(cfg, force)
+    with run_lock.hold(run.store) as lock:  # one writer per run (the command may hold it already)
+        return _run_locked(run, force, lock)
+
+
+def _run_locked(run, force: bool, lock) -> list[dict]:
+    logger = get_run_logger()
     run.save_or_check_config(force=force)
     run.store.sweep_interrupted_writes()  # left by a killed run; nothing of this one writes yet
     cfg = run.cfg  # its thread count pinned: every stage computes with it
+    checkpointing.WRITER.forget(run)  # what an earlier flow of the run in this process failed to write
     ensure_pool(cfg.pool)
     logger.info("run %s: %d steps, storage %s, %d torch threads", cfg.run_dir, cfg.steps, run.store.uri,
                 cfg.threads)
     checkpointing.rewind(run)  # this process holds nothing yet
-    tasks = configured()
+    tasks = configured(cfg)
     trackers = Trackers(cfg)  # report_to: this process reports, the stages' never do
     try:
         with ray_session(cfg):
-            return _run_steps(run, tasks, cfg, trackers)
+            return _run_steps(run, tasks, cfg, trackers, lock)
     finally:
         release_parked()  # the slots the last stage left for a next one: there is none
         checkpointing.WRITER.wait()
@@ -80,16 +87,19 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
         trackers.close()
 
 
-def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers) -> list[dict]:
+def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers, lock) -> list[dict]:
     logger = get_run_logger()
     progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
     progress(0.0)
     recomputes: Counter = Counter()
+    table = artifacts.MetricsTable(run)
     step = 0
     while step <= cfg.steps:
+        lock.check()  # an S3 lease another process took over: stop before writing beside it
         try:
             if evaluated(cfg, step):  # the policy after `step` updates, on the held-out prompts
                 _evaluate(run, tasks, cfg, step, trackers)
+                table()
             if step == cfg.steps:
                 break
             manifests = _step(run, tasks, cfg, step, trackers)
@@ -108,13 +118,14 @@ def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers) -> list[dict]:
         _record(run, trackers, record)
         logger.info("step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in record.items()
                                                     if isinstance(v, float)))
-        artifacts.metrics_table(run)
+        table()
         step += 1
         progress(step / cfg.steps)
-    checkpointing.WRITER.wait()
+    failures = flush_writers(cfg)  # the hosts' writers, not only this process's: the last write may be a host's
     if checkpointing.manifest(run, cfg.steps - 1) is None:  # the run's result must be in the store
         raise StageFailed("policy", cfg.steps - 1, "its checkpoint could not be written: "
-                          + "; ".join(checkpointing.WRITER.failures[-3:]))
+                          + ("; ".join(failures[-3:]) or "no write of it finished"))
+    checkpointing.prune(run)  # the last update is committed now: keep_last checkpoints stand, not one more
     run.store.sweep_interrupted_writes()  # a finished run holds nothing half-written, whoever wrote it
     artifacts.summary(run)
     return run.metrics()
@@ -145,7 +156,6 @@ def _evaluate(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> N
     get_run_logger().info("eval after %d updates: held-out accuracy greedy %.3f [%.3f, %.3f]%s (%d prompts)", step,
                           record["eval_accuracy"], record["eval_accuracy_lo"], record["eval_accuracy_hi"], sampled,
                           record["eval_prompts"])
-    artifacts.metrics_table(run)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """The `lsreplay` command.
 
-    lsreplay train [CONFIG.yaml] [key=value ...] [--force]            run, or resume the run in run_dir
-    lsreplay resume RUN_DIR [key=value ...] [--steps N] [--from-step S] [--force]
+    lsreplay train [CONFIG.yaml] [key=value ...] [--force] [--wait]   run, or resume the run in run_dir
+    lsreplay resume RUN_DIR [key=value ...] [--steps N] [--from-step S] [--force] [--wait]
                                                                        continue a run from its saved config
     lsreplay export RUN_DIR OUT [--step N] [key=value ...]             a policy checkpoint as an HF model folder
     lsreplay serve [CONFIG.yaml] [key=value ...] (--cron EXPR | --interval SECONDS) [--name NAME]
@@ -9,31 +9,67 @@
     lsreplay config [CONFIG.yaml] [key=value ...] [--check]            print the resolved config, validated
 
 Exit status: 0 done, 1 a stage failed (the message names it), 2 bad input (config, model,
-data, storage, checkpoint) or no Prefect server to run on.
+data, storage, checkpoint, an entry of the run that is not what lsreplay writes), another
+process running the run (without --wait), or no Prefect server to run on.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
+import yaml
+
 # Credentials given as overrides travel by environment, never as flow parameters (which
-# the Prefect server stores and shows).
+# the Prefect server stores and shows): the credential keys always, and a URL key's whole
+# value when it carries credentials. lsreplay reads each variable where the key is empty.
 SECRET_ENV = {"storage.key": "AWS_ACCESS_KEY_ID", "storage.secret": "AWS_SECRET_ACCESS_KEY"}
+CREDENTIAL_URL_ENV = {"storage.endpoint_url": "AWS_ENDPOINT_URL_S3", "tracking.mlflow_uri": "MLFLOW_TRACKING_URI"}
 
 
 def secrets_to_env(overrides: list[str]) -> list[str]:
-    """Move storage.key=/storage.secret= overrides into AWS_* variables; return the rest."""
+    """Move every credential of the overrides into its environment variable, whatever the
+    spelling (storage.secret=, Hydra's +storage.secret= and ++storage.secret=, or inside a
+    section given whole: storage={key: ..., secret: ...}); return the overrides without them."""
     kept = []
     for item in overrides:
-        key, _, value = item.partition("=")
-        if key.strip() in SECRET_ENV:
-            os.environ[SECRET_ENV[key.strip()]] = value
-        else:
+        key, equals, value = item.partition("=")
+        name = key.strip().lstrip("+")  # Hydra's add (+key=) and force-add (++key=)
+        if equals and name in ("storage", "tracking"):  # the section as a mapping
+            if rest := _section_secrets_to_env(name, value):
+                kept.append(f"{key}={json.dumps(rest)}")
+        elif not (equals and _secret_to_env(name, value.strip())):
             kept.append(item)
     return kept
+
+
+def _section_secrets_to_env(section: str, value: str):
+    """The mapping `value` gives config section `section`, less its credentials, which go
+    into their environment variables."""
+    from lsreplay.core.config import ConfigError
+
+    try:
+        given = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise ConfigError(f"override {section}=...: its value is not a YAML mapping of {section}'s keys (not shown: "
+                          f"it may hold credentials); write it as {section}={{key: value, ...}}") from None
+    if not isinstance(given, dict):
+        return given
+    return {k: v for k, v in given.items() if not _secret_to_env(f"{section}.{k}", str(v))}
+
+
+def _secret_to_env(name: str, value: str) -> bool:
+    """Put `value` of config key `name` into its environment variable if it is a credential."""
+    from lsreplay.core.config import has_credentials
+
+    variables = {**SECRET_ENV, **CREDENTIAL_URL_ENV}
+    if name in SECRET_ENV or (name in CREDENTIAL_URL_ENV and has_credentials(value)):
+        os.environ[variables[name]] = value
+        return True
+    return False
 
 
 def _prepare_logging() -> None:
@@ -46,33 +82,37 @@ def _train(args) -> int:
     from lsreplay.core.config import load_config
 
     overrides = secrets_to_env(args.overrides)
-    return _run_flow(load_config(args.config, overrides), args.force, config_path=args.config, overrides=overrides)
+    return _run_flow(load_config(args.config, overrides), args.force, args.wait, config_path=args.config,
+                     overrides=overrides)
 
 
 def _resume(args) -> int:
     from lsreplay.core.run import open_run_config
 
     overrides = secrets_to_env(args.overrides) + ([f"steps={args.steps}"] if args.steps else [])
-    return _run_flow(open_run_config(args.run_dir, overrides), args.force, from_step=args.from_step,
+    return _run_flow(open_run_config(args.run_dir, overrides), args.force, args.wait, from_step=args.from_step,
                      resume=args.run_dir, overrides=overrides)
 
 
-def _run_flow(cfg, force: bool, from_step: int | None = None, **flow_args) -> int:
-    """Check the inputs before Prefect starts (and, with `from_step`, forget what came after
-    that step's checkpoint), then run the training flow."""
+def _run_flow(cfg, force: bool, wait: bool, from_step: int | None = None, **flow_args) -> int:
+    """Check the inputs before Prefect starts, take the run's lock (waiting for another
+    process's with `wait`), forget what came after the checkpoint of `from_step` if given,
+    then run the training flow, which holds the lock through."""
     _prepare_logging()
+    from lsreplay.core.run_lock import hold
     from lsreplay.stages.preflight import preflight
 
     run = preflight(cfg, force=force)
-    if from_step is not None:
-        from lsreplay.state.checkpointing import restart_after
+    with hold(run.store, wait=wait):
+        if from_step is not None:
+            from lsreplay.state.checkpointing import restart_after
 
-        restart_after(run, from_step)
-    from flows.prefect_api import connect
-    from flows.train import train
+            restart_after(run, from_step)
+        from flows.prefect_api import connect
+        from flows.train import train
 
-    connect()
-    metrics = train(force=force, **flow_args)
+        connect()
+        metrics = train(force=force, **flow_args)
     print(f"finished {sum('loss' in m for m in metrics)} steps; metrics in the run directory's metrics.jsonl")
     return 0
 
@@ -96,8 +136,8 @@ def _export(args) -> int:
     from lsreplay.core.run import Run, open_run_config
     from lsreplay.state.checkpointing import export_policy
 
-    step, files = export_policy(Run(open_run_config(args.run_dir, secrets_to_env(args.overrides))), args.out,
-                                args.step)
+    cfg = open_run_config(args.run_dir, secrets_to_env(args.overrides), runs_code=False)  # it only copies weights
+    step, files = export_policy(Run(cfg), args.out, args.step)
     size = sum(e["bytes"] for e in files.values())
     print(f"wrote the policy of step {step} to {args.out} ({len(files)} files, {size / 2**20:.1f} MiB): "
           "an HF model folder (AutoModelForCausalLM.from_pretrained, vllm serve)")
@@ -176,6 +216,9 @@ def _config_and_overrides(args) -> None:
         args.config = None
 
 
+WAIT_HELP = "if another process runs this run, wait for it to end (default: exit 2 naming it)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lsreplay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=2 rollout.branching=[4,2]")
     train.add_argument("--force", action="store_true", help="resume even if result-affecting config keys changed")
+    train.add_argument("--wait", action="store_true", help=WAIT_HELP)
     train.set_defaults(fn=_train)
     resume = sub.add_parser("resume", help="continue a run from the config saved in its directory")
     resume.add_argument("run_dir", help="the run directory, or its storage URI (s3://bucket/prefix)")
@@ -192,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     resume.add_argument("--from-step", type=int, help="continue from the kept policy checkpoint of this step "
                         "(not the newest): what came after it is forgotten")
     resume.add_argument("--force", action="store_true", help="accept overrides that change results")
+    resume.add_argument("--wait", action="store_true", help=WAIT_HELP)
     resume.set_defaults(fn=_resume)
     export = sub.add_parser("export", help="write a policy checkpoint as an HF model folder")
     export.add_argument("run_dir", help="the run directory, or its storage URI (s3://bucket/prefix)")
@@ -254,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     from lsreplay.core.config import ConfigError
     from lsreplay.core.layout import CheckpointError
     from lsreplay.core.run import StageFailed
+    from lsreplay.core.run_lock import RunLockLost
     from lsreplay.core.storage import StorageError
     from lsreplay.data.sources import DatasetError
     from lsreplay.models.loading import ModelError
@@ -264,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lsreplay: error: {e}", file=sys.stderr)
         return 2
     except StageFailed as e:
+        print(f"lsreplay: error: {e}", file=sys.stderr)
+        return 2 if e.bad_input else 1
+    except RunLockLost as e:
         print(f"lsreplay: error: {e}", file=sys.stderr)
         return 1
 

@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.concurrency.context import ConcurrencyContext
 from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
-from prefect.settings import PREFECT_API_URL
+from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from lsreplay.core.config import PoolConfig
 from lsreplay.core.devices import any_held, hold_devices
@@ -25,9 +25,13 @@ log = logging.getLogger(__name__)
 # A holder renews its lease while it runs; if its process dies, the slots come back when
 # the lease expires (the server's repossessor looks every 15 s). 60 s is the server's minimum.
 # Renewed every third of that, so that one failed renewal still leaves two more tries before
-# the lease ends. LSREPLAY_LEASE_RENEW_SECONDS sets the interval (tests renew often).
+# the lease ends. LSREPLAY_LEASE_RENEW_SECONDS sets the interval (tests renew often). Each
+# try gives up after RENEW_TIMEOUT_SECONDS and is not retried by Prefect's client, whose own
+# 60 s timeout and 5 retries would outlast the lease: the next try comes at its time, and
+# two tries that both hang still end before the lease does.
 LEASE_SECONDS = 60
 RENEW_ENV = "LSREPLAY_LEASE_RENEW_SECONDS"
+RENEW_TIMEOUT_SECONDS = LEASE_SECONDS / 6
 
 
 def ensure_pool(pool: PoolConfig) -> None:
@@ -125,7 +129,7 @@ class Handoff:
             self._waiting[pool.name] += 1
         try:
             with ExitStack() as locks:
-                _enter_outside_task_runs(locks, _slots(pool.name, count))
+                _enter_outside_task_runs(locks, _slots(pool, count))
                 devices = locks.enter_context(hold_devices(pool, count, on))
                 return _Holding(devices, locks.pop_all())
         finally:
@@ -201,21 +205,35 @@ def _enter_outside_task_runs(locks: ExitStack, slots) -> None:
     context.run(locks.enter_context, slots)
 
 
+@contextmanager
+def _slots(pool: PoolConfig, count: int):
+    """`count` slots of the pool's limit, waited for up to pool.wait_seconds (then TimeoutError)."""
+    with ExitStack() as held:
+        try:
+            held.enter_context(_leased_slots(pool.name, count, pool.wait_seconds or None))
+        except TimeoutError as e:
+            raise TimeoutError(f"pool {pool.name!r}: {count} slot(s) not free within pool.wait_seconds="
+                               f"{pool.wait_seconds:g}: another run holds them (`prefect gcl inspect {pool.name}`), "
+                               "or a killed run's, until their lease expires; raise pool.wait_seconds") from e
+        yield
+
+
 try:
     from prefect.concurrency._sync import acquire_concurrency_slots_with_lease, release_concurrency_slots_with_lease
 except ImportError:  # a Prefect without these internals: the public context manager does the same
     from prefect.concurrency.sync import concurrency
 
-    def _slots(name: str, count: int):
-        return concurrency(name, occupy=count, strict=True, lease_duration=LEASE_SECONDS,
+    def _leased_slots(name: str, count: int, timeout: float | None):
+        return concurrency(name, occupy=count, strict=True, lease_duration=LEASE_SECONDS, timeout_seconds=timeout,
                            raise_on_lease_renewal_failure=False)
 else:
 
     @contextmanager
-    def _slots(name: str, count: int):
+    def _leased_slots(name: str, count: int, timeout: float | None):
         """Prefect's `concurrency()` renews the lease at once from a thread and waits up to
         2 s for it on exit, on every stage; this renews only when due and exits at once."""
-        lease = acquire_concurrency_slots_with_lease([name], count, lease_duration=LEASE_SECONDS, strict=True)
+        lease = acquire_concurrency_slots_with_lease([name], count, lease_duration=LEASE_SECONDS, strict=True,
+                                                     timeout_seconds=timeout)
         stop = threading.Event()
         # In this context's copy: renewals go to the server (PREFECT_API_URL) the lease came from.
         renewer = threading.Thread(target=contextvars.copy_context().run, args=(_renew, lease.lease_id, count, stop),
@@ -230,15 +248,22 @@ else:
 
 def _renew(lease_id, slots: int, stop: threading.Event) -> None:
     interval = float(os.environ.get(RENEW_ENV, LEASE_SECONDS / 3))
-    while not stop.wait(interval):
-        try:
-            with get_client(sync_client=True) as client:
-                client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS)
-        except Exception as e:
-            if isinstance(e, PrefectHTTPStatusError) and e.response.status_code == 410:
-                log.error("the pool lease %s is gone from the Prefect server (expired or revoked): it counts its %d "
-                          "slots free while their stage still runs", lease_id, slots)
-                return
-            # The server may answer the next try, well before the lease ends.
-            log.warning("could not renew the pool lease %s (next try in %.0f s): %s: %s", lease_id, interval,
-                        type(e).__name__, e)
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):  # this thread's settings only
+        while not stop.wait(interval) and _renew_once(lease_id, slots, interval):
+            pass
+
+
+def _renew_once(lease_id, slots: int, interval: float) -> bool:
+    """One renewal (a failure is logged); False once the lease is gone."""
+    try:
+        with get_client(httpx_settings={"timeout": RENEW_TIMEOUT_SECONDS}, sync_client=True) as client:
+            client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS)
+    except Exception as e:
+        if isinstance(e, PrefectHTTPStatusError) and e.response.status_code == 410:
+            log.error("the pool lease %s is gone from the Prefect server (expired or revoked): it counts its %d "
+                      "slots free while their stage still runs", lease_id, slots)
+            return False
+        # The server may answer the next try, well before the lease ends.
+        log.warning("could not renew the pool lease %s within %.0f s (next try in %.1f s): %s: %s", lease_id,
+                    RENEW_TIMEOUT_SECONDS, interval, type(e).__name__, e)
+    return True

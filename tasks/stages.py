@@ -13,7 +13,7 @@ from lsreplay.core.config import Config, ConfigError
 from lsreplay.core.faults import InjectedError
 from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import InputCorrupt, Run
-from lsreplay.core.storage import CorruptEntry, MissingEntry
+from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry
 from lsreplay.data.sources import DatasetError
 from lsreplay.distributed.hosts import run_on_host
 from lsreplay.models.loading import ModelError
@@ -25,7 +25,7 @@ from tasks.pool import pool_devices
 # Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt and
 # StateLost are not retried either: the flow recomputes what was damaged or lost.)
 PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss, InjectedError,
-             InputCorrupt, StateLost, MissingEntry, CorruptEntry, EngineStartError)
+             InputCorrupt, StateLost, MissingEntry, CorruptEntry, MalformedEntry, EngineStartError)
 
 # Transient failures (storage errors the store's own retries did not absorb, a flaky node,
 # an injected fault) are retried this many times, after exponentially growing delays with
@@ -121,7 +121,13 @@ STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_tree_shard, "collect
                "eval": evaluate_policy}
 
 
-def configured() -> dict:
-    """STAGE_TASKS with the retry delays the environment asks for now."""
+def configured(cfg: Config) -> dict:
+    """STAGE_TASKS with the retry delays the environment asks for now, and a try's time limit,
+    pool.stage_timeout_seconds: Prefect's task timeout under the thread runner (it interrupts
+    the stage's thread: a timed-out try is retried); under Ray the host's stage is bounded
+    where the flow waits for it (lsreplay.distributed.hosts.run_on_host), and Prefect's own
+    would wait for that wait to end."""
     delays = retry_delays()
-    return {name: t.with_options(retry_delay_seconds=delays) for name, t in STAGE_TASKS.items()}
+    timeout = cfg.pool.stage_timeout_seconds if cfg.pool.task_runner == "thread" else 0
+    return {name: t.with_options(retry_delay_seconds=delays, timeout_seconds=timeout or None)
+            for name, t in STAGE_TASKS.items()}

@@ -126,6 +126,15 @@ def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: fl
     return results
 
 
+def tree_records(run_dir: Path, step: int) -> list[dict]:
+    """The tree records of a step of the run in `run_dir`, in prompt order (from its rollout shards' files)."""
+    from lsreplay.core.config import load_config
+    from lsreplay.core.run import Run
+    from lsreplay.stages.common import load_trees
+
+    return load_trees(Run(load_config(None, [f"run_dir={run_dir}"])), step)[0]
+
+
 def digests(run_dir: Path, *folders: str) -> dict[str, str]:
     """sha256 of every file under the folders, done markers, checkpoint records and rollout
     decision logs (which hold timings) excepted."""

@@ -12,6 +12,7 @@ import logging
 import math
 
 import pytest
+from flowrun import tree_records
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -69,7 +70,7 @@ def test_online_dpo_pairs_each_trees_best_and_worst_leaf(tiny_model_dir, tmp_pat
     Replay runs the prompts and the paired leaves only."""
     _, m = run_steps(tmp_path, tiny_model_dir, ["algo.name=dpo", "data.prompts_per_step=4",
                                                  "reward.function=varied_rewards:alike_on_even_prompts"])
-    records = json.loads((tmp_path / "run/step_0000/trees.json").read_text())["trees"]
+    records = tree_records(tmp_path / "run", 0)
     alike = sum(len(set(r["rewards"])) == 1 for r in records)
     assert 0 < alike < 4 and m["trees"]["trees_all_alike"] == alike
     policy = m["policy"]
@@ -91,7 +92,7 @@ def test_offline_dpo_from_a_preference_dataset(tiny_model_dir, tmp_path):
     run, m = run_steps(tmp_path, tiny_model_dir, ["algo.name=dpo", "algo.dpo_source=dataset", f"data.path={rows}",
                                                    "algo.dpo_beta=0.5"], steps=2)
     assert m["trees"]["forward_positions"] == 0 and m["trees"]["rollouts"] == 4  # nothing generated
-    records = json.loads((tmp_path / "run/step_0001/trees.json").read_text())["trees"]
+    records = tree_records(tmp_path / "run", 1)
     assert all(len(r["completions"]) == 2 and r["rewards"] == [1.0, 0.0] for r in records)
     policy = m["policy"]
     assert policy["dpo_pairs"] == 2 and policy["loss"] < math.log(2)  # step 0 moved towards the chosen answers

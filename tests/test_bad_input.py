@@ -33,6 +33,71 @@ def test_config_errors(override, message, capsys):
     assert message in error(capsys)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("steps: 2\n  seed: 1\n", "is not valid YAML (mapping values are not allowed in this context at line 2, column 7)"),
+    ("rollout:\n  branching: [4, 2\n", "is not valid YAML (did not find expected ',' or ']' at line 3, column 1)"),
+    ("- steps\n- 2\n", "holds a list, not a mapping of config keys"),
+])
+def test_malformed_config_file(text, message, tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    assert cli.main(["train", str(config), f"run_dir={tmp_path / 'run'}"]) == 2
+    err = error(capsys)
+    assert f"config file {config} {message}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.branching=[4,2", "its value is not valid YAML (did not find expected ',' or ']' at its end); close its "
+                               "brackets and braces"),
+    ("data.task_args={a: [1}", "(did not find expected ',' or ']' at character 7)"),
+    ("seed=@x", "(found character that cannot start any token at character 1)"),
+])
+def test_malformed_override(override, message, capsys):
+    assert cli.main(["config", override]) == 2
+    err = error(capsys)
+    assert f"override {override!r}: " in err and message in err and "Traceback" not in err, err
+
+
+def test_metadata_column_that_is_not_json(tmp_path, tiny_model_dir, capsys):
+    """A prompt file's `metadata` column holds JSON objects as strings (reasoning-gym's
+    prompts), or structs. One that does not parse stops the run before any work, naming the
+    file and the row (before, a JSONDecodeError in a stage, retried as transient)."""
+    rows = [{"question": f"{i}+1?", "answer": str(i + 1), "task": "basic_arithmetic",
+             "metadata": json.dumps({"i": i}) if i != 2 else "{'i': 2}"} for i in range(4)]
+    prompts = tmp_path / "rows.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", f"data.path={prompts}"]) == 2
+    err = error(capsys)
+    assert f"{prompts}: row 2: the column 'metadata' holds \"{{'i': 2}}\", not JSON: Expecting property name " \
+           "enclosed in double quotes at character 2; write it as a JSON object" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+# Entries of a run that are valid JSON but not of the structure lsreplay writes: each stops a
+# resume with exit status 2, naming the entry and what to do (before: a KeyError's traceback).
+MALFORMED = {
+    "config.json": ('{"config": {}}', "is valid JSON but not a run's config.json", "restore it"),
+    "step_0001/trees.done.json": ('{"files": [{"key": "step_0001/trees.json"}]}', "is valid JSON but not a done "
+                                  "marker", "delete it, and the stage runs again"),
+    "checkpoints/policy/step_0001/checkpoint.json": ('{"step": 1}', "is valid JSON but not a checkpoint record",
+                                                     "delete the folder"),
+    "metrics.jsonl": ('{"step": 0}\n{"loss": 1.0}\n', "line 2 of", "fix or delete that line"),
+}
+
+
+@pytest.mark.parametrize("entry", MALFORMED)
+def test_entries_of_another_structure_stop_a_resume(entry, prefect_server, tiny_model_dir, tmp_path_factory,
+                                                    tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run(tmp_path_factory, tiny_model_dir).run_dir, run_dir)
+    text, what, fix = MALFORMED[entry]
+    (run_dir / entry).write_text(text)
+    assert cli.main(["resume", str(run_dir), unique_pool()]) == 2
+    err = error(capsys)
+    assert f"{run_dir / entry}" in err and what in err and fix in err and "Traceback" not in err, err
+
+
 def test_missing_config_file(capsys):
     assert cli.main(["train", "no/such/config.yaml"]) == 2
     assert "config file no/such/config.yaml does not exist" in error(capsys)
@@ -43,6 +108,23 @@ def test_missing_model_path(tmp_path, capsys):
     err = error(capsys)
     assert "is not an HF model folder (no config.json there)" in err and "give a local folder" in err
     assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+def test_pickled_weights_are_not_loaded(tmp_path, tiny_model_dir, capsys):
+    """A model folder with pytorch_model.bin only: a pickle, which runs code as it loads.
+    Refused before any work, saying how to convert it; the model loads with use_safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled-model"
+    shutil.copytree(tiny_model_dir, model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={model}"]) == 2
+    err = error(capsys)
+    assert f"{model} has no safetensors weights" in err and "pytorch_model.bin: pickled weights" in err, err
+    assert "save_pretrained(folder) writes model.safetensors" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_dataset_file_and_field(tmp_path, tiny_model_dir, capsys):

@@ -36,9 +36,10 @@ def test_replay_on_the_baselines_rollouts_ends_with_the_baselines_weights(exact_
     for step in range(2):
         stages.sample_prompts(a, step)
         stages.generate_trees(a, step)
-        for name in ("prompts.json", "prompts.done.json", "trees.json", "trees.done.json"):  # A's rollouts, tree for tree
+        for name in ("prompts.json", "prompts.done.json", "trees", "trees.done.json"):  # A's rollouts, tree for tree
             (tmp_path / "c" / a.key(step)).mkdir(parents=True, exist_ok=True)
-            shutil.copy(tmp_path / "a" / a.key(step, name), tmp_path / "c" / a.key(step, name))
+            copy = shutil.copytree if (tmp_path / "a" / a.key(step, name)).is_dir() else shutil.copy
+            copy(tmp_path / "a" / a.key(step, name), tmp_path / "c" / a.key(step, name))
         for run in (a, c):
             stages.cache_prefixes(run, step)
             stages.train_policy(run, step)

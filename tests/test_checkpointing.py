@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from flowrun import digests, lsreplay_chain, tiny, unique_pool
+from flowrun import digests, lsreplay_chain, reference_run, step0_copy, tiny, unique_pool
 
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
@@ -63,6 +63,54 @@ def test_schedule_bounded_storage_and_resume_from_the_newest_checkpoint(prefect_
     assert digests(cut, "checkpoints") == digests(ref, "checkpoints")
 
 
+def test_killed_between_a_checkpoint_and_its_done_marker_resumes_from_the_one_before(
+        prefect_server, tiny_model_dir, tmp_path_factory, tmp_path):
+    """checkpoint.keep_last=1, the checkpoint written in the stage (not in the background),
+    and the process killed right after it: step 1's checkpoint is complete, its update's done
+    marker is not there. Prune keeps step 0's checkpoint, the newest committed one, and rewind
+    resumes from it: only step 1's update runs again. (Before, prune counted step 1's as the
+    one to keep and deleted step 0's; rewind, which counts only committed ones, then found
+    none and restarted from the base model.)"""
+    ref = reference_run(tmp_path_factory, tiny_model_dir)
+    run_dir = step0_copy(ref, tmp_path / "run")  # computed with one thread, recorded; resumes use it
+    window = ["checkpoint.keep_last=1", "checkpoint.background=false"]
+    killed, = lsreplay_chain([(["resume", str(run_dir), "--steps", "2", *window, unique_pool()], "policy@1:kill")],
+                             tmp_path)
+    assert killed["returncode"] == -9, killed["log"][-3000:]
+    assert checkpoints(run_dir) == ["step_0000", "step_0001"]
+    assert (run_dir / "checkpoints/policy/step_0001/checkpoint.json").is_file()
+    assert not (run_dir / "step_0001/policy.done.json").exists()
+    resumed, = lsreplay_chain([(["resume", str(run_dir), unique_pool()], "")], tmp_path)
+    assert resumed["returncode"] == 0, resumed["log"][-3000:]
+    runs = ran(run_dir)
+    assert runs[1, "policy"] == 2 and (0, "policy") not in runs, runs
+    assert checkpoints(run_dir) == ["step_0001"]
+    step1 = ["checkpoints/policy/step_0001", "checkpoints/drafter/step_0001"]
+    assert digests(run_dir, *step1) == digests(ref.run_dir, *step1)
+
+
+def test_a_failed_background_checkpoint_stops_the_run_at_the_next_save(prefect_server, tiny_model_dir,
+                                                                       tmp_path_factory, tmp_path):
+    """Every write of step 0's checkpoint fails as on a full disk (checkpoint@0:full). The
+    write runs in the background while step 1 runs; step 1's save waits for it, finds it
+    failed and stops the run (exit 1) naming the step and the cause, before step 1 is
+    committed: no update goes on without durable state. Resumed with room on the disk, the
+    run recomputes from the base model and ends as the reference did, bit for bit."""
+    ref = reference_run(tmp_path_factory, tiny_model_dir)
+    run_dir = tmp_path / "run"
+    full, = lsreplay_chain([(["train", *tiny(run_dir, tiny_model_dir), "threads=1"], "checkpoint@0:full")], tmp_path)
+    assert full["returncode"] == 1, full["log"][-3000:]
+    assert "stage policy of step 1 failed: CheckpointWriteFailed: the background write of the policy checkpoint " \
+           "of step 0: StorageError" in full["log"] and "No space left on device" in full["log"], full["log"][-3000:]
+    assert "Free space in the store" in full["log"] and full["log"].count("retrying in") == 0  # a full disk: no retries
+    assert not (run_dir / "checkpoints/policy/step_0000/checkpoint.json").exists()
+    assert (run_dir / "step_0001/prefixes.done.json").is_file() and not (run_dir / "step_0001/policy.done.json").exists()
+    resumed, = lsreplay_chain([(["resume", str(run_dir), unique_pool()], "")], tmp_path)
+    assert resumed["returncode"] == 0, resumed["log"][-3000:]
+    assert ran(run_dir)[0, "policy"] == 2
+    assert digests(run_dir, "checkpoints") == digests(ref.run_dir, "checkpoints")
+
+
 def test_pruning_keeps_the_drafters_a_resume_can_load(tmp_path):
     """Drafters trained at steps 0, 2 and 4 (none at 1 and 3), policy checkpoints after
     steps 2, 3 and 4, keep_last=2: the oldest kept is step 3's, and a resume from it loads
@@ -82,6 +130,7 @@ def test_pruning_keeps_the_drafters_a_resume_can_load(tmp_path):
         run.finish(step, "drafter", {"files": files, "checkpoint": prefix})
         if step >= 2:
             checkpointing.write(run, checkpointing.snapshot(run, step, train))
+            run.finish(step, "policy", {"checkpoint": run.checkpoint("policy", step)})  # committed
             checkpointing.prune(run)
     assert checkpoints(tmp_path) == ["step_0003", "step_0004"]
     assert sorted(p.name for p in (tmp_path / "checkpoints/drafter").iterdir()) == ["step_0002", "step_0004"]
@@ -125,7 +174,7 @@ def test_checkpoints_are_written_where_the_kernel_refuses_idle_priority(tmp_path
     submitter.start()
     submitter.join(timeout=30)
     assert not submitter.is_alive(), "submit or wait blocked: the writer thread died"
-    assert not writer.failures and checkpointing.complete_steps(run) == [0, 1, 2]
+    assert not writer.failed(run) and checkpointing.complete_steps(run) == [0, 1, 2]
     assert devices.on_idle_cpu(lambda: "ran") == "ran" and devices.on_idle_cpu(lambda: "again") == "again"
     refusals = [r for r in caplog.records if "refuses the idle scheduling policy" in r.getMessage()]
     assert len(refusals) == 1 and "normal priority" in refusals[0].getMessage()

@@ -6,7 +6,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from flowrun import unique_pool
+from flowrun import tree_records, unique_pool
 
 from lsreplay.core.config import load_config
 from lsreplay.core.layout import STAGES
@@ -65,7 +65,7 @@ def test_flow_runs_every_stage_and_resumes(prefect_server, tiny_model_dir, tmp_p
     assert m["positions_ratio"] > 1 and m["per_rollout_positions"] > m["positions"]
     assert {"reward_mean", "loss", "trees_seconds", "policy_seconds", "drafter_loss"} <= m.keys()
     # Every tree's leaves stand for the 2 x 2 samples of its shape, each counted once or twice.
-    trees = json.loads((run_dir / "step_0001/trees.json").read_text())["trees"]
+    trees = tree_records(run_dir, 1)
     assert all(sum(t["counts"]) == 4 and len(t["counts"]) == len(t["completions"]) for t in trees)
     assert m["group_size"] == 4 and m["leaves_per_tree"] == sum(len(t["counts"]) for t in trees) / len(trees)
     assert 1 <= m["effective_group_size"] <= 4

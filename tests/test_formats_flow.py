@@ -17,7 +17,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from flowrun import unique_pool
+from flowrun import tree_records, unique_pool
 from test_formats import verl_rows
 from test_reward_styles import TRL_REWARDS
 from trl_rendering import save_llama_style_tokenizer, trl_prompt_ids
@@ -43,7 +43,7 @@ def overrides(run_dir, model_dir, data, *more) -> list[str]:
 
 
 def trees(run_dir) -> list[dict]:
-    return json.loads((run_dir / "step_0000/trees.json").read_text())["trees"]
+    return tree_records(run_dir, 0)
 
 
 def metrics_lines(run_dir) -> list[dict]:

@@ -139,7 +139,8 @@ def test_a_run_killed_writing_its_checkpoint_resumes_to_nothing_but_its_named_fi
         assert everything(store, endpoint) - named(store)  # the leftovers, at least
 
     resumed = lsreplay_chain([(["resume", str(local), unique_pool()], ""),
-                              (["resume", f"s3://{BUCKET}/{prefix}", *s3[1:], unique_pool()], "")], tmp_path)
+                              (["resume", f"s3://{BUCKET}/{prefix}", *s3[1:], f"model.path={tiny_model_dir}",
+                                unique_pool()], "")], tmp_path)
     assert [r["returncode"] for r in resumed] == [0, 0], resumed[-1]["log"][-3000:]
     for store in stores:
         assert leftovers(store, endpoint) == {}

@@ -16,8 +16,10 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.
 @pytest.fixture
 def local_ray(monkeypatch):
     # Ray's workers take the environment Ray started with: step 1's two rollout shards each
-    # hold their device for a while, so that they run side by side on the two hosts.
-    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
+    # hold their device for a while, so that they run side by side on the two hosts; the
+    # last checkpoint's write (in the background, on the update's host) takes a while too, so
+    # that it is still going when the flow checks for it (which waits for the hosts' writers).
+    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall,checkpoint@1:stall")
     monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "3")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

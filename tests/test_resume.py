@@ -101,7 +101,7 @@ def test_damaged_outputs_are_recomputed(prefect_server, tiny_model_dir, tmp_path
     shutil.rmtree(run_dir / "executions")
     for stage in ("policy", "drafter"):  # step 1's update must run again: it reads both
         (run_dir / f"step_0001/{stage}.done.json").unlink()
-    for path in ("step_0001/trees.json", "checkpoints/policy/step_0000/model.safetensors"):
+    for path in ("step_0001/trees/shard_00.json", "checkpoints/policy/step_0000/model.safetensors"):
         data = bytearray((run_dir / path).read_bytes())
         data[-10] ^= 0xFF
         (run_dir / path).write_bytes(bytes(data))
@@ -115,7 +115,7 @@ def test_damaged_outputs_are_recomputed(prefect_server, tiny_model_dir, tmp_path
     assert digests(run_dir, "step_0000", *STEP1) == digests(ref.run_dir, "step_0000", *STEP1)
     assert digests(run_dir, "checkpoints") == digests(ref.run_dir, "checkpoints")
     ran = executions(run_dir)
-    # Step 0's truncated shard runs again. Step 1's caching pass finds trees.json damaged,
+    # Step 0's truncated shard runs again. Step 1's caching pass finds its trees damaged,
     # so its trees run again; they find step 0's checkpoint damaged, which then no longer
     # counts as complete: the run restarts from the base model and step 0's caching pass and
     # update run again; then step 1's trees, caching pass, update and drafter. A try that

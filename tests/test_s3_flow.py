@@ -32,14 +32,16 @@ def test_run_in_s3_resumes_and_keeps_no_secret(prefect_server, s3_endpoint, tiny
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "unset")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "unset")
     local = tmp_path / "not-used"
+    # Credentials in Hydra's spellings here and as a section given whole below: none reaches a
+    # flow run's parameters (test_secrets: every spelling).
     args = ["train", *tiny(local, tiny_model_dir), f"storage.uri=s3://{BUCKET}/{PREFIX}",
-            f"storage.endpoint_url={endpoint}", f"storage.key={KEY}", f"storage.secret={SECRET}"]
+            f"storage.endpoint_url={endpoint}", f"+storage.key={KEY}", f"++storage.secret={SECRET}"]
     assert cli.main(args) == 0
     first = capfd.readouterr()
 
     stored = objects(endpoint)
     for key in ["config.yaml", "config.json", "metrics.jsonl", "curves.png", "step_0000/prompts.json",
-                "step_0001/trees.json", "checkpoints/policy/step_0001/model.safetensors",
+                "step_0001/trees/shard_00.json", "checkpoints/policy/step_0001/model.safetensors",
                 "checkpoints/policy/step_0001/optimizer.safetensors", "checkpoints/drafter/step_0001/model.safetensors",
                 *[f"step_{s:04d}/{stage}.done.json" for s in (0, 1) for stage in STAGES]]:
         assert key in stored, key
@@ -50,9 +52,10 @@ def test_run_in_s3_resumes_and_keeps_no_secret(prefect_server, s3_endpoint, tiny
     executions = sorted(k for k in stored if k.startswith("executions/"))
     assert len(executions) == 2 * len(STAGES)
 
-    # Resume from the bucket: every stage is found finished; nothing runs again.
+    # Resume from the bucket: every stage is found finished; nothing runs again. The model
+    # folder the bucket's config names is named again: a resume runs only what its command names.
     assert cli.main(["resume", f"s3://{BUCKET}/{PREFIX}", f"storage.endpoint_url={endpoint}",
-                     f"storage.key={KEY}", f"storage.secret={SECRET}"]) == 0
+                     f"storage={{key: {KEY}, secret: {SECRET}}}", f"model.path={tiny_model_dir}"]) == 0
     second = capfd.readouterr()
     again = objects(endpoint)
     assert sorted(k for k in again if k.startswith("executions/")) == executions

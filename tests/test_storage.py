@@ -85,6 +85,32 @@ def test_local_folder_holds_the_entries_and_a_copy_is_removed(store):
     assert Path(folder).is_dir() == store.local  # a local store's own folder stays; a copy does not
 
 
+def test_an_object_named_with_dots_is_not_copied_out_of_the_folder(s3_endpoint, tmp_path, monkeypatch):
+    """An object store's keys are any strings: an object named hf/../../victim under a run's
+    prefix would be copied to ../../victim from the temporary folder. It is refused before
+    anything is opened (before, the file there was truncated first)."""
+    import tempfile
+    import uuid
+
+    import boto3
+
+    endpoint, options = s3_endpoint
+    prefix = uuid.uuid4().hex
+    store = Store(f"s3://{BUCKET}/{prefix}", options)
+    store.write_bytes("hf/config.json", b"{}")
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=options["key"],
+                 aws_secret_access_key=SECRET).put_object(Bucket=BUCKET, Key=f"{prefix}/hf/../../victim", Body=b"x")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a" / "b"))  # the copy's folder: a/b/lsreplay-store-*
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    victim = tmp_path / "a" / "victim"  # where ../../victim from that folder lands
+    victim.write_bytes(b"precious")
+    with pytest.raises(CorruptEntry, match=r"an object named '\.\./victim' under hf: a key with an empty, '\.' or "
+                                           r"'\.\.' part"):
+        with store.local_folder("hf"):
+            pass
+    assert victim.read_bytes() == b"precious"
+
+
 def test_missing_entry(store):
     with pytest.raises(MissingEntry, match="nothing/here"):
         store.read_bytes("nothing/here")

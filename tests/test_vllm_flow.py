@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from flowrun import lsreplay_chain, unique_pool
+from flowrun import lsreplay_chain, tree_records, unique_pool
 
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
@@ -51,7 +51,7 @@ def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_res
         assert m["grad_norm"] > 0
     assert (run_dir / "checkpoints/policy/step_0002/checkpoint.json").is_file()
     assert (run_dir / "checkpoints/policy/step_0002/hf/model.safetensors").is_file()
-    trees = json.loads((run_dir / "step_0001/trees.json").read_text())["trees"]
+    trees = tree_records(run_dir, 1)
     assert all(sum(t["counts"]) == 8 and len(t["paths"]) == len(t["completions"]) for t in trees)
     # Spot-trained during step 1's rollouts (a drafter that found them over trains nothing). How
     # many steps fit in the 10 s stall depends on the machine: 1 on a busy one.

@@ -8,11 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
+import urllib.parse
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from difflib import get_close_matches
 from importlib.util import find_spec
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -266,6 +269,9 @@ class RewardConfig:
     kwargs: list[dict] = field(default_factory=list)
     # One function, the older key: the same as functions=[function].
     function: str = ""
+    # Seconds the reward functions may take to score one batch (a rollout shard's completions,
+    # or the held-out answers of an evaluation); longer stops the run naming them. 0 = no limit.
+    timeout_seconds: float = 600.0
 
 
 @dataclass
@@ -377,6 +383,11 @@ class PoolConfig:
     ray_address: str = ""
     # GPUs a device's Ray host asks for (0 on CPU).
     ray_gpus: float = 0.0
+    # Seconds one try of a stage may run; longer fails the try (retried as transient). 0 = no limit.
+    stage_timeout_seconds: float = 7200.0
+    # Seconds a stage waits for its pool slots and devices (another run holding them, or the
+    # lease of a killed one); longer fails the try. 0 = no limit.
+    wait_seconds: float = 3600.0
     # On CUDA every op deterministic (torch.use_deterministic_algorithms), flash attention's
     # backward included (no atomics; slower), and an op without a deterministic kernel an
     # error; false: cuBLAS deterministic, the backward's atomics not (docs/gpu.md).
@@ -438,8 +449,17 @@ class Config:
 
 
 SECRET_KEYS = ("storage.key", "storage.secret")
+# URLs that may carry credentials (https://user:token@host/..., ?token=...): written and sent
+# with those parts as REDACTED (redact_url).
+CREDENTIAL_URL_KEYS = ("storage.endpoint_url", "tracking.mlflow_uri")
+REDACTED = "***"
+# Keys naming code a run executes (reward functions, the vLLM interpreter) or weights it
+# loads: a resume takes them from its own command line, not from the stored config, which
+# whoever can write the store can change (lsreplay.core.run.open_run_config).
+EXECUTABLE_KEYS = ("reward.functions", "reward.function", "rollout.vllm.python", "model.path")
 # Keys that do not change what a run computes: allowed to differ on resume.
-NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking")
+NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking",
+                   "reward.timeout_seconds")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -465,11 +485,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
-def _file_layer(path: str | Path) -> tuple[DictConfig, list[str]]:
-    """A YAML file as a layer, and the free dicts it gives whole (they replace the defaults')."""
+def _load_yaml(path: str | Path) -> DictConfig:
+    """A config file's keys; ConfigError naming the file, the place and the fix if it is no
+    YAML mapping."""
     if not Path(path).is_file():
         raise ConfigError(f"config file {path} does not exist")
-    layer = _report_to_as_trl(OmegaConf.load(path))
+    try:
+        layer = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML ({_yaml_problem(e)}); fix it there: one `key: value` "
+                          "per line, nested keys indented under their section, lists as [a, b]") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"config file {path} holds a {type(layer).__name__.removesuffix('Config').lower()}, not a "
+                          "mapping of config keys; write it as `key: value` lines (e.g. steps: 3)")
+    return layer
+
+
+def _yaml_problem(error: yaml.YAMLError, line: bool = True) -> str:
+    """What YAML's parser found wrong and where: line and column in a file, the character of
+    a one-line value (`line` False; past its end: "at its end")."""
+    problem, mark = getattr(error, "problem", None) or str(error), getattr(error, "problem_mark", None)
+    if mark is None:
+        return problem
+    if line:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return f"{problem} at its end" if mark.line else f"{problem} at character {mark.column + 1}"
+
+
+def _file_layer(path: str | Path) -> tuple[DictConfig, list[str]]:
+    """A YAML file as a layer, and the free dicts it gives whole (they replace the defaults')."""
+    layer = _report_to_as_trl(_load_yaml(path))
     return layer, _given_whole(layer)
 
 
@@ -482,7 +527,12 @@ def _override_layer(item: str) -> tuple[DictConfig, list[str]]:
     key, _, value = (part.strip() for part in item.partition("="))
     if value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
         item = f"{key}=''"
-    layer = _report_to_as_trl(OmegaConf.from_dotlist([item]))
+    try:
+        layer = _report_to_as_trl(OmegaConf.from_dotlist([item]))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: its value is not valid YAML ({_yaml_problem(e, line=False)}); "
+                          "close its brackets and braces (e.g. rollout.branching=[4,2]), or quote a value "
+                          "meant as text") from None
     given_whole = any(key == k or key.startswith(k + ".") for k in FREE_DICTS) and \
         isinstance(OmegaConf.select(layer, key), DictConfig)
     return layer, [key] if given_whole else []
@@ -719,6 +769,7 @@ def _validate_reward(r: RewardConfig) -> None:
         _check(style in REWARD_STYLES, "reward.styles", " or ".join(REWARD_STYLES), style)
     _check(not r.kwargs or len(r.kwargs) == len(specs), "reward.kwargs",
            f"one dict of keywords per reward function ({len(specs)}), or empty (none)", r.kwargs)
+    _check(r.timeout_seconds >= 0, "reward.timeout_seconds", "must be >= 0 (0 = no limit)", r.timeout_seconds)
 
 
 def tracker_install_hint() -> str:
@@ -901,19 +952,47 @@ def _validate_pool(cfg: Config) -> None:
            "> 0 with pool.accelerator=cuda under pool.task_runner=ray (each device's Ray host asks Ray for "
            "its GPU: pool.ray_gpus=1)", p.ray_gpus)
     _check(p.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)", p.device_memory_gb)
+    for key, value in (("pool.stage_timeout_seconds", p.stage_timeout_seconds), ("pool.wait_seconds", p.wait_seconds)):
+        _check(value >= 0, key, "must be >= 0 (0 = no limit)", value)
     _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",
            p.devices_per_step)
 
 
 def to_dict(cfg: Config, redact: bool = True) -> dict:
-    """Plain dict of the config; secrets replaced unless `redact` is False."""
+    """Plain dict of the config; secrets replaced by REDACTED unless `redact` is False: the
+    credential keys, and the credentials in URLs (redact_url)."""
     d = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if redact:
         for key in SECRET_KEYS:
             section, name = key.split(".")
             if d[section][name]:
-                d[section][name] = "***"
+                d[section][name] = REDACTED
+        for key in CREDENTIAL_URL_KEYS:
+            section, name = key.split(".")
+            d[section][name] = redact_url(d[section][name])
     return d
+
+
+# Query parameters of a URL whose values are credentials.
+_SECRET_PARAMETER = re.compile(r"token|secret|password|passwd|key|signature|credential|auth", re.IGNORECASE)
+
+
+def has_credentials(url: str) -> bool:
+    """Whether `url` carries a user name, a password or a credential query parameter."""
+    return redact_url(url) != url
+
+
+def redact_url(url: str) -> str:
+    """`url` with its user:password part and its credential query values REDACTED."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
+    query = "&".join(f"{name}={REDACTED}" if _SECRET_PARAMETER.search(name) else f"{name}={value}" if sep else name
+                     for name, sep, value in (p.partition("=") for p in parts.query.split("&") if p))
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def to_yaml(cfg: Config) -> str:
@@ -927,5 +1006,11 @@ def non_result_keys(cfg: Config) -> tuple[str, ...]:
 
 def result_hash(cfg: Config) -> str:
     """Hash of everything that changes what a run computes (cache keys, resume checks)."""
-    d = {k: v for k, v in to_dict(cfg, redact=True).items() if k not in non_result_keys(cfg)}
+    d = to_dict(cfg, redact=True)
+    for key in non_result_keys(cfg):  # a section, or one key in it
+        *sections, name = key.split(".")
+        folder = d
+        for section in sections:
+            folder = folder[section]
+        folder.pop(name)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -2,10 +2,12 @@
 
 The Prefect pool (a global concurrency limit) bounds how many slots are held; it does
 not say which device a holder got. A holder therefore takes free per-device locks: one
-lock file per device in a machine-wide folder, so that two runs on one machine (from any
-folder, on any pool name) never compute on the same GPU. A GPU's lock is named by its
-UUID, which CUDA_VISIBLE_DEVICES does not renumber. fcntl locks die with their process,
-so a crashed task never strands a device.
+lock file per device in a folder of this user's, so that two runs of the user on one
+machine (from any folder, on any pool name) never compute on the same GPU. A GPU's lock is
+named by its UUID, which CUDA_VISIBLE_DEVICES does not renumber. fcntl locks die with their
+process, so a crashed task never strands a device. Only the user can write the folder: a
+lock file another user created could be held by them for good, and a link planted there
+would make opening it create a file elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextvars
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -34,9 +37,25 @@ LOCK_DIR_ENV = "LSREPLAY_LOCK_DIR"
 POLL_SECONDS = 1.0
 
 
+class DeviceWaitTimeout(TimeoutError):
+    """A stage waited pool.wait_seconds for devices another holder kept."""
+
+
 def lock_dir() -> Path:
-    """Machine-wide (not per working directory); LSREPLAY_LOCK_DIR overrides it."""
-    return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "lsreplay-devices")
+    """Per user, machine-wide (not per working directory); LSREPLAY_LOCK_DIR overrides it."""
+    return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / f"lsreplay-devices-{os.getuid()}")
+
+
+def _own_lock_dir() -> Path:
+    """lock_dir(), made if missing, checked to be this user's alone (ConfigError otherwise)."""
+    folder = lock_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ConfigError(f"the device lock folder {folder} is not this user's alone (owner uid {info.st_uid}, mode "
+                          f"{stat.filemode(info.st_mode)}): another user could create or hold its lock files. Remove "
+                          f"it (it is made again, only yours), or set {LOCK_DIR_ENV} to a folder only you can write")
+    return folder
 
 
 # Pool indices a host process (lsreplay.distributed.hosts) serves on devices of its own numbering: a
@@ -107,7 +126,8 @@ def _lock_name(pool: PoolConfig, index: int) -> str:
 @contextmanager
 def hold_devices(pool: PoolConfig, count: int, on: list[int] | None = None):
     """Yield `count` device indices in [0, pool.slots), or exactly those of `on`, exclusively
-    held until the block exits. Waits (and says so once) while another holder has them."""
+    held until the block exits. Waits (and says so once) while another holder has them, up to
+    pool.wait_seconds (then DeviceWaitTimeout)."""
     held: dict[int, int] = {}  # device index -> lock fd
     waiting_since = None
     try:
@@ -118,11 +138,15 @@ def hold_devices(pool: PoolConfig, count: int, on: list[int] | None = None):
                         held[index] = fd
             if len(held) == count:
                 break
+            wanted = f"devices {on}, whose host holds this stage's state" if on is not None else \
+                "devices another run on this machine holds"
             if waiting_since is None:
                 waiting_since = time.monotonic()
-                log.warning("pool %r: %d of %d devices free; waiting for %s", pool.name, len(held), count,
-                            f"devices {on}, whose host holds this stage's state" if on is not None else
-                            "devices another run on this machine holds")
+                log.warning("pool %r: %d of %d devices free; waiting for %s", pool.name, len(held), count, wanted)
+            elif pool.wait_seconds and time.monotonic() - waiting_since > pool.wait_seconds:
+                raise DeviceWaitTimeout(f"pool {pool.name!r}: waited pool.wait_seconds={pool.wait_seconds:g} for "
+                                        f"{wanted} (lock files in {lock_dir()}); stop the run that holds them, or "
+                                        "raise pool.wait_seconds")
             time.sleep(POLL_SECONDS)
         yield list(held)
     finally:
@@ -145,12 +169,7 @@ def any_held(pool: PoolConfig, slots: int) -> bool:
 
 def _try_lock(name: str) -> int | None:
     """The open, exclusively locked lock file `name`, or None if another process holds it."""
-    folder = lock_dir()
-    if not folder.is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
-        os.chmod(folder, 0o1777)  # every user of the machine locks devices here
-    # Read-only: another user's lock file can be locked too (flock needs no write access).
-    fd = os.open(folder / f"{name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    fd = os.open(_own_lock_dir() / f"{name}.lock", os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd

@@ -13,6 +13,8 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     checkpoint[@STEP]:tear   SIGKILL this process halfway through writing the weights file of
                              the step's policy checkpoint: a torn write (a partial temporary
                              file beside a local store's entry, an incomplete S3 multipart upload)
+    checkpoint[@STEP]:full   every write of the step's policy checkpoint fails as on a full
+                             disk (OSError ENOSPC): the background writer's failure
     storage:fail[*N]         the next N store writes raise a transient ConnectionError
 
 STAGE is one of lsreplay.core.layout.STAGES, `eval` (the held-out evaluation), or `checkpoint`
@@ -28,6 +30,7 @@ and `partly_written(key)` in its middle. Unset, every hook returns at once.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -43,7 +46,7 @@ from lsreplay.core.layout import MODEL_FILE, STAGES, checkpoint_folder
 log = logging.getLogger(__name__)
 
 ENV = "LSREPLAY_FAULTS"
-ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear")
+ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full")
 STALL_ENV = "LSREPLAY_STALL_SECONDS"
 _SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z]+)(?:\*(?P<count>\d+))?$")
 
@@ -84,8 +87,9 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: {item!r}: storage faults are storage:fail[*N]")
         if action == "nan" and target != "policy":
             raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN")
-        if action == "tear" and target != "checkpoint":
-            raise ValueError(f"{ENV}: {item!r}: only a checkpoint's write can be torn (checkpoint[@STEP]:tear)")
+        if action in ("tear", "full") and target != "checkpoint":
+            raise ValueError(f"{ENV}: {item!r}: only a checkpoint's write can be torn or find the disk full "
+                             f"(checkpoint[@STEP]:{action})")
         count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall", "tear") else 2**31)
         faults.append(Fault(target, int(m["step"]) if m["step"] else None, action, count))
     return faults
@@ -135,7 +139,9 @@ def hook(stage: str, step: int, point: str) -> None:
     elif point == "mid" and _take(stage, step, ("stall",)):
         seconds = float(os.environ.get(STALL_ENV, "5"))
         log.warning("injected stall of %.1f s in the middle of stage %s of step %d", seconds, stage, step)
-        time.sleep(seconds)
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:  # in slices: a task timeout interrupts it between them
+            time.sleep(min(left, 0.1))
     elif point == "mid" and _take(stage, step, ("kill",)):
         log.warning("injected kill in the middle of stage %s of step %d", stage, step)
         _kill()
@@ -161,14 +167,29 @@ def partly_written(key: str) -> None:
     if not os.environ.get(ENV):
         return
     folder, name = posixpath.split(key)  # checkpoints/policy/step_NNNN, model.safetensors
-    step = folder.removeprefix(checkpoint_folder("policy", 0).removesuffix("0000"))
-    if name == MODEL_FILE and step.isdigit() and _take("checkpoint", int(step), ("tear",)):
+    step = _policy_checkpoint_step(folder)
+    if name == MODEL_FILE and step is not None and folder == checkpoint_folder("policy", step) \
+            and _take("checkpoint", step, ("tear",)):
         log.warning("injected kill in the middle of writing %s", key)
         _kill()
 
 
 def storage_write(key: str) -> None:
     """Called by the store before each write."""
-    if os.environ.get(ENV) and (fault := _take("storage", None, ("fail",))):
+    if not os.environ.get(ENV):
+        return
+    if fault := _take("storage", None, ("fail",)):
         log.warning("injected transient storage fault writing %s (%d more)", key, fault.remaining)
         raise InjectedFault(f"injected transient storage fault writing {key}")
+    if (step := _policy_checkpoint_step(posixpath.dirname(key))) is not None and _take("checkpoint", step, ("full",)):
+        raise OSError(errno.ENOSPC, f"No space left on device (injected: {ENV}=checkpoint@{step}:full)", key)
+
+
+def _policy_checkpoint_step(folder: str) -> int | None:
+    """The step of the policy checkpoint that holds `folder` (checkpoints/policy/step_NNNN or
+    a folder in it), or None."""
+    parts = folder.split("/")
+    if parts[:2] != checkpoint_folder("policy", 0).split("/")[:2] or len(parts) < 3:
+        return None
+    step = parts[2].removeprefix("step_")
+    return int(step) if step.isdigit() else None

@@ -3,10 +3,11 @@
 Layout of a run's store (the run directory by default):
 
     config.yaml                     resolved config, secrets redacted
+    run.lock                        held by the process that runs the run (lsreplay.core.run_lock)
     metrics.jsonl                   one JSON line per finished step
     step_0000/prompts.json          the sampled prompt batch
-    step_0000/trees/shard_00.json   one rollout shard's trees (rollout.shards of them)
-    step_0000/trees.json            rollout trees, all shards: tokens, behaviour logprobs, rewards, texts
+    step_0000/trees/shard_00.json   one rollout shard's trees (rollout.shards of them): tokens,
+                                    behaviour logprobs, rewards, texts; the step's trees are its shards'
     step_0000/prefix_kv/...         cached K/V of every branching node (safetensors); deleted
                                     once the step's update is done (checkpoint.keep_step_data)
     step_0000/activations/...       entry logprobs and last hidden states per tree; deleted
@@ -34,6 +35,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -43,7 +45,7 @@ from lsreplay.core import faults
 from lsreplay.core.config import Config, ConfigError
 from lsreplay.core.devices import cuda_determinism, torch_device
 from lsreplay.core.layout import CheckpointError, checkpoint_folder
-from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry, Store, is_file_record
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +63,18 @@ class InputCorrupt(RuntimeError):
 
 
 class StageFailed(RuntimeError):
-    """A stage failed for good; the message names the stage, the step and the cause."""
+    """A stage failed for good; the message names the stage, the step and the cause.
+    `bad_input`: the cause is an entry of the store that is not of the structure lsreplay
+    writes (MalformedEntry), which the command reports as bad input (exit status 2)."""
 
-    def __init__(self, stage: str, step: int, cause: BaseException | str):
+    def __init__(self, stage: str, step: int, cause: BaseException | str, bad_input: bool | None = None):
         self.stage, self.step = stage, step
+        self.bad_input = isinstance(cause, MalformedEntry) if bad_input is None else bad_input
         text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
         super().__init__(f"stage {stage} of step {step} failed: {text}")
 
     def __reduce__(self):
-        return (type(self), (self.stage, self.step, str(self).split(" failed: ", 1)[-1]))
+        return (type(self), (self.stage, self.step, str(self).split(" failed: ", 1)[-1], self.bad_input))
 
 
 def open_store(cfg: Config) -> Store:
@@ -115,12 +120,25 @@ class Run:
         return torch_device(self.cfg.pool, devices[0] if devices else None)
 
     # -- config on disk ---------------------------------------------------------------------
+    def saved_config(self) -> dict | None:
+        """The run's config.json ({"result_hash", "config"}), None if the run has none yet;
+        MalformedEntry if it is JSON of another structure."""
+        try:
+            saved = self.store.read_json("config.json")
+        except MissingEntry:
+            return None
+        if not (isinstance(saved, dict) and isinstance(saved.get("result_hash"), str)
+                and isinstance(saved.get("config"), dict)):
+            raise MalformedEntry(f"{self.store.url('config.json')} is valid JSON but not a run's config.json (a "
+                                 "'result_hash' and a 'config' mapping): another program wrote it or it was edited; "
+                                 "restore it (config.yaml beside it holds the run's keys), or start a new run_dir")
+        return saved
+
     def check_config(self, force: bool = False) -> bool:
         """Refuse a config that changes the results of an existing run (unless `force`).
         True if the run already exists."""
-        if not self.store.exists("config.json"):
+        if (saved := self.saved_config()) is None:
             return False
-        saved = self.store.read_json("config.json")
         if saved["result_hash"] != self.config_hash and not force:
             raise ConfigError(
                 f"the run at {self.store.uri} was started with a different config "
@@ -134,8 +152,8 @@ class Run:
         started, else this process's torch thread count now (recorded by
         save_or_check_config). Every stage then computes with that count (`begin`)."""
         threads = self.cfg.threads
-        if threads == 0 and self.store.exists("config.json"):
-            threads = self.store.read_json("config.json")["config"].get("threads", 0)
+        if threads == 0 and (saved := self.saved_config()) is not None:
+            threads = saved["config"].get("threads", 0)
         if threads == 0:
             threads = torch.get_num_threads()
         return Run(dataclasses.replace(self.cfg, threads=threads), self.store)
@@ -159,6 +177,11 @@ class Run:
         except CorruptEntry as e:
             log.warning("step %d %s: unreadable done marker (%s); recomputing the stage", step, stage, e)
             return None
+        if not (isinstance(manifest, dict) and isinstance(manifest.get("files", []), list)
+                and all(map(is_file_record, manifest.get("files", [])))):
+            raise MalformedEntry(f"{self.store.url(marker)} is valid JSON but not a done marker (a mapping whose "
+                                 "'files' list each written file's key, bytes and sha256): another program wrote it or "
+                                 "it was edited; delete it, and the stage runs again")
         files = manifest.get("files", [])
         sizes = self.store.sizes(_common_dir([e["key"] for e in files])) if files else {}
         bad = [e["key"] for e in files if sizes.get(e["key"]) != e["bytes"]]
@@ -253,11 +276,7 @@ class Run:
     def append_metrics(self, record: dict) -> None:
         """Rewrite metrics.jsonl with `record` merged into the line of its step (a step's
         evaluation and its training figures are recorded apart)."""
-        try:
-            lines = self.store.read_bytes("metrics.jsonl").decode().splitlines()
-        except MissingEntry:
-            lines = []
-        rows = [json.loads(x) for x in lines if x.strip()]
+        rows = self.metrics()
         earlier = next((r for r in rows if r.get("step") == record["step"]), {})
         rows = [r for r in rows if r.get("step") != record["step"]] + [{**earlier, **record}]
         rows.sort(key=lambda r: r["step"])
@@ -275,30 +294,45 @@ class Run:
         self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
 
     def metrics(self) -> list[dict]:
+        """metrics.jsonl's lines; MalformedEntry naming the line that is not a step's record."""
         try:
-            return [json.loads(x) for x in self.store.read_bytes("metrics.jsonl").decode().splitlines() if x]
+            lines = self.store.read_bytes("metrics.jsonl").decode(errors="replace").splitlines()
         except MissingEntry:
             return []
+        return [self._metrics_row(line, number) for number, line in enumerate(lines, 1) if line.strip()]
+
+    def _metrics_row(self, line: str, number: int) -> dict:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            raise MalformedEntry(f"line {number} of {self.store.url('metrics.jsonl')} is not a step's metrics (a JSON "
+                                 f"object with its 'step'): {line[:80]!r}; fix or delete that line")
+        return row
 
 
-def open_run_config(uri: str, overrides: list[str] = ()) -> Config:
+def open_run_config(uri: str, overrides: list[str] = (), runs_code: bool = True) -> Config:
     """The config an existing run was started with (its config.json), with `overrides` on top.
 
     `uri` is the run directory or the run's storage URI (s3://bucket/prefix; give the
     endpoint as the override storage.endpoint_url=... if it is not AWS's). Redacted secrets
-    are dropped: credentials come from the environment or the overrides."""
+    are dropped: credentials come from the environment or the overrides. `runs_code`: the
+    config is for running the run (a resume), so the stored values of EXECUTABLE_KEYS must be
+    vouched for (`_check_executable_keys`)."""
     local = "://" not in uri or uri.startswith("file://")
     where = [f"run_dir={uri}"] if local else [f"storage.uri={uri}"]
-    probe = config_mod.load_config(None, where + [o for o in overrides if o.startswith("storage.")])
+    probe = config_mod.load_config(None, where + [o for o in overrides if o.lstrip("+").startswith("storage")])
     store = open_store(probe)
-    try:
-        saved = store.read_json("config.json")["config"]
-    except MissingEntry:
-        raise ConfigError(f"{uri} holds no run (no config.json there); start one with `lsreplay train`") from None
-    for key in config_mod.SECRET_KEYS:
+    if (found := Run(probe, store).saved_config()) is None:
+        raise ConfigError(f"{uri} holds no run (no config.json there); start one with `lsreplay train`")
+    saved = found["config"]
+    for key in (*config_mod.SECRET_KEYS, *config_mod.CREDENTIAL_URL_KEYS):
         section, name = key.split(".")
-        if saved.get(section, {}).get(name) == "***":
+        if config_mod.REDACTED in str(saved.get(section, {}).get(name, "")):
             saved[section][name] = ""
+    if runs_code:
+        _check_executable_keys(store, saved, overrides, uri)
     if local:
         saved["run_dir"] = uri
     else:
@@ -311,6 +345,40 @@ def open_run_config(uri: str, overrides: list[str] = ()) -> Config:
         os.unlink(f.name)
 
 
+def _check_executable_keys(store: Store, saved: dict, overrides: list[str], uri: str) -> None:
+    """Refuse a stored config whose EXECUTABLE_KEYS name code or weights the resume's own
+    command does not: whoever can write the store can change config.json, and a resume would
+    run what it names. A key given among `overrides` (or its section) takes the command's
+    value; a stored value equal to the default needs none. A run folder on this machine that
+    only this user can write is this user's own record, and trusted."""
+    if store.local and _only_mine(Path(store.uri) / "config.json"):
+        return
+    given = [o.partition("=")[0].strip().lstrip("+") for o in overrides]
+    defaults = config_mod.to_dict(Config())
+    named = {key: value for key in config_mod.EXECUTABLE_KEYS
+             if (value := _select(saved, key)) != _select(defaults, key)
+             and not any(key == g or key.startswith(g + ".") for g in given)}
+    if named:
+        repeat = " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in named.items())
+        raise ConfigError(f"{store.url('config.json')} names code or weights this resume would run: {repeat}; whoever "
+                          "can write the store can change that file, so a resume runs only what its own command "
+                          f"names: repeat them (lsreplay resume {uri} {repeat})")
+
+
+def _only_mine(path: Path) -> bool:
+    """Whether `path` and its folder belong to this user and no one else can write them."""
+    try:
+        return all(p.stat().st_uid == os.getuid() and not p.stat().st_mode & 0o022 for p in (path, path.parent))
+    except OSError:
+        return False
+
+
+def _select(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
 def _common_dir(keys: list[str]) -> str:
     """The deepest folder holding all of `keys`."""
     common = posixpath.commonpath([posixpath.dirname(k) or "." for k in keys]) if keys else ""
@@ -320,7 +388,7 @@ def _common_dir(keys: list[str]) -> str:
 def _diff(old: dict, new: dict, skip: tuple[str, ...] = config_mod.NON_RESULT_KEYS, prefix: str = "") -> str:
     changed = []
     for k in sorted(set(old) | set(new)):
-        if prefix == "" and k in skip:
+        if f"{prefix}{k}" in skip:
             continue
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
+import errno
 import hashlib
 import json
 import logging
@@ -32,6 +34,7 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors import SafetensorError
 
 from lsreplay.core import faults
+from lsreplay.core.config import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,23 @@ class CorruptEntry(StorageError):
     """The entry exists but its bytes are not what was written (hash or format check failed)."""
 
 
+class Contended(StorageError):
+    """A conditional write or delete found the entry not as it was told to expect it."""
+
+
+class MalformedEntry(StorageError):
+    """The entry is valid JSON, but not of the structure lsreplay writes there: another program
+    or version wrote it, or a hand edited it. Nothing is guessed: the message names the entry
+    and what to do."""
+
+
+def is_file_record(obj) -> bool:
+    """Whether `obj` has the shape of the record of a written entry, as manifests list them
+    ({"key", "bytes", "sha256", ...})."""
+    return isinstance(obj, dict) and isinstance(obj.get("key"), str) and isinstance(obj.get("bytes"), int) \
+        and isinstance(obj.get("sha256"), str)
+
+
 class Store:
     """A root (local directory or s3://bucket/prefix) holding entries under '/'-separated keys."""
 
@@ -98,10 +118,9 @@ class Store:
         self._s3 = "s3" in fs.protocol
         self._root = os.path.normpath(root) if self._local else root.rstrip("/")
         self.uri = self._root if self._local else fs.unstrip_protocol(self._root)
-        # Kept for error messages only; the credentials stay inside the filesystem object.
-        self._endpoint = (options.get("client_kwargs") or {}).get("endpoint_url") or options.get(
-            "endpoint_url", "the default endpoint"
-        )
+        # Kept for error messages only, without credentials; those stay inside the filesystem object.
+        self._endpoint = redact_url((options.get("client_kwargs") or {}).get("endpoint_url") or options.get(
+            "endpoint_url", "the default endpoint"))
 
     def __repr__(self) -> str:
         return f"Store({self.uri!r})"
@@ -211,8 +230,9 @@ class Store:
         return data
 
     def write_json(self, key: str, obj: object) -> dict:
-        # Sorted keys give equal objects equal bytes, hence equal hashes.
-        return self.write_bytes(key, json.dumps(obj, sort_keys=True, indent=1).encode())
+        # Sorted keys give equal objects equal bytes, hence equal hashes. Compact: a step's
+        # records are mostly token ids and logprobs, one per line indented (2.4x the bytes).
+        return self.write_bytes(key, json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
     def read_json(self, key: str, sha256: str | None = None) -> object:
         data = self.read_bytes(key, sha256)
@@ -270,11 +290,60 @@ class Store:
             return
         with tempfile.TemporaryDirectory(prefix="lsreplay-store-") as folder:
             for key in self.sizes(prefix):
+                # A key with a `..` part (an object store's keys are any strings) would land
+                # outside the folder: refused before anything is opened or read.
+                if not _valid_key(key):
+                    raise CorruptEntry(f"the store {self.uri} holds an object named {key!r} under {prefix}: a key with "
+                                       "an empty, '.' or '..' part, which lsreplay never writes and will not copy out "
+                                       "(it would land outside the folder); delete that object")
+                data = self.read_bytes(key)
                 path = os.path.join(folder, posixpath.relpath(key, prefix))
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
-                    f.write(self.read_bytes(key))
+                    f.write(data)
             yield folder
+
+    # -- conditional writes (object stores: a lease's create, renewal and release) ----------
+    def write_if(self, key: str, data: bytes, etag: str | None) -> str:
+        """Write entry `key` only if it is absent (`etag` None: S3's If-None-Match: *) or is
+        still the version `etag` names (If-Match); returns the new version's ETag. Contended if
+        not: another writer got there first."""
+        bucket, path, _ = self._fs.split_path(self._path(key))
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        return self._call(key, lambda: self._conditional(key, "put_object", Bucket=bucket, Key=path, Body=data,
+                                                         **condition))["ETag"]
+
+    def read_versioned(self, key: str) -> tuple[bytes, str, float]:
+        """Entry `key`'s bytes, ETag and age: seconds since it was last written, by the
+        server's clock (its Last-Modified against its response's Date), whatever this
+        machine's clock says. MissingEntry if there is none."""
+        bucket, path, _ = self._fs.split_path(self._path(key))
+
+        def op() -> tuple[bytes, str, float]:
+            try:
+                found = fsspec.asyn.sync(self._fs.loop, _get_object, self._fs, bucket, path)
+            except FileNotFoundError as e:
+                raise MissingEntry(f"no entry {self.url(key)}") from e
+            now = email.utils.parsedate_to_datetime(found["ResponseMetadata"]["HTTPHeaders"]["date"])
+            return found["Body"], found["ETag"], (now - found["LastModified"]).total_seconds()
+
+        return self._call(key, op)
+
+    def delete_if(self, key: str, etag: str) -> None:
+        """Delete entry `key` only if it is still the version `etag` names; Contended if not."""
+        bucket, path, _ = self._fs.split_path(self._path(key))
+        self._call(key, lambda: self._conditional(key, "delete_object", Bucket=bucket, Key=path, IfMatch=etag))
+
+    def _conditional(self, key: str, method: str, **request) -> dict:
+        if not self._s3:
+            raise NotImplementedError(f"conditional writes need an object store; {self.uri} is not one")
+        try:
+            return self._fs.call_s3(method, **request)
+        except OSError as e:
+            if isinstance(e, FileExistsError) or _precondition_failed(e.__cause__):
+                raise Contended(f"{self.url(key)} changed under this writer ({method} with "
+                                f"{', '.join(k for k in request if k.startswith('If'))} refused)") from None
+            raise
 
     def delete(self, key: str) -> None:
         """Remove one entry; deleting an absent key is not an error, so cleanup can be rerun."""
@@ -406,10 +475,33 @@ class Store:
             raise StorageError(f"I/O error on {self.url(key) if key else self.uri}: {e}") from e
 
 
+# I/O errors that do not pass within a few seconds of backoff: a full disk or quota, a file
+# over its size limit, a read-only file system. Failed at once, they stop a run where they
+# happen instead of after a minute of retries.
+_LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def _precondition_failed(error: BaseException | None) -> bool:
+    """Whether S3 refused a request for its condition (or for a conditional write racing it)."""
+    code = (getattr(error, "response", None) or {}).get("Error", {}).get("Code")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+async def _get_object(fs, bucket: str, key: str) -> dict:
+    """An object's bytes and its response's metadata (s3fs's reads keep no headers)."""
+    found = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    try:
+        return {**found, "Body": await found["Body"].read()}
+    finally:
+        found["Body"].close()
+
+
 def _transient(error: BaseException | None) -> bool:
     """A failure that may pass: a remote client's error, a dropped connection or timeout, or a
-    generic I/O error; not a missing entry or a refused permission."""
+    generic I/O error; not a missing entry, a refused permission or a full disk."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, *_NOT_RETRIED)):
+        return False
+    if isinstance(error, OSError) and error.errno in _LASTING_ERRNOS:
         return False
     return isinstance(error, (*_REMOTE_ERRORS, ConnectionError, TimeoutError)) or type(error) is OSError
 
@@ -422,11 +514,16 @@ def _with_defaults(uri: str, options: dict) -> dict:
     return options
 
 
+def _valid_key(key: str) -> bool:
+    """A relative '/'-separated path without empty, '.' or '..' parts, and no temporary file's."""
+    return bool(key.strip("/")) and not any(p in ("", ".", "..") for p in key.strip("/").split("/")) \
+        and _TMP_MARK not in key
+
+
 def _check_key(key: str) -> str:
-    parts = key.strip("/").split("/")
-    if not key.strip("/") or any(p in ("", ".", "..") for p in parts) or _TMP_MARK in key:
+    if not _valid_key(key):
         raise ValueError(f"invalid store key {key!r}: use a relative '/'-separated path")
-    return "/".join(parts)
+    return key.strip("/")
 
 
 def _sha256(data: bytes) -> str:

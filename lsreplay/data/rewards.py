@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -24,6 +25,7 @@ import logging
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable
 
 from lsreplay.core.config import Config, is_reward_model, reward_specs
@@ -182,6 +184,7 @@ class Reward:
     def __init__(self, cfg: Config, device="cpu"):
         self.task_args = dict(cfg.data.task_args)
         self.answer_column, self.source_column = cfg.data.columns.answer, cfg.data.reward_fn_key
+        self.timeout = cfg.reward.timeout_seconds
         self.functions = [_function(cfg, i, spec, device) for i, spec in enumerate(reward_specs(cfg.reward))]
         names = [rf.name for rf in self.functions]
         for rf in self.functions:
@@ -202,7 +205,21 @@ class Reward:
     def score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
               state) -> Scores:
         """Every completion of every prompt scored; `state` is the transformers.TrainerState
-        TRL-style functions get as trainer_state (lsreplay.stages.trainer_state)."""
+        TRL-style functions get as trainer_state (lsreplay.stages.trainer_state). A RewardError
+        if the functions take longer than reward.timeout_seconds (a function that hangs)."""
+        if not self.timeout:
+            return self._score(prompts, completions, completion_ids, state)
+        try:
+            return _within(self.timeout, self._score, prompts, completions, completion_ids, state)
+        except TimeoutError:
+            names = ", ".join(rf.spec for rf in self.functions) or "reasoning-gym's checkers"
+            raise RewardError(f"the reward functions ({names}) did not score the completions of prompts "
+                              f"{sorted({p.index for p in prompts})} within reward.timeout_seconds={self.timeout:g}; "
+                              "a function that hangs (a network call without a timeout?) stops the run here: fix it, "
+                              "or raise reward.timeout_seconds if it is only slow") from None
+
+    def _score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
+               state) -> Scores:
         if not self.functions:
             values = [[score(p, c, self.task_args.get(p.task)) for c in cs] for p, cs in zip(prompts, completions)]
             return Scores(values, {DEFAULT_NAME: values}, {}, {})
@@ -297,6 +314,28 @@ class Reward:
             log.warning("no reward function applies to a completion of prompt %d (every one returned None): it is "
                         "left out of the baselines and the reward figures, and its advantage is 0", prompt.index)
         return None
+
+
+def _within(seconds: float, fn: Callable, *args):
+    """fn(*args) on a thread of its own, given `seconds`: its result or error, or TimeoutError.
+    A thread cannot be stopped: one that hangs stays behind, a daemon (it does not keep the
+    process from exiting); the stage that waited for it goes on to fail."""
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=contextvars.copy_context().run, args=(target,), daemon=True, name="reward")
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"not done within {seconds} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _nest(flat: list, like: list[list]) -> list[list]:

@@ -271,10 +271,22 @@ def _load_saved(path: Path, split: str) -> datasets.Dataset:
     return saved
 
 
-def _metadata(value) -> dict:
+def _metadata(value, row: int) -> dict:
+    """A row's `metadata` column as a dict: a JSON object string (as reasoning-gym's prompts
+    keep it) or a struct; DatasetError naming the row and the fix otherwise."""
     if value is None:
         return {}
-    return json.loads(value) if isinstance(value, str) else dict(value)
+    try:
+        found = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        found, reason = None, f"not JSON: {e.msg} at character {e.pos + 1}"
+    else:
+        reason = f"a JSON {type(found).__name__}, not an object"
+    if isinstance(found, dict):
+        return dict(found)
+    raise DatasetError(f"row {row}: the column 'metadata' holds {str(value)[:80]!r}, {reason}; write it as a JSON "
+                       "object ('{\"key\": 1}') or a struct, or rename the column (any other column is kept as "
+                       "metadata as it is)")
 
 
 def _is_prompt_feature(feature) -> bool:
@@ -338,6 +350,10 @@ class PromptSet:
         """Every row's prompt is a string or a list of chat messages (the error names the row)."""
         for row, value in zip(self.rows, self.column("question")):
             check_prompt_value(value, self.columns["question"], row)
+        if "metadata" in self._table.column_names:
+            metadata = list(self._table["metadata"])
+            for row in self.rows:
+                _metadata(metadata[row], row)
 
     def reward_columns(self) -> list[str]:
         """The columns a prompt's `columns` holds: every one but the prompt's."""
@@ -373,9 +389,15 @@ class PromptSet:
             task=lookup(row, self.columns["task"]) or "",
             question=question,
             answer="" if answer is None else str(answer),
-            metadata={**extra, **_metadata(row.get("metadata"))},
+            metadata={**extra, **self._row_metadata(row.get("metadata"), index)},
             columns={k: v for k, v in row.items() if k != self.columns["question"]},
         )
+
+    def _row_metadata(self, value, row: int) -> dict:
+        try:
+            return _metadata(value, row)
+        except DatasetError as e:
+            raise DatasetError(f"{self.path}: {e}") from None
 
     def sample(self, step: int, batch_size: int, seed: int, draw: int = 0) -> list[Prompt]:
         """The batch for `step`: a pure function of (seed, step), so reruns and resumed

@@ -21,6 +21,7 @@ from lsreplay import stages
 from lsreplay.core import devices as device_pins
 from lsreplay.core.config import Config
 from lsreplay.core.run import Run
+from lsreplay.state import checkpointing
 from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class DeviceHost:
 
     def run(self, stage: str, cfg: Config, step: int, **kwargs) -> dict:
         return STAGE_FUNCTIONS[stage](Run(cfg), step, **kwargs)
+
+    def flush(self, cfg: Config) -> list[str]:
+        return _flush_writer(cfg)
 
     def weights(self, run_id: str, step: int) -> dict[str, torch.Tensor] | None:
         """The weights of the policy acting in `step` of run `run_id`, if this host holds it (on the CPU)."""
@@ -95,15 +99,57 @@ def run_on_host(stage: str, cfg: Config, step: int, devices: list[int], **kwargs
         return STAGE_FUNCTIONS[stage](Run(cfg), step, devices=devices, **kwargs)
     import ray
 
-    return ray.get(ray_host(cfg, devices).run.remote(stage, cfg, step, devices=devices, **kwargs))
+    host = ray_host(cfg, devices)
+    try:
+        return ray.get(host.run.remote(stage, cfg, step, devices=devices, **kwargs),
+                       timeout=cfg.pool.stage_timeout_seconds or None)
+    except ray.exceptions.GetTimeoutError:
+        # The host goes on with the stage, which a retry must not meet there: it goes, with its state.
+        _kill_host(cfg, devices)
+        raise TimeoutError(f"stage {stage} of step {step} ran past pool.stage_timeout_seconds="
+                           f"{cfg.pool.stage_timeout_seconds:g} on Ray host {host_name(cfg, devices)}; the host was "
+                           "ended (a retry starts a new one)") from None
+
+
+def flush_writers(cfg: Config) -> list[str]:
+    """Wait until every host of the run has written the checkpoints it took (a policy update
+    writes its checkpoint in its host's process: this one, or a Ray actor); returns the
+    writes of the run that failed."""
+    if cfg.pool.task_runner != "ray":
+        return _flush_writer(cfg)
+    import ray
+
+    with _HOSTS_LOCK:
+        hosts = [h for n, h in _HOSTS.items() if n.startswith(host_name(cfg, []))]
+    return [failure for found in ray.get([h.flush.remote(cfg) for h in hosts]) for failure in found]
+
+
+def _flush_writer(cfg: Config) -> list[str]:
+    """Wait for this process's checkpoint writer; the failed writes of the run of `cfg`."""
+    checkpointing.WRITER.wait()
+    return checkpointing.WRITER.failed(Run(cfg))
 
 
 def release_hosts(cfg: Config) -> None:
-    """End the pool's Ray hosts (their state goes with them); nothing to do in-process."""
+    """End the pool's Ray hosts (their state goes with them), each once its checkpoint writer
+    is done: killed in the middle of a write, it would leave the checkpoint incomplete. Nothing
+    to do in-process."""
     if cfg.pool.task_runner != "ray":
         return
     import ray
 
+    try:
+        flush_writers(cfg)
+    except Exception as e:  # a host that died has nothing left to write
+        log.warning("could not wait for the Ray hosts' checkpoint writers: %s: %s", type(e).__name__, e)
     with _HOSTS_LOCK:
         for name in [n for n in _HOSTS if n.startswith(host_name(cfg, []))]:
             ray.kill(_HOSTS.pop(name))
+
+
+def _kill_host(cfg: Config, indices: list[int]) -> None:
+    import ray
+
+    with _HOSTS_LOCK:
+        if (host := _HOSTS.pop(host_name(cfg, indices), None)) is not None:
+            ray.kill(host)

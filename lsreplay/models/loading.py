@@ -82,6 +82,22 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                      f"checkpoints/policy/step_N/hf), a model id downloaded before, or {SMOLLM2!r} for the default")
 
 
+SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_weights(folder: Path) -> None:
+    """The model folder holds safetensors weights, the only ones lsreplay loads (`load_model`:
+    a .bin file is a pickle, which runs code as it loads); ModelError saying how to convert."""
+    if any((folder / name).is_file() for name in SAFETENSORS):
+        return
+    pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in folder.glob(pattern))
+    found = f"it holds {', '.join(pickles[:3])}: pickled weights, which lsreplay does not load (unpickling runs " \
+        "code)" if pickles else "it holds no weights"
+    raise ModelError(f"{folder} has no safetensors weights ({' or '.join(SAFETENSORS)}); {found}. Convert them once "
+                     "where you trust the file: AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) "
+                     "writes model.safetensors")
+
+
 def _hub_cache_folder(model_id: str) -> Path | None:
     """The snapshot folder of `model_id` in the local Hugging Face cache (HF_HUB_CACHE), offline."""
     from huggingface_hub import snapshot_download
@@ -133,9 +149,11 @@ def load_model(cfg: ModelConfig, trainable: bool = True, device: torch.device | 
             model = random_model(cfg)
         else:
             path = resolve_model_dir(cfg)
+            # Safetensors only: a .bin weights file is a pickle, which runs code as it loads.
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation)
+                    path, dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation,
+                    use_safetensors=True)
             except (OSError, ValueError) as e:
                 raise ModelError(f"could not load the model at {path}: {e}") from e
     _to_compute(model, device, dtype)

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -45,6 +46,23 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 # How long the engine process may take to start and answer its first request (vLLM's
 # imports and engine start-up: about 25 s on 2 CPU cores with enforce_eager).
 START_TIMEOUT = 600.0
+
+
+# What the engine process's environment keeps of this one: what Python, vLLM, torch and the
+# accelerator read, and no credentials (AWS, W&B, MLflow, Hugging Face tokens stay here; a
+# name that says it holds one is dropped whatever its prefix). vLLM's usage reporting is off.
+ENGINE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "LD_LIBRARY_PATH",
+              "LD_PRELOAD", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME")
+ENGINE_ENV_PREFIXES = ("LC_", "VLLM_", "CUDA_", "NVIDIA_", "NCCL_", "OMP_", "KMP_", "MKL_", "TORCH", "TRITON_")
+NOT_PASSED = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+NO_USAGE_REPORTING = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def engine_environment() -> dict[str, str]:
+    """The environment an engine process (and vLLM's probe) starts with."""
+    kept = {k: v for k, v in os.environ.items()
+            if (k in ENGINE_ENV or k.startswith(ENGINE_ENV_PREFIXES)) and not NOT_PASSED.search(k)}
+    return {**kept, **NO_USAGE_REPORTING}
 
 
 class EngineError(RuntimeError):
@@ -119,7 +137,7 @@ class VLLMEngine:
         return accepted[0], process
 
     def _environment(self, authkey: bytes) -> dict:
-        env = {**os.environ, "LSREPLAY_VLLM_AUTHKEY": authkey.decode(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        env = {**engine_environment(), "LSREPLAY_VLLM_AUTHKEY": authkey.decode(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "OMP_NUM_THREADS": str(self.spec.threads), "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
         if self.spec.device.startswith("cuda"):
@@ -237,7 +255,8 @@ def check_engine(cfg, model_dir: Path) -> None:
     if not Path(python).is_file():
         raise ConfigError(f"rollout.engine=vllm, but rollout.vllm.python={python} does not exist: `make setup` "
                           "installs vLLM into .venv-vllm, or point rollout.vllm.python at a Python that has vLLM")
-    probe = subprocess.run([python, "-P", str(WORKER), "--probe"], capture_output=True, text=True, timeout=120)
+    probe = subprocess.run([python, "-P", str(WORKER), "--probe"], capture_output=True, text=True, timeout=120,
+                           env=engine_environment())
     if probe.returncode != 0:
         raise ConfigError(f"rollout.engine=vllm, but {python} cannot run vLLM ({probe.stderr.strip()[-300:]}): "
                           "`make setup` installs it into .venv-vllm")

@@ -55,11 +55,22 @@ class StateClock:
 
 
 def load_trees(run: Run, step: int) -> tuple[list[dict], list[RolloutTree]]:
-    """The step's rollout records and their tries."""
-    key = run.key(step, "trees.json")
-    with run.reading(step, "trees"):
-        records = run.store.read_json(key, sha256=run.sha256(run.manifest(step, "trees"), key))["trees"]
+    """The step's rollout records, in prompt order, and their tries: from the shard files the
+    trees stage's manifest lists (a run of before, from its one trees.json)."""
+    files = [(entry, "trees") for entry in run.manifest(step, "trees")["files"]]
+    records = records_in_prompt_order(run, step, files)
     return records, [RolloutTree.from_sequences(r["prompt_ids"], r["completions"]) for r in records]
+
+
+def records_in_prompt_order(run: Run, step: int, files: list[tuple[dict, str]]) -> list[dict]:
+    """The tree records in rollout shard files, each entry given with the stage whose output
+    it is (InputCorrupt names that stage), in the order of the step's prompts."""
+    by_prompt: dict[int, dict] = {}
+    for entry, stage in files:
+        with run.reading(step, stage):
+            stored = run.store.read_json(entry["key"], sha256=entry["sha256"])
+        by_prompt.update(zip(stored.get("prompt_indices", range(len(stored["trees"]))), stored["trees"]))
+    return [by_prompt[i] for i in sorted(by_prompt)]
 
 
 def leaf_counts(record: dict) -> list[int]:

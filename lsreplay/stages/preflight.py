@@ -16,7 +16,7 @@ from lsreplay.data.rewards import Reward
 from lsreplay.drafter.export import exported_format
 from lsreplay.drafter.model import FORMAT
 from lsreplay.metrics.trackers import check_trackers
-from lsreplay.models.loading import load_tokenizer, resolve_model_dir
+from lsreplay.models.loading import check_weights, load_tokenizer, resolve_model_dir
 from lsreplay.rollout.vllm_engine import check_engine
 
 
@@ -33,6 +33,8 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     if cfg.pool.task_runner == "thread":  # under Ray the devices are the workers', checked there
         check_accelerator(cfg.pool)
     model_dir = resolve_model_dir(cfg.model)
+    if not cfg.model.arch:  # a random model of that shape otherwise, no weights
+        check_weights(model_dir)
     if cfg.rollout.engine == "vllm":
         check_engine(cfg, model_dir)
     if cfg.drafter.enabled:

@@ -21,7 +21,8 @@ from lsreplay.metrics.records import rollout_metrics
 from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.rollout.bandit import DraftLengthBandit
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
-from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, policy_before, sampled_as,
+from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, policy_before,
+                                    records_in_prompt_order, sampled_as,
                                     training_rewards)
 from lsreplay.stages.drafter import load_drafter, newest_drafter
 from lsreplay.stages.trainer_state import tokens_seen, trainer_state
@@ -194,18 +195,14 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
 
 
 def collect_trees(run: Run, step: int) -> dict:
-    """Join the finished shards into the step's trees.json, in prompt order (the stage's output)."""
+    """The step's trees are its finished shards' (the stage's output): the manifest lists
+    their files, which later stages read in prompt order (stages.common.load_trees). Each
+    tree is written once, by its shard."""
     if done := run.done(step, "trees"):
         return done
     shards = [run.manifest(step, shard_name(k)) for k in range(run.cfg.rollout.shards)]
-    by_prompt = {}
-    for manifest in shards:
-        key = manifest["files"][0]["key"]
-        with run.reading(step, shard_name(manifest["shard"])):
-            stored = run.store.read_json(key, sha256=run.sha256(manifest, key))
-        by_prompt.update(zip(stored["prompt_indices"], stored["trees"]))
-    records = [by_prompt[i] for i in sorted(by_prompt)]
-    entry = run.store.write_json(run.key(step, "trees.json"), {"trees": records})
+    files = [manifest["files"][0] for manifest in shards]
+    records = records_in_prompt_order(run, step, [(f, shard_name(m["shard"])) for f, m in zip(files, shards)])
     lengths = [len(c) for rec in records for c in rec["completions"]]
     # Shards run side by side: the stage took from the first start to the last end.
     seconds = max(m["ended"] for m in shards) - min(m["started"] for m in shards)
@@ -213,7 +210,7 @@ def collect_trees(run: Run, step: int) -> dict:
     drawn = sum(m.get("prompts_drawn", 0) for m in shards) if all("prompts_drawn" in m for m in shards) \
         else len(records)
     return run.finish(step, "trees", {
-        "files": [entry], "trees": len(records), "rollouts": len(lengths), **group_stats(records),
+        "files": files, "trees": len(records), "rollouts": len(lengths), **group_stats(records),
         # Trees whose leaves all got the same reward: no GRPO gradient, no DPO pair. With
         # dynamic sampling, prompts_drawn - trees of the step's trees were dropped for that.
         "trees_all_alike": sum(all_alike(training_rewards(run.cfg, rec)) for rec in records),

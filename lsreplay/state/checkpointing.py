@@ -1,11 +1,12 @@
 """Policy checkpoints on a schedule: every `checkpoint.every` steps (and the last), written in
-the background while the next step runs, the newest `checkpoint.keep_last` complete ones kept.
+the background while the next step runs, the newest `checkpoint.keep_last` committed ones kept.
 
 The policy stage takes a snapshot of the trainable state into host memory (the only part
 the step waits for) and hands it to this process's writer thread. A checkpoint is complete
 once its `checkpoint.json` (every file with its size and sha256), written last, is there
 and the files have those sizes: a process killed at any moment of a write leaves no such
-file, and a resume starts from the newest complete checkpoint (`rewind`, below).
+file, and a resume starts from the newest committed checkpoint: complete, and its step's
+policy stage finished (`rewind`, below).
 
 Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights),
 critic.safetensors (the value head's, with algo.critic), optimizer.safetensors,
@@ -36,7 +37,7 @@ from lsreplay.core import faults
 from lsreplay.core.config import ConfigError
 from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import Run
-from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry, Store, is_file_record
 from lsreplay.models.hf_folder import write_hf_folder
 from lsreplay.models.train_state import TrainState
 from lsreplay.state.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
@@ -112,6 +113,12 @@ def manifest(run: Run, step: int) -> dict | None:
         record = run.store.read_json(f"{prefix}/{COMPLETE}")
     except (MissingEntry, CorruptEntry):
         return None
+    if not (isinstance(record, dict) and isinstance(record.get("files"), dict)
+            and all(map(is_file_record, record["files"].values()))):
+        raise MalformedEntry(f"{run.store.url(f'{prefix}/{COMPLETE}')} is valid JSON but not a checkpoint record (a "
+                             "'files' mapping of each file's key, bytes and sha256): another program wrote it or it "
+                             f"was edited; delete the folder {run.store.url(prefix)} (the run then resumes from an "
+                             "older checkpoint) or restore the record")
     sizes = run.store.sizes(prefix)
     if any(sizes.get(e["key"]) != e["bytes"] for e in record["files"].values()):
         return None
@@ -124,15 +131,26 @@ def complete_steps(run: Run, steps: set[int] | None = None) -> list[int]:
     return [s for s in sorted(_steps(run, POLICY) if steps is None else steps) if manifest(run, s) is not None]
 
 
+def committed_steps(run: Run, steps: set[int] | None = None) -> list[int]:
+    """Steps whose policy checkpoint is complete and whose update finished (its policy
+    stage's done marker is there), oldest first: what a resume starts from (`rewind`). A
+    process killed between a checkpoint's write and its stage's done marker leaves a complete
+    checkpoint that is not committed: the update runs again from the committed one before it,
+    so that one must stay (`prune`)."""
+    return [s for s in complete_steps(run, steps) if run.done(s, "policy") is not None]
+
+
 def prune(run: Run) -> list[int]:
-    """Delete policy checkpoints beyond the newest checkpoint.keep_last complete ones (and
-    incomplete ones older than those), and the drafters nothing after them can load; returns
-    the policy steps deleted. Never the newest complete."""
+    """Delete policy checkpoints beyond the newest checkpoint.keep_last committed ones (and
+    uncommitted ones older than those), and the drafters nothing after them can load; returns
+    the policy steps deleted. Never the newest committed one, nor any newer one: a checkpoint
+    written in the background is complete before its step's done marker, so until that marker
+    is there keep_last + 1 checkpoints stand."""
     keep, present = run.cfg.checkpoint.keep_last, _steps(run, POLICY)
-    complete = complete_steps(run, present)
-    if keep == 0 or len(complete) <= keep:
+    committed = committed_steps(run, present)
+    if keep == 0 or len(committed) <= keep:
         return []
-    oldest_kept = complete[-keep]
+    oldest_kept = committed[-keep]
     deleted = sorted(s for s in present if s < oldest_kept)
     for step in deleted:
         run.store.delete_prefix(run.checkpoint("policy", step))
@@ -163,7 +181,9 @@ class Writer:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.failures: list[str] = []
+        # Per run (its store's URI): the writes that failed, as "step N: Error: message". A
+        # process may serve several runs, one after another (tests) or side by side.
+        self._failures: dict[str, list[str]] = {}
 
     def submit(self, run: Run, snap: Snapshot) -> None:
         with self._lock:
@@ -175,8 +195,18 @@ class Writer:
         self._queue.put((run, snap, contextvars.copy_context()))
 
     def wait(self) -> None:
-        """Block until every submitted checkpoint is written (or failed: see `failures`)."""
+        """Block until every submitted checkpoint is written (or failed: see `failed`)."""
         self._queue.join()
+
+    def failed(self, run: Run) -> list[str]:
+        """The writes of `run`'s checkpoints that failed, oldest first."""
+        with self._lock:
+            return list(self._failures.get(run.store.uri, []))
+
+    def forget(self, run: Run) -> None:
+        """Forget `run`'s failed writes (a new flow of the run starts from what is in the store)."""
+        with self._lock:
+            self._failures.pop(run.store.uri, None)
 
     def _loop(self) -> None:
         # At normal priority. The write is mostly copying and hashing in C with the GIL
@@ -197,36 +227,53 @@ class Writer:
             deleted = prune(run)
             log.info("policy checkpoint of step %d written in %.1f s in the background%s", snap.step,
                      record["write_seconds"], f"; deleted those of steps {deleted}" if deleted else "")
-        except Exception as e:  # the run goes on: the state is resident; resume uses an older one
-            self.failures.append(f"step {snap.step}: {type(e).__name__}: {e}")
+        except Exception as e:  # raised by the run's next save (`save`), in the stage that calls it
+            with self._lock:
+                self._failures.setdefault(run.store.uri, []).append(f"step {snap.step}: {type(e).__name__}: {e}")
             log.error("policy checkpoint of step %d failed: %s: %s", snap.step, type(e).__name__, e)
 
 
 WRITER = Writer()
 
 
+class CheckpointWriteFailed(CheckpointError):
+    """A background checkpoint write failed; the next save raises it (`save`)."""
+
+
 def save(run: Run, step: int, train: TrainState) -> dict:
     """Checkpoint the state after `step` if due: snapshot now, write in the background (or
-    now, with checkpoint.background=false). Returns {"checkpoint": prefix or None, "state_seconds"}."""
+    now, with checkpoint.background=false). Returns {"checkpoint": prefix or None, "state_seconds"}.
+
+    A background write of this run that failed fails this call, due or not, as torchtitan's
+    next save raises what its async checkpoint's future raised: the run stops at the next step,
+    not hundreds of steps later with nothing durable since. A due save first waits for the
+    write before it (it had a whole step to finish), so that its failure cannot slip past."""
+    start = time.perf_counter()
+    if due(run, step) and run.cfg.checkpoint.background:
+        WRITER.wait()
+    if failed := WRITER.failed(run):
+        raise CheckpointWriteFailed(
+            f"the background write of the policy checkpoint of {failed[-1]}; the run stops rather than train on "
+            "with nothing durable after the newest complete checkpoint. Free space in the store or fix its "
+            "permissions, then `lsreplay resume`: it continues from the newest complete checkpoint")
     if not due(run, step):
         return {"checkpoint": None, "state_seconds": 0.0}
     snap = snapshot(run, step, train)
-    start = time.perf_counter()
     if run.cfg.checkpoint.background:
-        WRITER.submit(run, snap)  # waits only while an earlier snapshot is still queued
+        WRITER.submit(run, snap)
     else:
         write(run, snap)
         prune(run)
-    return {"checkpoint": run.checkpoint("policy", step), "state_seconds": snap.seconds + time.perf_counter() - start}
+    return {"checkpoint": run.checkpoint("policy", step), "state_seconds": time.perf_counter() - start}
 
 
 def rewind(run: Run) -> int:
-    """Forget the policy updates after the newest complete checkpoint of a finished update:
+    """Forget the policy updates after the newest committed checkpoint (`committed_steps`):
     they run again from it, with their caching passes where those released their outputs
     (other outputs stand: recomputed, they would come out the same). Returns the first
     step whose update is not held anywhere: where a process that holds nothing resumes."""
-    complete = [s for s in complete_steps(run) if run.done(s, "policy") is not None]
-    restart = complete[-1] + 1 if complete else 0
+    committed = committed_steps(run)
+    restart = committed[-1] + 1 if committed else 0
     forgotten = [s for s in range(restart, run.cfg.steps) if run.done(s, "policy") is not None]
     for step in range(restart, run.cfg.steps):
         run.invalidate(step, "policy")
