@@ -29,13 +29,13 @@ def test_a_reward_function_that_hangs_stops_the_stage(tmp_path):
     prompts = [Prompt(index=i, task="t", question="q", answer="a", metadata={}) for i in (3, 5)]
     start = time.monotonic()
     with pytest.raises(RewardError) as stopped:
-        Reward(cfg).score(prompts, [["x", "y"], ["z"]], [[[1], [2]], [[3]]], step=0)
+        Reward(cfg).score(prompts, [["x", "y"], ["z"]], [[[1], [2]], [[3]]], state=None)
     assert time.monotonic() - start < 5
     assert f"reward functions ({hang}:reward) did not score the completions of prompts [3, 5] within " \
            "reward.timeout_seconds=1" in str(stopped.value)
     quick = load_config(None, ["reward.timeout_seconds=1"])  # the default reward, well within it
     exact = Prompt(index=0, task="exact_answer", question="3+4?", answer="7", metadata={})
-    assert Reward(quick).score([exact], [["7"]], [[[7]]], step=0)[0] == [[1.0]]
+    assert Reward(quick).score([exact], [["7"]], [[[7]]], state=None).totals == [[1.0]]
 
 
 def test_a_stage_that_hangs_times_out_and_is_retried(prefect_server, tiny_model_dir, tmp_path, monkeypatch):
