@@ -95,23 +95,23 @@ def _resume(args) -> int:
 
 
 def _run_flow(cfg, force: bool, wait: bool, from_step: int | None = None, **flow_args) -> int:
-    """Check the inputs before Prefect starts, take the run's lock (waiting for another
+    """Check the inputs and that Prefect answers, take the run's lock (waiting for another
     process's with `wait`), forget what came after the checkpoint of `from_step` if given,
     then run the training flow, which holds the lock through."""
     _prepare_logging()
+    from flows.prefect_api import connect
     from lsreplay.core.run_lock import hold
     from lsreplay.stages.preflight import preflight
 
     run = preflight(cfg, force=force)
+    connect()  # before the lock, whose file would start the run directory of a run that cannot start
     with hold(run.store, wait=wait):
         if from_step is not None:
             from lsreplay.state.checkpointing import restart_after
 
             restart_after(run, from_step)
-        from flows.prefect_api import connect
         from flows.train import train
 
-        connect()
         metrics = train(force=force, **flow_args)
     print(f"finished {sum('loss' in m for m in metrics)} steps; metrics in the run directory's metrics.jsonl")
     return 0

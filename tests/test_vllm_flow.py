@@ -35,7 +35,7 @@ def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_res
     run = tiny_vllm_run(run_dir, vllm_model_dir, *VLLM, "steps=3", "rollout.shards=2", "pool.slots=2",
                         "data.prompts_per_step=2", "drafter.steps=16", "drafter.checkpoint_every=2",
                         "drafter.lr=1e-2", "algo.tis_cap=2", "rollout.temperature=0.7", "rollout.top_k=40",
-                        "rollout.top_p=0.95")
+                        "rollout.top_p=0.95", "rollout.vllm.logprob_gap_every=1")
     killed, finished = lsreplay_chain([(["train", *run, unique_pool()], "trees@1:stall,trees@2:kill"),
                                        (["resume", str(run_dir), unique_pool()], "")], tmp_path)
     assert killed["returncode"] == -9, killed["log"][-3000:]

@@ -75,6 +75,7 @@ class Server:
             options["gpu_memory_utilization"] = gpu_memory_utilization
         if _on_cpu():
             options["block_size"] = 32  # the CPU attention's smallest: at most 31 prompt tokens recomputed per branch
+            _expand_per_request_values_correctly()
         if drafter:
             schedule = [(1, spec_threshold, draft_tokens), (spec_threshold + 1, 1 << 20, 0)]
             options["speculative_config"] = {"method": "eagle", "model": drafter,
@@ -226,6 +227,26 @@ def _reload_drafter(worker, tensors: dict) -> None:
     runner = worker.model_runner
     with set_current_vllm_config(runner.vllm_config):
         reload_weights(runner.vllm_config, runner.drafter.model, iter(tensors.items()), None, True)
+
+
+def _expand_per_request_values_correctly() -> None:
+    """vLLM 0.32's CPU replacement for the kernel that spreads each request's sampling
+    parameter (temperature, top-k, top-p) over its draft tokens writes into an int64 copy of
+    its output whenever the output is not int64, and the caller keeps the uninitialised
+    original: with speculation on, the target's distribution at every draft position had a
+    garbage temperature, top-k and top-p (the vLLM flow test failed on it, a top-k of 0 at
+    temperature 0.7: "index 49152 is out of bounds for dimension 1 with size 49152"). This one
+    computes what the Triton kernel does, in the output's own dtype. Installed before the
+    engine registers the CPU kernels, which reads this module's function then."""
+    import torch
+    from vllm.utils import cpu_triton_utils
+
+    def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+        counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+        values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+        output.copy_(values.repeat_interleave(counts, output_size=output.numel()))
+
+    cpu_triton_utils._expand_kernel_impl = expand
 
 
 def _on_cpu() -> bool:
