@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.models.vocab_grads import accumulator, head_logits
+
 FULL_PRECISION = (torch.float32, torch.float64)
 # Vocabulary rows of a bf16 head cast to float32 at a time: the transient copy stays at
 # this many rows x hidden x 4 bytes (64 MiB for hidden 2048) instead of the whole head.
@@ -19,6 +21,9 @@ CHUNK = 8192
 def float_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head over `hidden` (..., d), computed and returned in float32; float64 stays float64."""
     head = model.get_output_embeddings()
+    if torch.is_grad_enabled() and (acc := accumulator(head.weight)) is not None:  # see vocab_grads
+        full = head.weight.dtype in FULL_PRECISION
+        return head_logits(hidden, head, acc, head.weight.shape[0] if full else CHUNK)
     if head.weight.dtype in FULL_PRECISION:
         return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
     return _FloatHead.apply(hidden, head.weight, head.bias)

@@ -18,7 +18,9 @@ that does not fit takes its keys/values as leaf tensors from the caching pass (o
 computed here without grad), runs its subtrees on them, then runs itself again with grad
 to inject the dK/dV: memory then holds one root-to-leaf path's K/V instead of its graphs.
 Either way memory holds one root-to-leaf path at a time, whatever the number of branches. Where the model allows it (see
-cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row.
+cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row. On CPU
+the embedding's and LM head's gradients are summed in one buffer over the walk's many
+autograd calls (lsreplay.models.vocab_grads), in both backwards.
 The walk is over the tree's replay view (view.py), where branching nodes too short to be
 worth a run of their own are joined into their children.
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.models.vocab_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
 from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_budget, device_peak_bytes, kept_spans,
@@ -276,7 +279,7 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
     device = next(model.parameters()).device
     reset_device_peak(device)
     start = time.perf_counter()
-    with meter.measure():
+    with meter.measure(), summed_in_place(model):
         for i, (tree, w) in enumerate(zip(trees, entry_w)):
             state.tree(i, tree, w)
     if state.recomputed:
@@ -301,7 +304,7 @@ def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
     objective, positions = torch.zeros((), dtype=torch.float64, device=device), 0
     reset_device_peak(device)
     start = time.perf_counter()
-    with meter.measure():
+    with meter.measure(), summed_in_place(model):
         for i, tree in enumerate(trees):
             for j, comp in enumerate(tree.completions):
                 comp_w = {name: torch.as_tensor(w[i][j]) for name, w in weights.items()}
