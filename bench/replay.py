@@ -1,10 +1,11 @@
 """Branch replay backward vs the per-rollout backward, side by side in one run.
 
-    .venv/bin/python bench/replay.py [--shapes g8,g16,g4x4] [--quick] [--smoke]
+    .venv/bin/python bench/replay.py [--shapes g8,g16,g4x4] [--quick] [--smoke] [--model smollm2]
 
 A Llama-shaped model with random init (float32, sdpa, GQA) and synthetic rollout trees:
 G completions of S tokens after a shared prompt of P tokens, and a two-level tree whose
-completions first share a middle segment. Per shape it times, on the same model and
+completions first share a middle segment. `--model smollm2` times instead SmolLM2-135M's
+own architecture (random init) on configs/default.yaml's tree, the shape bench/e2e.py trains. Per shape it times, on the same model and
 weights (random per token), the per-rollout `naive_backward` and `replay_backward` given
 the K/V cached by the no-grad caching pass (`capture_tree`, timed separately: the
 pipeline runs it anyway for the K/V), interleaved and repeated (min of the repeats),
@@ -41,7 +42,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+from lsreplay.core.config import ModelConfig
+from lsreplay.models.loading import resolve_model_dir
 
 from lsreplay.replay.backward import naive_backward, replay_backward
 from lsreplay.replay.capture import capture_tree
@@ -80,15 +84,23 @@ SHAPES = {s.name: s for s in [
     Shape("g16", 4096, ((16, 256),)),
     Shape("g4x4", 2048, ((4, 128), (4, 128))),
 ]}
+# --model smollm2: SmolLM2-135M-Instruct's own architecture (30 layers, hidden 576, a tied
+# 49k-token head; random init) on the tree of configs/default.yaml, what bench/e2e.py trains:
+# a ~650-token few-shot prompt, 4 answers forked again 16 tokens in, up to 48 tokens each.
+SMOLLM2_SHAPES = {s.name: s for s in [Shape("default", 650, ((4, 16), (2, 32)))]}
 SMOKE_SHAPES = {s.name: s for s in [
     Shape("g4", 128, ((4, 16),)),
     Shape("g2x2", 96, ((2, 8), (2, 8))),
 ]}
 
 
-def make_model(spec: dict, seed: int = 0) -> LlamaForCausalLM:
+def make_model(spec: dict | None, seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama of `spec`, or of the shipped SmolLM2's config (None)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(**spec, tie_word_embeddings=False, attn_implementation="sdpa")
+    if spec is None:
+        config = AutoConfig.from_pretrained(resolve_model_dir(ModelConfig()), attn_implementation="sdpa")
+    else:
+        config = LlamaConfig(**spec, tie_word_embeddings=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(config).to(torch.float32)
     model.eval()  # replay differentiates exactly what the caching pass computed: no dropout
     return model
@@ -213,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated shape names (default: all of {','.join(SHAPES)})")
     ap.add_argument("--quick", action="store_true", help="one timed repeat instead of two (noisier)")
     ap.add_argument("--smoke", action="store_true", help="tiny model and shapes, for the test suite")
+    ap.add_argument("--model", choices=["wide", "smollm2"], default="wide",
+                    help="wide: one wide decoder layer (the default); smollm2: SmolLM2-135M's architecture "
+                         "on the default config's tree")
     ap.add_argument("--reps", type=int, default=None, help="timed repeats per shape (min is kept)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -220,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
-    catalogue, spec = (SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else (SHAPES, MODEL)
+    catalogue, spec = ((SMOKE_SHAPES, SMOKE_MODEL) if args.smoke else
+                       (SMOLLM2_SHAPES, None) if args.model == "smollm2" else (SHAPES, MODEL))
     names = args.shapes.split(",") if args.shapes else list(catalogue)
     unknown = [n for n in names if n not in catalogue]
     if unknown:
@@ -228,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (1 if args.quick or args.smoke else 2)
 
     model = make_model(spec, args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: Llama {spec['num_hidden_layers']} layers, hidden {spec['hidden_size']}, "
-          f"intermediate {spec['intermediate_size']}, heads {spec['num_attention_heads']}/"
-          f"{spec['num_key_value_heads']} kv, vocab {spec['vocab_size']}, {n_params / 1e6:.2f}M params, "
+    n_params, c = sum(p.numel() for p in model.parameters()), model.config
+    print(f"model: Llama {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+          f"intermediate {c.intermediate_size}, heads {c.num_attention_heads}/"
+          f"{c.num_key_value_heads} kv, vocab {c.vocab_size}{' tied' if c.tie_word_embeddings else ''}, "
+          f"{n_params / 1e6:.2f}M params, "
           f"float32, sdpa, {torch.get_num_threads()} threads; timed repeats: {reps} (min)", flush=True)
 
     # Warm-up: first-call costs (allocator, kernels, lazy init) off the clock.
