@@ -112,6 +112,19 @@ def test_chat_preferences_render_with_the_chat_template(tiny_model_dir):
     assert [tokenizer.decode(c) for c in record["completions"]] == ["4<|im_end|>\n", "5<|im_end|>\n"]
 
 
+def test_chat_preferences_get_the_chat_template_kwargs(tiny_model_dir):
+    """data.chat_template_kwargs reach the preference prompt and answers as they reach a
+    rollout's prompt: here a template keyword that opens the conversation."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = "{% if persona is defined %}{{ persona }}\n{% endif %}" + tokenizer.chat_template
+    pref = Preference(0, [{"role": "user", "content": "2+2?"}], [{"role": "assistant", "content": "4"}],
+                      [{"role": "assistant", "content": "5"}])
+    record = preference_record(tokenizer, pref, 256, 48, {"persona": "You count on fingers."})
+    assert tokenizer.decode(record["prompt_ids"]).startswith("You count on fingers.\n")
+    assert [tokenizer.decode(c) for c in record["completions"]] == ["4<|im_end|>\n", "5<|im_end|>\n"]
+    assert "fingers" not in tokenizer.decode(preference_record(tokenizer, pref, 256, 48)["prompt_ids"])
+
+
 def test_text_preferences_tokenize_as_rollouts_do_and_cut_long_answers(tiny_model_dir):
     """A text prompt gets the tokenizer's own special tokens (BOS here, as a Llama tokenizer
     adds it), as a rollout's text prompt does; an answer past the limit is cut there."""

@@ -61,22 +61,26 @@ class PreferenceSet:
         return [self[i] for i in sample_rows(len(self), step, batch_size, seed)]
 
 
-def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_answer_tokens: int) -> dict:
+def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_answer_tokens: int,
+                      template_kwargs: dict | None = None) -> dict:
     """The tree record of one row: its prompt's token ids, the chosen and the rejected answer
     as two completions, the preference as rewards (chosen 1, rejected 0). The prompt is
     tokenized as the rollouts' prompts are (data.rendering) and as TRL 1.16's DPOTrainer
     tokenizes it (data_utils._tokenize): text with the tokenizer's own special tokens (BOS on
     Llama-family tokenizers), messages through the template with no more added. An answer
     longer than `max_answer_tokens` is cut there, unfinished (as a rollout cut at
-    rollout.max_new_tokens)."""
+    rollout.max_new_tokens). `template_kwargs`: data.chat_template_kwargs, as rollouts'
+    prompts get them (TRL's DPOTrainer passes chat_template_kwargs alike)."""
     chat = not isinstance(pref.prompt, str)
     if chat != (not isinstance(pref.chosen, str)) or chat != (not isinstance(pref.rejected, str)):
         raise DatasetError(f"preference row {pref.index}: prompt, chosen and rejected must all be text or all chat "
                            "messages (TRL's standard or conversational format), not a mix")
     if chat:
-        prompt_text = tokenizer.apply_chat_template(list(pref.prompt), add_generation_prompt=True, tokenize=False)
+        kwargs = template_kwargs or {}
+        prompt_text = tokenizer.apply_chat_template(list(pref.prompt), add_generation_prompt=True, tokenize=False,
+                                                    **kwargs)
         prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        answers = [_chat_answer(tokenizer, pref, prompt_text, a) for a in (pref.chosen, pref.rejected)]
+        answers = [_chat_answer(tokenizer, pref, prompt_text, a, kwargs) for a in (pref.chosen, pref.rejected)]
     else:
         prompt = tokenizer(pref.prompt)["input_ids"]
         answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -91,9 +95,9 @@ def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_a
             "finished": finished, "texts": texts, "rewards": [1.0, 0.0], "counts": [1, 1], "paths": [[0], [1]]}
 
 
-def _chat_answer(tokenizer, pref: Preference, prompt_text: str, answer: list) -> list[int]:
+def _chat_answer(tokenizer, pref: Preference, prompt_text: str, answer: list, template_kwargs: dict) -> list[int]:
     """The tokens the chat template adds after the prompt (and its generation prompt) for `answer`."""
-    full = tokenizer.apply_chat_template(list(pref.prompt) + list(answer), tokenize=False)
+    full = tokenizer.apply_chat_template(list(pref.prompt) + list(answer), tokenize=False, **template_kwargs)
     if not full.startswith(prompt_text):
         raise DatasetError(f"preference row {pref.index}: the chat template does not render the prompt as the start "
                            "of prompt + answer, so the answer's tokens cannot be told apart; give text columns")
@@ -106,7 +110,8 @@ def check_preferences(cfg, tokenizer, rows: int = 16) -> None:
     prefs = PreferenceSet.from_file(cfg.data.path, cfg.data.split)
     for i in range(min(rows, len(prefs))):
         try:
-            preference_record(tokenizer, prefs[i], cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
+            preference_record(tokenizer, prefs[i], cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens,
+                              cfg.data.chat_template_kwargs)
         except DatasetError as e:
             raise DatasetError(f"{prefs.path}: {e}") from None
 

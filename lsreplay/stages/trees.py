@@ -142,7 +142,7 @@ def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices
     tokenizer = load_tokenizer(cfg.model)
     indices = list(range(shard, len(rows), cfg.rollout.shards))
     records = [preference_record(tokenizer, Preference(**rows[i]), cfg.data.max_prompt_tokens,
-                                 cfg.rollout.max_new_tokens) for i in indices]
+                                 cfg.rollout.max_new_tokens, cfg.data.chat_template_kwargs) for i in indices]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
     lengths = [len(c) for rec in records for c in rec["completions"]]
