@@ -227,6 +227,9 @@ def test_a_vllm_engine_is_planned_by_its_own_cache(capsys):
     out = capsys.readouterr().out
     assert "engine vllm" in out and "the engine's copy of the policy weights" in out
     assert "rollout.vllm.kv_cache_gb=20" in out and "holds fewer positions" not in out
+    assert "shared-memory buffer" not in out  # host memory on a GPU pool, not the device's
+    assert main([str(Path(PROD).with_name("default.yaml")), "rollout.engine=vllm"]) == 0
+    assert "the shared-memory buffer the policy's updates reach the engine through" in capsys.readouterr().out
     assert main([PROD, "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=1"]) == 0
     assert "holds fewer positions than the shard's sequences need" in capsys.readouterr().out
 

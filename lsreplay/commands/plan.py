@@ -376,7 +376,8 @@ def hf_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
 def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
     """A vLLM engine (lsreplay.rollout.vllm_engine) on the shard's device, beside what the
     trainer leaves there: the engine's own copy of the weights (it holds them between
-    steps, updated in place), its drafter, and its KV cache, sized up front
+    steps, updated in place; on CPU also the shared buffer the updates go through), its
+    drafter, and its KV cache, sized up front
     (rollout.vllm.kv_cache_gb; on CUDA without it, gpu_memory_utilization of the device).
     Prefix caching stores a tree's prompt once: at the end of decoding a shard needs its
     prompts plus every row's completion. A cache smaller than that still works (vLLM
@@ -393,6 +394,9 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
     lines = [("engine", "the engine's copy of the policy weights", dims.params() * elt),
              ("kv", f"its KV cache ({sized}: {cache // kvpp} positions; the shard needs {needed // kvpp} at once)",
               cache)]
+    if cfg.pool.accelerator == "cpu":  # on CUDA this buffer is host memory, not the device's
+        lines.append(("engine", "the shared-memory buffer the policy's updates reach the engine through",
+                      dims.params() * elt))
     if speculates(cfg):
         lines.append(("engine", "the engine's drafter (fc + one layer)",
                       (2 * dims.hidden ** 2 + dims.layer_params()) * elt))

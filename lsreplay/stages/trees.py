@@ -184,9 +184,13 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
         drafter = None if source is None else \
             (source, copies.enter_context(run.store.local_folder(f"{run.checkpoint('drafter', source)}/hf")))
         engine = clock(RESIDENT.engine, run, step, device, drafter)
+    def progress(tokens: int) -> None:
+        faults.engine_call("trees", step, engine.pid)
+        advance(tokens)
+
     before = engine.spec_counters()
     trees, figures = engine.sample_trees(prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
-                                         r.temperature, r.top_p, r.top_k, eos, advance)
+                                         r.temperature, r.top_p, r.top_k, eos, progress)
     after = engine.spec_counters()
     drafts, accepted = (after.get(k, 0) - before.get(k, 0) for k in ("drafts", "accepted_tokens"))
     spec = {"spec_rounds": drafts, "spec_tokens": drafts + accepted,
