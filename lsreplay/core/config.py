@@ -117,8 +117,14 @@ class VLLMConfig:
     # gpu_memory_utilization of the device instead).
     kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.3
-    # Skip vLLM's graph compilation: on 2 CPU cores start-up takes ~12 s instead of ~2 min.
-    enforce_eager: bool = True
+    # Skip vLLM's graph compilation and CUDA graphs. Empty: skipped on CPU (start-up takes
+    # ~12 s on 2 cores instead of ~2 min), CUDA graphs on CUDA.
+    enforce_eager: bool | None = None
+    # On CUDA, the engine sleeps from the end of a shard's rollouts to the next weights'
+    # update (vLLM's sleep mode, level 2: its weights and KV cache released; the update
+    # reloads the weights anyway), so the caching pass and the update have the device's memory.
+    # vLLM's CPU build has no sleep mode: ignored on a CPU pool (the engine keeps both).
+    sleep_during_update: bool = True
     # Steps between measurements of the engine's logprobs against the trainer's
     # (engine_logprob_gap_*, from step 0): each scores every token of the step in the caching
     # pass, which a GRPO step without a KL term does not otherwise need. 0 = never.

@@ -94,6 +94,7 @@ class EngineSpec:
     draft_tokens: int = 0
     spec_threshold: int = 0
     timeout_s: float = 1800.0  # the deadline of each call (start-up: START_TIMEOUT)
+    sleeps: bool = False  # started with vLLM's sleep mode (CUDA): `sleep()` releases weights and KV cache
 
 
 class VLLMEngine:
@@ -115,7 +116,8 @@ class VLLMEngine:
                                   max_model_len=spec.max_model_len, kv_cache_bytes=int(spec.kv_cache_gb * 2**30),
                                   gpu_memory_utilization=spec.gpu_memory_utilization,
                                   enforce_eager=spec.enforce_eager, drafter=spec.drafter,
-                                  draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold)
+                                  draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold,
+                                  sleep_mode=spec.sleeps)
             check_device(spec.device, reply["device_uuid"])
         except EngineError as e:
             self._end()
@@ -299,6 +301,14 @@ class VLLMEngine:
                 self._weights.mapped()
         return time.perf_counter() - started
 
+    def sleep(self) -> None:
+        """Release the weights and the KV cache (vLLM's sleep mode, level 2) until `wake_up`;
+        the weights must be loaded again then (CUDA only: the engine started with `sleeps`)."""
+        self._request("sleep")
+
+    def wake_up(self) -> None:
+        self._request("wake_up")
+
     def load_drafter(self, folder: str) -> None:
         """Speculate with the exported drafter in `folder` from now on (same shape as the one
         the engine started with)."""
@@ -354,10 +364,11 @@ def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: s
         python=r.vllm.python, model=model_dir, dtype=cfg.model.dtype, seed=seed,
         max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
         kv_cache_gb=r.vllm.kv_cache_gb if not on_cuda or r.vllm.kv_cache_gb else 0.0,
-        gpu_memory_utilization=r.vllm.gpu_memory_utilization, enforce_eager=r.vllm.enforce_eager,
+        gpu_memory_utilization=r.vllm.gpu_memory_utilization,
+        enforce_eager=not on_cuda if r.vllm.enforce_eager is None else r.vllm.enforce_eager,
         threads=cfg.threads or torch.get_num_threads(), device=str(device), drafter=drafter,
         draft_tokens=max(r.draft_lens) if drafter else 0, spec_threshold=r.spec_threshold if drafter else 0,
-        timeout_s=r.vllm.timeout_s)
+        timeout_s=r.vllm.timeout_s, sleeps=on_cuda and r.vllm.sleep_during_update)
 
 
 def same_engine(a: EngineSpec, b: EngineSpec) -> bool:

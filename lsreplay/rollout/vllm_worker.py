@@ -11,8 +11,8 @@ in a shared-memory buffer the client wrote them into (one copy; the socket carri
 their layout) and are loaded in place from views of it (vLLM's `reload_weights`), so an
 update never goes through a checkpoint on disk, a serialisation or a pickle.
 
-Requests (dicts with "op" and "call"): start, trees, load_weights, load_drafter, metrics,
-shutdown. A failure aborts every vLLM request in flight and is answered {"error": "Type:
+Requests (dicts with "op" and "call"): start, trees, load_weights, sleep, wake_up,
+load_drafter, metrics, shutdown. A failure aborts every vLLM request in flight and is answered {"error": "Type:
 message", "traceback": ..., "aborted": how many}; the client then closes the engine.
 """
 
@@ -77,7 +77,7 @@ class Server:
 
     def start(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
               gpu_memory_utilization: float, enforce_eager: bool, drafter: str | None, draft_tokens: int,
-              spec_threshold: int) -> dict:
+              spec_threshold: int, sleep_mode: bool) -> dict:
         """Build the engine: prefix caching on, the tokenizer left out (lsreplay sends token
         ids and stop tokens), per-step statistics on (the speculative counters), each sampled
         token's logprob under the distribution it was drawn from (temperature, top-k, top-p:
@@ -90,7 +90,7 @@ class Server:
         started = time.perf_counter()
         options = dict(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
                        enforce_eager=enforce_eager, skip_tokenizer_init=True, disable_log_stats=False,
-                       logprobs_mode="processed_logprobs")
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
         if kv_cache_bytes:
             options["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
@@ -188,6 +188,16 @@ class Server:
             raise RuntimeError("vLLM could not drop its prefix cache after the weights' update (requests still hold "
                                "cache blocks): it would serve K/V computed with the old weights")
         return {"seconds": time.perf_counter() - started}
+
+    def sleep(self) -> dict:
+        """Release the weights and the KV cache (level 2: nothing kept in host memory; the
+        client loads the weights again after `wake_up`)."""
+        self.llm.sleep(level=2)
+        return {}
+
+    def wake_up(self) -> dict:
+        self.llm.wake_up()
+        return {}
 
     def load_drafter(self, path: str) -> dict:
         """A newer drafter's weights (an export of the same shape as the one started with), in place."""

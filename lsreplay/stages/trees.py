@@ -90,6 +90,8 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             pending = [i for i in pending if all_alike(filter_values(cfg, records[i]))]
             if not pending:
                 break
+    if cfg.rollout.engine == "vllm":
+        RESIDENT.rest_engine(device)  # on CUDA: the device's memory to the caching pass and the update
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)

@@ -69,6 +69,7 @@ class _Engine:
     acts_in: int  # the step of the policy whose weights it holds
     drafter_step: int | None  # the step of the drafter it speculates with
     run_id: str
+    asleep: bool = False  # its weights and KV cache released (rest_engine) until the next request
 
 
 class Resident:
@@ -138,9 +139,7 @@ class Resident:
         """The vLLM engine of `device`, holding the weights of the policy that acts in `step`
         and speculating with `drafter` ((its step, its exported folder), or None). Started
         if none serves this run's config there (the first drafter needs a start of its own)."""
-        with self._engines_lock:
-            device_lock = self._device_locks.setdefault(str(device), threading.Lock())
-        with device_lock:
+        with self._device_lock(device):
             spec = engine_spec(run.cfg, device, str(resolve_model_dir(run.cfg.model)), run.seed(step, "vllm") % 2**32,
                                drafter[1] if drafter else None)
             with self._engines_lock:
@@ -154,6 +153,9 @@ class Resident:
                 held = _Engine(VLLMEngine(spec), 0, drafter and drafter[0], _run_id(run))
                 with self._engines_lock:
                     self._engines[str(device)] = held
+            if held.asleep:
+                held.engine.wake_up()
+                held.asleep = False
             if held.acts_in != step:
                 seconds = held.engine.load_policy(self.policy(run, step, device))
                 log.info("vLLM engine on %s: weights of the policy of step %d loaded in %.1f s", device, step, seconds)
@@ -162,6 +164,21 @@ class Resident:
                 held.engine.load_drafter(drafter[1])
                 held.drafter_step = drafter[0]
             return held.engine
+
+    def rest_engine(self, device: torch.device) -> None:
+        """After a shard's rollouts: an engine started with vLLM's sleep mode (CUDA) releases
+        its weights and KV cache, so that the caching pass and the update have the device;
+        the next `engine` call wakes it and loads the weights again."""
+        with self._device_lock(device):
+            with self._engines_lock:
+                held = self._engines.get(str(device))
+            if held is not None and held.engine.spec.sleeps and held.engine.alive() and not held.asleep:
+                held.engine.sleep()
+                held.asleep, held.acts_in = True, -1
+
+    def _device_lock(self, device: torch.device) -> threading.Lock:
+        with self._engines_lock:
+            return self._device_locks.setdefault(str(device), threading.Lock())
 
     def close_engines(self, run: Run | None = None) -> None:
         """Stop the engines held for `run` (all of them if None), without waiting on their calls."""
