@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,6 +156,7 @@ def test_every_engine_failure_closes_the_engine_and_a_fresh_one_samples_right(en
     thread.join(60)
     assert 3.5 < time.monotonic() - started < 30 and "did not answer 'trees' within 4 s" in str(raised[0])
     assert not hung.alive() and hung._process.returncode == -signal.SIGKILL
+    assert not Path(f"/dev/shm/__KMP_REGISTERED_LIB_{hung.pid}_0").exists()  # nothing left in shared memory
     hung.close()
 
     # 3. A fresh engine samples right; closed while a call is in flight (its worker hung, the
