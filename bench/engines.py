@@ -14,6 +14,12 @@
    rollout.spec_threshold sequences), greedy and at temperature 1, with the policy's hf/
    folder alone and with that drafter as its EAGLE speculator (3 draft tokens): tokens/s,
    and vLLM's acceptance length (tokens per sequence per verify step).
+3. The weights' update: the default config's policy (SmolLM2-135M in float32) loaded into a
+   vLLM engine --syncs times, a little changed each time, as after a step: seconds per
+   update, and the host memory each process added at the update's peak (its peak resident
+   set, reset before each update, over its resident set before; the shared buffer the
+   weights go through counts in both, and stays from the first update on). `--only sync`
+   runs this part alone (a minute).
 
 Run it alone: the machine's other work weighs on the engines unequally.
 """
@@ -21,6 +27,7 @@ Run it alone: the machine's other work weighs on the engines unequally.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import time
@@ -121,18 +128,64 @@ def compare_tail(out: Path, drafter_steps: int) -> None:
             engine.close()
 
 
+def resident_mib(pid: int | str, field: str) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M)[1]) / 1024
+
+
+def reset_peak(pid: int | str) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak resident set (VmHWM) starts again from now
+
+
+def compare_sync(syncs: int) -> None:
+    import torch
+
+    from lsreplay.models.loading import load_model
+
+    cfg = load_config(CONFIG, [])
+    model = load_model(cfg.model, device="cpu")
+    engine = VLLMEngine(engine_spec(cfg, torch.device("cpu"), str(resolve_model_dir(cfg.model)), 0, None))
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    print(f"\nweights' update: {cfg.model.path or 'SmolLM2-135M-Instruct'} in {cfg.model.dtype}, {size:.0f} MiB")
+    print("| update | seconds | trainer's peak + MiB | engine's peak + MiB |")
+    print("|---|---|---|---|")
+    rows = []
+    try:
+        for i in range(syncs):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1 + 1e-4)
+            before = {pid: resident_mib(pid, "VmRSS") for pid in ("self", engine.pid)}
+            for pid in before:
+                reset_peak(pid)
+            seconds = engine.load_policy(model)
+            peaks = {pid: resident_mib(pid, "VmHWM") - rss for pid, rss in before.items()}
+            rows.append((seconds, peaks["self"], peaks[engine.pid]))
+            print(f"| {i} | {seconds:.2f} | {peaks['self']:.0f} | {peaks[engine.pid]:.0f} |", flush=True)
+    finally:
+        engine.close()
+    warm = rows[1:] or rows
+    print(f"sync: {mean(r[0] for r in warm):.2f} s per update after the first ({rows[0][0]:.2f} s), peak + "
+          f"{max(r[1] for r in warm):.0f} MiB trainer / {max(r[2] for r in warm):.0f} MiB engine after the first "
+          f"(first: {rows[0][1]:.0f} / {rows[0][2]:.0f} MiB: the shared buffer), for {size:.0f} MiB of weights")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--drafter-steps", type=int, default=80)
     parser.add_argument("--out", default=str(REPO / "runs/engines"))
-    parser.add_argument("--skip-steps", action="store_true", help="only the tail comparison")
+    parser.add_argument("--syncs", type=int, default=6)
+    parser.add_argument("--only", choices=("steps", "tail", "sync"), help="run this part alone")
     args = parser.parse_args(argv)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    if not args.skip_steps:
+    if args.only in (None, "steps"):
         compare_steps(out, args.steps)
-    compare_tail(out, args.drafter_steps)
+    if args.only in (None, "tail"):
+        compare_tail(out, args.drafter_steps)
+    if args.only in (None, "sync"):
+        compare_sync(args.syncs)
     return 0
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from lsreplay.core.run import Run, open_run_config  # noqa: E402
 from lsreplay.data.prompt_sets import source_prompts  # noqa: E402
+from lsreplay.rollout.vllm_engine import intel_openmp  # noqa: E402
 from lsreplay.state import checkpointing  # noqa: E402
 
 PYTHON = REPO / ".venv-vllm/bin/python"
@@ -41,8 +42,8 @@ def serve(policy: Path, drafter: Path | None, log: Path) -> subprocess.Popen:
     if drafter is not None:
         command += ["--speculative-config",
                     json.dumps({"method": "eagle", "model": str(drafter), "num_speculative_tokens": 3})]
-    iomp = PYTHON.resolve().parents[1] / "lib" / "libiomp5.so"  # vLLM's CPU kernels want it preloaded
-    env = {**os.environ, **({"LD_PRELOAD": str(iomp)} if iomp.is_file() else {})}
+    iomp = intel_openmp(str(PYTHON))  # vLLM's CPU kernels want it preloaded
+    env = {**os.environ, **({"LD_PRELOAD": str(iomp)} if iomp is not None else {})}
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     for _ in range(300):
         try:

@@ -18,10 +18,11 @@ from lsreplay.core.run import Run
 
 
 def test_parse_faults():
-    parsed = faults.parse("trees@1:kill, prefixes@0:fail*2,storage:fail*3,policy:nan")
+    parsed = faults.parse("trees@1:kill, prefixes@0:fail*2,storage:fail*3,policy:nan,trees@0:kill_engine")
     assert [(f.target, f.step, f.action, f.remaining) for f in parsed][:3] == [
         ("trees", 1, "kill", 1), ("prefixes", 0, "fail", 2), ("storage", None, "fail", 3)]
-    for bad in ("trees@x:kill", "tree@1:kill", "trees@1:explode", "storage@1:fail", "trees:nan"):
+    assert (parsed[-1].action, parsed[-1].remaining) == ("kill_engine", 1)
+    for bad in ("trees@x:kill", "tree@1:kill", "trees@1:explode", "storage@1:fail", "trees:nan", "policy:kill_engine"):
         with pytest.raises(ValueError, match="LSREPLAY_FAULTS"):
             faults.parse(bad)
 

@@ -227,6 +227,17 @@ def test_a_vllm_engine_is_planned_by_its_own_cache(capsys):
     out = capsys.readouterr().out
     assert "engine vllm" in out and "the engine's copy of the policy weights" in out
     assert "rollout.vllm.kv_cache_gb=20" in out and "holds fewer positions" not in out
+    assert "shared buffer" not in out  # host memory on a GPU pool, not the device's
+    assert "the engine during the caching pass and the update: released" in out
+    assert main([str(Path(PROD).with_name("default.yaml")), "rollout.engine=vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "the shared buffer the policy's updates reach the engine through" in out
+    assert "kept (vLLM's CPU build has no sleep mode)" in out
+    # Kept beside the update where it does not sleep: its weights, drafter and cache count in the update's peak.
+    sleeping, awake = (make_plan(*load_plan_config(PROD, ["rollout.engine=vllm", f"rollout.vllm.sleep_during_update={s}"]))
+                       for s in ("true", "false"))
+    assert sleeping.engine_kept == 0 and awake.engine_kept == awake.rollout.part("engine") + awake.rollout.part("kv") > 0
+    assert awake.peak("replay") == sleeping.peak("replay") + awake.engine_kept
     assert main([PROD, "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=1"]) == 0
     assert "holds fewer positions than the shard's sequences need" in capsys.readouterr().out
 

@@ -1,7 +1,8 @@
 """Real runs with rollout.engine=vllm: the trees stage samples on a vLLM engine that follows
 the policy and speculates with the run's spot-trained drafter; the training-inference
-logprob gap is measured every step; a run killed in a stage resumes and loses nothing. One
-run shows all of it: an engine's start-up is most of a tiny run's time on CPU."""
+logprob gap is measured every step; an engine killed in the middle of a call is replaced
+by the stage's retry; a run killed in a stage resumes and loses nothing. One run shows all
+of it: an engine's start-up is most of a tiny run's time on CPU."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def manifest(run_dir, step: int, stage: str) -> dict:
 
 def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_resume(prefect_server, vllm_model_dir,
                                                                                    tmp_path, monkeypatch):
-    """Step 1's second shard straggles, so step 0's drafter trains on the slot the first
+    """Step 0's engine is SIGKILLed in the middle of a shard's call: the shards that used it
+    fail, and their retries start a fresh engine whose trees are right (the step's logprob
+    gap). Step 1's second shard straggles, so step 0's drafter trains on the slot the first
     frees and step 2 speculates with it; the run is killed in the middle of step 2's rollouts
     and resumed: steps 0 and 1 stand as they were, step 2's rollouts are sampled again (vLLM's
     samples cannot be reproduced), and every step has its metrics and checkpoint. (The other
@@ -36,12 +39,14 @@ def test_vllm_rollouts_follow_the_policy_speculate_with_the_runs_drafter_and_res
                         "data.prompts_per_step=2", "drafter.steps=16", "drafter.checkpoint_every=2",
                         "drafter.lr=1e-2", "algo.tis_cap=2", "rollout.temperature=0.7", "rollout.top_k=40",
                         "rollout.top_p=0.95", "rollout.vllm.logprob_gap_every=1")
-    killed, finished = lsreplay_chain([(["train", *run, unique_pool()], "trees@1:stall,trees@2:kill"),
+    killed, finished = lsreplay_chain([(["train", *run, unique_pool()], "trees@0:kill_engine,trees@1:stall,trees@2:kill"),
                                        (["resume", str(run_dir), unique_pool()], "")], tmp_path)
     assert killed["returncode"] == -9, killed["log"][-3000:]
     assert finished["returncode"] == 0 and "Traceback" not in finished["log"], finished["log"][-3000:]
     executions = Run(load_config(None, [f"run_dir={run_dir}"])).executions()
-    assert executions[(0, "trees")] == executions[(1, "trees")] == 2  # two shards, once each
+    assert executions[(1, "trees")] == 2  # two shards, once each
+    assert executions[(0, "trees")] > 2  # a shard whose engine was killed ran again
+    assert "injected kill of the vLLM engine" in killed["log"] and "engine process ended during" in killed["log"]
     assert executions[(2, "trees")] > 2  # the killed shard sampled again
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]

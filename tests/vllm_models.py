@@ -93,3 +93,42 @@ def vllm_trained_drafter(prefect_server, vllm_model_dir, tmp_path_factory) -> tu
     train(overrides=tiny_vllm_run(run_dir, vllm_model_dir, "steps=1", "drafter.steps=40", "drafter.batch_size=4",
                                   "drafter.lr=1e-2", unique_pool()))
     return run_dir / "checkpoints/policy/step_0000/hf", run_dir / "checkpoints/drafter/step_0000/hf"
+
+
+STOP = 1057  # a token the tied model often writes first: a stop of its generation config, not its EOS
+
+
+@pytest.fixture(scope="session")
+def vllm_tied_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama whose LM head is its input embedding (tied), with the SmolLM2
+    tokenizer, saved as an HF folder whose generation config stops at EOS and at STOP. The
+    64 alphabet rows and EOS are large (std 0.6), the rest ~0.01; a final norm of weight -1
+    keeps it from repeating its last token (tied, the head scores that token's own row
+    highest), so it writes varied text from the alphabet."""
+    out = tmp_path_factory.mktemp("vllm-tied")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig()), local_files_only=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, max_position_embeddings=512))
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding.normal_(std=0.01)
+        embedding[ALPHABET].normal_(std=0.6)
+        embedding[tokenizer.eos_token_id].normal_(std=0.6)
+        model.model.norm.weight.fill_(-1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, STOP]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def short_prompts(model_dir: Path, count: int) -> list[list[int]]:
+    """Plain questions of 12-13 tokens, as token ids: shorter than one of vLLM's 32-token
+    cache blocks on CPU, so any block its prefix cache serves holds generated tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return [tokenizer(f"Question {i}: what is {i} times {2 * i + 3}?")["input_ids"] for i in range(count)]

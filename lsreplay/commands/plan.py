@@ -376,7 +376,8 @@ def hf_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
 def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
     """A vLLM engine (lsreplay.rollout.vllm_engine) on the shard's device, beside what the
     trainer leaves there: the engine's own copy of the weights (it holds them between
-    steps, updated in place), its drafter, and its KV cache, sized up front
+    steps, updated in place; on CPU also the shared buffer the updates go through), its
+    drafter, and its KV cache, sized up front
     (rollout.vllm.kv_cache_gb; on CUDA without it, gpu_memory_utilization of the device).
     Prefix caching stores a tree's prompt once: at the end of decoding a shard needs its
     prompts plus every row's completion. A cache smaller than that still works (vLLM
@@ -393,6 +394,9 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
     lines = [("engine", "the engine's copy of the policy weights", dims.params() * elt),
              ("kv", f"its KV cache ({sized}: {cache // kvpp} positions; the shard needs {needed // kvpp} at once)",
               cache)]
+    if cfg.pool.accelerator == "cpu":  # on CUDA this buffer is host memory, not the device's
+        lines.append(("engine", "the shared buffer the policy's updates reach the engine through",
+                      dims.params() * elt))
     if speculates(cfg):
         lines.append(("engine", "the engine's drafter (fc + one layer)",
                       (2 * dims.hidden ** 2 + dims.layer_params()) * elt))
@@ -489,6 +493,8 @@ class Plan:
     minibatch_kv: int = 0
     critic: int = 0  # the critic's parameters (a value head on the trunk)
     replay_path: str = ""  # how the update runs each branching level (replay_path)
+    engine_kept: int = 0  # what a vLLM engine keeps on the device through the caching pass and the update
+    engine_during_update: str = ""  # what happens to the engine's memory then, in words
 
     @property
     def trees_per_device(self) -> int:
@@ -509,7 +515,7 @@ class Plan:
 
     def peak(self, mode: str) -> int:
         run, work = (self.replay, self.replay_workspace) if mode == "replay" else (self.naive, self.naive_workspace)
-        return self.state.total + run.total + work + self.overhead()
+        return self.state.total + run.total + work + self.engine_kept + self.overhead()
 
     def fits(self, mode: str | None = None) -> bool | None:
         """Whether the update (in `mode`, default the configured one) fits a device; None if
@@ -596,7 +602,22 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
                 io=io, budget_bytes=budget, join_below=cfg.replay.join_below, algo=cfg.algo.name, updates=updates,
                 minibatch_kv=io.prefix_kv * minibatch // cfg.data.prompts_per_step if updates > 1 else 0,
                 critic=critic_params(cfg, dims),
-                replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below))
+                replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below),
+                **engine_during_update(cfg, ROLLOUT_ENGINES[r.engine](cfg, dims, shape), accelerator))
+
+
+def engine_during_update(cfg, rollout: RolloutMemory, accelerator: bool) -> dict:
+    """What a vLLM engine holds on the device while the caching pass and the update run:
+    nothing where it sleeps (CUDA, rollout.vllm.sleep_during_update), else its weights,
+    drafter and KV cache (vLLM's CPU build has no sleep mode)."""
+    if rollout.engine != "vllm":
+        return {}
+    kept = rollout.part("engine") + rollout.part("kv")
+    if accelerator and cfg.rollout.vllm.sleep_during_update:
+        return {"engine_during_update": f"released ({kept / GiB:.2f} GiB: weights and KV cache; vLLM's sleep mode, "
+                                        "level 2, from the shard's end to the next weights' update)"}
+    why = "rollout.vllm.sleep_during_update=false" if accelerator else "vLLM's CPU build has no sleep mode"
+    return {"engine_kept": kept, "engine_during_update": f"kept ({why}): counted in the update's peak"}
 
 
 def format_plan(p: Plan) -> str:
@@ -625,6 +646,7 @@ def format_plan(p: Plan) -> str:
         ("prefix K/V + dK/dV held (one path)", p.replay.held_kv, p.naive.held_kv),
         ("activations saved for backward (peak run)", p.replay.saved, p.naive.saved),
         ("workspace: logits, one layer's backward (est.)", p.replay_workspace, p.naive_workspace),
+        *([("vLLM engine kept (weights, KV cache)", p.engine_kept, p.engine_kept)] if p.engine_kept else []),
         (f"reserve: context/NCCL + {FRAGMENTATION:.0%} fragmentation", p.overhead(), p.overhead()),
     ]
     for name, a, b in rows:
@@ -670,6 +692,8 @@ def format_rollout(p: Plan) -> list[str]:
         (f"reserve: context/NCCL + {FRAGMENTATION:.0%} fragmentation", p.overhead())]
     lines += [f"{label:<66} {gib(b):>10}" for label, b in rows]
     lines.append(f"{'total':<66} {gib(p.rollout_peak()):>10}")
+    if p.engine_during_update:
+        lines.append(f"the engine during the caching pass and the update: {p.engine_during_update}")
     if r.kv_needed > r.part("kv"):
         lines.append("the engine's KV cache holds fewer positions than the shard's sequences need at once: vLLM "
                      "preempts and recomputes sequences (slower); raise rollout.vllm.kv_cache_gb or rollout.shards")

@@ -117,12 +117,22 @@ class VLLMConfig:
     # gpu_memory_utilization of the device instead).
     kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.3
-    # Skip vLLM's graph compilation: on 2 CPU cores start-up takes ~12 s instead of ~2 min.
-    enforce_eager: bool = True
+    # Skip vLLM's graph compilation and CUDA graphs. Empty: skipped on CPU (start-up takes
+    # ~12 s on 2 cores instead of ~2 min), CUDA graphs on CUDA.
+    enforce_eager: bool | None = None
+    # On CUDA, the engine sleeps from the end of a shard's rollouts to the next weights'
+    # update (vLLM's sleep mode, level 2: its weights and KV cache released; the update
+    # reloads the weights anyway), so the caching pass and the update have the device's memory.
+    # vLLM's CPU build has no sleep mode: ignored on a CPU pool (the engine keeps both).
+    sleep_during_update: bool = True
     # Steps between measurements of the engine's logprobs against the trainer's
     # (engine_logprob_gap_*, from step 0): each scores every token of the step in the caching
     # pass, which a GRPO step without a KL term does not otherwise need. 0 = never.
     logprob_gap_every: int = 10
+    # The deadline of each call to the engine (a rollout shard's trees, a weights' update), in
+    # seconds: an engine that has not answered by then is killed, and the task's retry starts
+    # a new one. Start-up has its own (10 minutes).
+    timeout_s: float = 1800.0
 
 
 ENGINES = ("hf", "vllm")
@@ -815,6 +825,8 @@ def _validate_rollout(cfg: Config) -> None:
                r.vllm.gpu_memory_utilization)
         _check(r.vllm.logprob_gap_every >= 0, "rollout.vllm.logprob_gap_every", "must be >= 0 (steps between "
                "measurements of the engine's logprobs; 0 = never)", r.vllm.logprob_gap_every)
+        _check(r.vllm.timeout_s > 0, "rollout.vllm.timeout_s", "> 0 (seconds each call to the engine may take)",
+               r.vllm.timeout_s)
         # vLLM 0.32's CPU sampler cuts top-k alone without sorting (apply_top_k_only), which
         # takes the max of an empty tensor in a speculative step that drafted nothing.
         speculates = r.spec_threshold > 0 and max(r.draft_lens) > 0 and cfg.drafter.enabled

@@ -9,6 +9,8 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     STAGE[@STEP]:error       raise a permanent InjectedError when the stage starts
     STAGE[@STEP]:stall[*N]   hold the stage at its middle for LSREPLAY_STALL_SECONDS (default
                              5), N times (default 1): a straggler, e.g. one slow rollout shard
+    trees[@STEP]:kill_engine SIGKILL the vLLM engine (rollout.engine=vllm) in the middle of the
+                             stage's call to it, once: the shard fails, its retry starts a new engine
     policy[@STEP]:nan        make the policy loss NaN (the step must not be committed)
     checkpoint[@STEP]:tear   SIGKILL this process halfway through writing the weights file of
                              the step's policy checkpoint: a torn write (a partial temporary
@@ -46,9 +48,9 @@ from lsreplay.core.layout import MODEL_FILE, STAGES, checkpoint_folder
 log = logging.getLogger(__name__)
 
 ENV = "LSREPLAY_FAULTS"
-ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full")
+ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full", "kill_engine")
 STALL_ENV = "LSREPLAY_STALL_SECONDS"
-_SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z]+)(?:\*(?P<count>\d+))?$")
+_SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z_]+)(?:\*(?P<count>\d+))?$")
 
 
 class InjectedFault(ConnectionError):
@@ -87,10 +89,12 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: {item!r}: storage faults are storage:fail[*N]")
         if action == "nan" and target != "policy":
             raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN")
+        if action == "kill_engine" and target != "trees":
+            raise ValueError(f"{ENV}: {item!r}: only the rollouts call an engine (trees[@STEP]:kill_engine)")
         if action in ("tear", "full") and target != "checkpoint":
             raise ValueError(f"{ENV}: {item!r}: only a checkpoint's write can be torn or find the disk full "
                              f"(checkpoint[@STEP]:{action})")
-        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall", "tear") else 2**31)
+        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall", "tear", "kill_engine") else 2**31)
         faults.append(Fault(target, int(m["step"]) if m["step"] else None, action, count))
     return faults
 
@@ -145,6 +149,13 @@ def hook(stage: str, step: int, point: str) -> None:
     elif point == "mid" and _take(stage, step, ("kill",)):
         log.warning("injected kill in the middle of stage %s of step %d", stage, step)
         _kill()
+
+
+def engine_call(stage: str, step: int, pid: int) -> None:
+    """Called while a stage's call to the engine process `pid` is in flight (at its progress messages)."""
+    if os.environ.get(ENV) and _take(stage, step, ("kill_engine",)):
+        log.warning("injected kill of the vLLM engine (pid %d) in the middle of stage %s of step %d", pid, stage, step)
+        os.kill(pid, signal.SIGKILL)
 
 
 def _kill() -> None:

@@ -18,6 +18,8 @@ own kernels, so they differ from the trainer's in the last digits (the step's
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import math
@@ -34,11 +36,11 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Listener
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
 from lsreplay.algos.critic import is_critic
 from lsreplay.rollout.tree_sampler import TreeRollout
+from lsreplay.rollout.vllm_worker import check_version
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,8 @@ def engine_environment() -> dict[str, str]:
 
 
 class EngineError(RuntimeError):
-    """The vLLM engine failed a request or its process ended (a retry starts a new one)."""
+    """The vLLM engine failed a request, missed its deadline, or its process ended. The
+    engine is closed then (`alive()` is false): a retry starts a new one."""
 
 
 class EngineStartError(EngineError):
@@ -90,23 +93,34 @@ class EngineSpec:
     drafter: str | None = None  # an exported drafter folder: speculate with it
     draft_tokens: int = 0
     spec_threshold: int = 0
+    timeout_s: float = 1800.0  # the deadline of each call (start-up: START_TIMEOUT)
+    sleeps: bool = False  # started with vLLM's sleep mode (CUDA): `sleep()` releases weights and KV cache
 
 
 class VLLMEngine:
-    """One vLLM engine process."""
+    """One vLLM engine process. Calls run one at a time, each with a deadline; any failure
+    (an error answered, the process ended, the deadline passed) closes the engine."""
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec
-        self._lock = threading.Lock()  # one request at a time
-        self._log_path = Path(tempfile.mkstemp(prefix="lsreplay-vllm-", suffix=".log")[1])
+        self._lock = threading.Lock()  # one call at a time
+        self._calls = itertools.count(1)
+        self._closed = False
+        self._weights = SharedWeights()
+        descriptor, log_path = tempfile.mkstemp(prefix="lsreplay-vllm-", suffix=".log")
+        os.close(descriptor)
+        self._log_path = Path(log_path)
         self._conn, self._process = self._spawn()
         try:
-            reply = self._request("start", model=spec.model, dtype=spec.dtype, seed=spec.seed,
+            reply = self._request("start", timeout=START_TIMEOUT, model=spec.model, dtype=spec.dtype, seed=spec.seed,
                                   max_model_len=spec.max_model_len, kv_cache_bytes=int(spec.kv_cache_gb * 2**30),
                                   gpu_memory_utilization=spec.gpu_memory_utilization,
                                   enforce_eager=spec.enforce_eager, drafter=spec.drafter,
-                                  draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold)
+                                  draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold,
+                                  sleep_mode=spec.sleeps)
+            check_device(spec.device, reply["device_uuid"])
         except EngineError as e:
+            self._end()
             self.close()
             raise EngineStartError(f"{e} (model {spec.model}{', drafter ' + spec.drafter if spec.drafter else ''}; "
                                    f"engine log {self._log_path})") from None
@@ -132,6 +146,7 @@ class VLLMEngine:
         shutil.rmtree(folder, ignore_errors=True)  # the connection, once made, needs no socket file
         if not accepted:
             process.kill()
+            process.wait()
             raise EngineStartError(f"the vLLM engine process did not start ({self._log_tail()}); check that "
                                    f"{self.spec.python} can `import vllm`")
         return accepted[0], process
@@ -141,12 +156,11 @@ class VLLMEngine:
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "OMP_NUM_THREADS": str(self.spec.threads), "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
         if self.spec.device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = self.spec.device.partition(":")[2] or "0"
-        else:
+            index = int(self.spec.device.partition(":")[2] or 0)
+            env["CUDA_VISIBLE_DEVICES"] = physical_device(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        elif (iomp := intel_openmp(self.spec.python)) is not None:
             # vLLM's CPU kernels want Intel OpenMP preloaded (speculative decoding ran 4x slower without).
-            iomp = Path(self.spec.python).resolve().parents[1] / "lib" / "libiomp5.so"
-            if iomp.is_file():
-                env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD", "")]))
+            env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD", "")]))
         return env
 
     def _log_tail(self, lines: int = 12) -> str:
@@ -154,33 +168,87 @@ class VLLMEngine:
         tail = [line for line in text if "WARNING: Location" not in line][-lines:]
         return "its log ends: " + " | ".join(tail) if tail else "it wrote no log"
 
-    def _request(self, op: str, progress: Callable[[int], None] | None = None, **kwargs) -> dict:
+    def _request(self, op: str, progress: Callable[[int], None] | None = None, timeout: float | None = None,
+                 **kwargs) -> dict:
+        """Send request `op`, pass its progress messages on, return its reply; EngineError
+        (the engine closed) if it fails, the process ends or `timeout` (default: the spec's)
+        seconds pass first."""
         with self._lock:
-            try:
-                self._conn.send({"op": op, **kwargs})
-                while "progress" in (reply := self._conn.recv()):
-                    if progress is not None:
-                        progress(reply["progress"])
-            except (EOFError, OSError) as e:
-                raise EngineError(f"the vLLM engine process ended during {op!r} ({self._log_tail()})") from e
-        if "error" in reply:
-            log.debug("vLLM engine traceback:\n%s", reply["traceback"])
-            raise EngineError(f"vLLM engine: {op} failed: {reply['error']}")
-        return reply
+            return self._exchange(op, progress, self.spec.timeout_s if timeout is None else timeout, kwargs)
 
-    def alive(self) -> bool:
-        return self._process.poll() is None
-
-    def close(self) -> None:
+    def _exchange(self, op: str, progress: Callable[[int], None] | None, timeout: float, kwargs: dict) -> dict:
+        if self._closed:
+            raise EngineError(f"the vLLM engine is closed ({op!r} not sent); a new one must be started")
+        call, deadline = next(self._calls), time.monotonic() + timeout
         try:
-            self._request("shutdown")
-        except EngineError:
-            pass
+            self._conn.send({"op": op, "call": call, **kwargs})
+            while True:
+                if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise EngineError(f"the vLLM engine did not answer {op!r} within {timeout:g} s and is killed "
+                                      "(rollout.vllm.timeout_s sets the deadline)")
+                reply = self._conn.recv()
+                if reply.get("call") != call:
+                    raise EngineError(f"the vLLM engine answered call {reply.get('call')} to call {call} ({op!r})")
+                if "progress" not in reply:
+                    break
+                if progress is not None:
+                    progress(reply["progress"])
+            if "error" in reply:
+                log.debug("vLLM engine traceback:\n%s", reply["traceback"])
+                raise EngineError(f"vLLM engine: {op} failed: {reply['error']} ({reply['aborted']} requests in flight "
+                                  f"aborted; the engine is closed; its log: {self._log_path})")
+            return reply
+        except (EOFError, OSError) as e:
+            self._fail()
+            raise EngineError(f"the vLLM engine process ended during {op!r} ({self._log_tail()})") from e
+        except BaseException:
+            self._fail()
+            raise
+
+    def _fail(self) -> None:
+        """The call in flight failed: end the process, free the connection and the weights'
+        buffer (under the call's lock)."""
+        self._end()
         self._conn.close()
+        self._weights.close()
+
+    def _end(self, grace: float = 0.0) -> None:
+        """Mark the engine closed; kill its process unless it exits within `grace` seconds. Takes no lock."""
+        self._closed = True
         try:
-            self._process.wait(timeout=30)
+            self._process.wait(grace)
         except subprocess.TimeoutExpired:
             self._process.kill()
+            self._process.wait()
+        if self._process.returncode < 0:  # killed: Intel OpenMP's registration in shared memory stays behind
+            Path(SHARED_MEMORY, f"__KMP_REGISTERED_LIB_{self._process.pid}_0").unlink(missing_ok=True)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return not self._closed and self._process.poll() is None
+
+    def close(self) -> None:
+        """Stop the engine: a graceful shutdown where no call is in flight; otherwise the
+        process is killed at once and the call in flight fails. Never waits on a call. The
+        log goes, unless the engine failed (an error names it)."""
+        failed = self._closed or self._process.poll() is not None
+        if not self._lock.acquire(blocking=False):
+            self._end()
+            return
+        try:
+            if not self._closed:
+                with contextlib.suppress(EngineError):
+                    self._exchange("shutdown", None, 30.0, {})
+                self._end(grace=30.0)
+            self._conn.close()
+            self._weights.close()
+        finally:
+            self._lock.release()
+        if not failed:
+            self._log_path.unlink(missing_ok=True)
 
     # -- work ----------------------------------------------------------------------------
     def sample_trees(self, prompts: list[list[int]], branching: list[int], segment_tokens: list[int],
@@ -220,17 +288,28 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], max_tokens: int, eos: list[int], temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per prompt (greedy by default): tokens and each token's logprob."""
-        reply = self._request("generate", prompts=prompts, max_tokens=max_tokens, eos=eos,
-                              sampling=_sampling(temperature, top_p, top_k))
-        return reply["tokens"], reply["logprobs"]
+        trees, _ = self.sample_trees(prompts, [1], [], max_tokens, temperature, top_p, top_k, eos)
+        return [tree.completions[0] for tree in trees], [tree.logprobs[0] for tree in trees]
 
     def load_policy(self, model: torch.nn.Module) -> float:
         """Replace the engine's weights by `model`'s (the policy after an update), in place,
-        and drop its prefix cache; returns the seconds it took."""
+        and drop its prefix cache; returns the seconds it took. The weights go through a
+        buffer in shared memory (one copy; the engine loads from views of it: SharedWeights)."""
         started = time.perf_counter()
-        payload = safetensors.torch.save(policy_tensors(model))
-        self._request("load_weights", safetensors_bytes=payload)
+        with self._lock:  # the buffer is written under the call's lock: a close in between cannot free it
+            try:
+                self._exchange("load_weights", None, self.spec.timeout_s, self._weights.write(policy_tensors(model)))
+            finally:
+                self._weights.mapped()
         return time.perf_counter() - started
+
+    def sleep(self) -> None:
+        """Release the weights and the KV cache (vLLM's sleep mode, level 2) until `wake_up`;
+        the weights must be loaded again then (CUDA only: the engine started with `sleeps`)."""
+        self._request("sleep")
+
+    def wake_up(self) -> None:
+        self._request("wake_up")
 
     def load_drafter(self, folder: str) -> None:
         """Speculate with the exported drafter in `folder` from now on (same shape as the one
@@ -261,6 +340,10 @@ def check_engine(cfg, model_dir: Path) -> None:
         raise ConfigError(f"rollout.engine=vllm, but {python} cannot run vLLM ({probe.stderr.strip()[-300:]}): "
                           "`make setup` installs it into .venv-vllm")
     found = json.loads(probe.stdout)
+    try:
+        check_version(found["version"])
+    except RuntimeError as e:
+        raise ConfigError(f"rollout.engine=vllm: {e}") from None
     architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     if found["text_generation"] and not set(architectures) & set(found["text_generation"]):
         raise ConfigError(f"vLLM {found['version']} cannot run {model_dir} (architectures {architectures}); use "
@@ -283,9 +366,11 @@ def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: s
         python=r.vllm.python, model=model_dir, dtype=cfg.model.dtype, seed=seed,
         max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
         kv_cache_gb=r.vllm.kv_cache_gb if not on_cuda or r.vllm.kv_cache_gb else 0.0,
-        gpu_memory_utilization=r.vllm.gpu_memory_utilization, enforce_eager=r.vllm.enforce_eager,
+        gpu_memory_utilization=r.vllm.gpu_memory_utilization,
+        enforce_eager=not on_cuda if r.vllm.enforce_eager is None else r.vllm.enforce_eager,
         threads=cfg.threads or torch.get_num_threads(), device=str(device), drafter=drafter,
-        draft_tokens=max(r.draft_lens) if drafter else 0, spec_threshold=r.spec_threshold if drafter else 0)
+        draft_tokens=max(r.draft_lens) if drafter else 0, spec_threshold=r.spec_threshold if drafter else 0,
+        timeout_s=r.vllm.timeout_s, sleeps=on_cuda and r.vllm.sleep_during_update)
 
 
 def same_engine(a: EngineSpec, b: EngineSpec) -> bool:
@@ -296,12 +381,98 @@ def same_engine(a: EngineSpec, b: EngineSpec) -> bool:
 
 
 def policy_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights by HF name, a tied weight once (what vLLM's loader takes), on the CPU;
-    a critic's value head is not the HF model's."""
+    """The model's weights by HF name, a tied weight once (what vLLM's loader takes), where
+    they are; a critic's value head is not the HF model's."""
     state = model.state_dict()
     names = [n for n, _ in model.named_parameters() if not is_critic(n)] + \
         [n for n, _ in model.named_buffers() if n in state]
-    return {n: state[n].detach().to("cpu").contiguous() for n in names}
+    return {n: state[n].detach() for n in names}
+
+
+# Where the weights' buffer lies: shared memory (tmpfs) where the system has it.
+SHARED_MEMORY = "/dev/shm"
+ALIGN = 64  # bytes: every tensor's offset in the buffer, so that each dtype's view of it is aligned
+
+
+class SharedWeights:
+    """The buffer in shared memory a policy's weights are copied into, once per update, for
+    the engine to load from views of it. Kept for the engine's life (a fresh buffer's page
+    faults, on both sides, cost as much as the copy); its file goes as soon as the engine has
+    mapped it, so that nothing is left in shared memory whatever ends the processes."""
+
+    def __init__(self):
+        self.path: str | None = None
+        self.data: torch.Tensor | None = None
+        self.linked = False
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """Copy `tensors` in; the request's arguments: the buffer's path and size, and
+        [name, dtype, shape, byte offset] per tensor."""
+        layout, size = [], 0
+        for name, tensor in tensors.items():
+            layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size])
+            size += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        size = max(size, ALIGN)
+        if self.data is None or self.data.numel() != size:
+            self.close()
+            descriptor, self.path = tempfile.mkstemp(prefix="lsreplay-weights-",
+                                                     dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None)
+            try:
+                os.posix_fallocate(descriptor, 0, size)  # ENOSPC now, not SIGBUS at the copy
+            except OSError as e:
+                os.close(descriptor)
+                os.unlink(self.path)
+                raise EngineError(f"no room for the policy's {size / 2**20:.0f} MiB of weights in "
+                                  f"{os.path.dirname(self.path)} ({e.strerror}): enlarge it (e.g. docker's "
+                                  "--shm-size)") from None
+            os.close(descriptor)
+            self.data, self.linked = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8), True
+        for (_, _, shape, offset), tensor in zip(layout, tensors.values()):
+            nbytes = tensor.numel() * tensor.element_size()
+            self.data[offset:offset + nbytes].view(tensor.dtype).view(shape).copy_(tensor)
+        return {"buffer": self.path, "size": size, "layout": layout}
+
+    def mapped(self) -> None:
+        """The engine has mapped the buffer: its file can go."""
+        if self.linked:
+            os.unlink(self.path)
+            self.linked = False
+
+    def close(self) -> None:
+        self.mapped()
+        self.data = None
+
+
+def physical_device(index: int, visible: str | None) -> str:
+    """What the engine's CUDA_VISIBLE_DEVICES says for the trainer's cuda:`index`, given the
+    trainer's own CUDA_VISIBLE_DEVICES `visible`: CUDA numbers a process's devices in the
+    order that variable lists them (a Ray actor's lists the GPU Ray gave it, its cuda:0), so
+    cuda:i is its i-th entry; unset, physical device i."""
+    if visible is None:
+        return str(index)
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if index >= len(entries):
+        raise EngineStartError(f"the trainer's cuda:{index} is not among CUDA_VISIBLE_DEVICES={visible!r} "
+                               f"({len(entries)} devices): list the pool's devices there, or unset it")
+    return entries[index]
+
+
+def check_device(device: str, engine_uuid: str | None) -> None:
+    """EngineError unless the engine runs on the same physical GPU as the trainer's `device`."""
+    if engine_uuid is None or not device.startswith("cuda"):
+        return
+    trainer_uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    if trainer_uuid != engine_uuid:
+        raise EngineError(f"the vLLM engine for {device} runs on GPU {engine_uuid}, the trainer's {device} is GPU "
+                          f"{trainer_uuid} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+
+
+def intel_openmp(python: str) -> Path | None:
+    """The Intel OpenMP library of the environment `python` belongs to, if it has one. The
+    environment is the interpreter's folder's parent as given, not resolved: a venv's python
+    is a link to the base interpreter, whose folder holds no such library."""
+    found = Path(os.path.abspath(python)).parents[1] / "lib" / "libiomp5.so"
+    return found if found.is_file() else None
 
 
 def _sampling(temperature: float, top_p: float, top_k: int) -> dict:

