@@ -95,3 +95,17 @@ def test_the_reference_is_the_base_with_the_adapters_off(lora_run, tiny_model_di
     assert torch.equal(off, logits(base(tiny_model_dir)))
     assert not torch.equal(logits(policy), off)  # on again after the block
     assert [n for n, p in policy.named_parameters() if p.requires_grad] == trainable
+
+
+def test_bfloat16_adapters_train_on_float32_masters_of_their_own(tiny_model_dir):
+    """Mixed precision with LoRA: bf16 adapters on the bf16 base, float32 masters and AdamW for
+    the adapters alone, started from the same seeded values as a float32 copy's."""
+    from lsreplay.state.resident import policy_train_state
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "model.dtype=bfloat16", *LORA[:3]])
+    model = policy_model(cfg, "cpu")
+    train = policy_train_state(cfg, model)
+    assert train.mixed and train.names and all(is_adapter(n) for n in train.names)
+    assert {m.dtype for m in train.masters} == {torch.float32}
+    float32 = dict(policy_model(cfg, "cpu", dtype="float32").named_parameters())
+    assert all(torch.equal(p, float32[n].to(torch.bfloat16)) for n, p in model.named_parameters() if is_adapter(n))
