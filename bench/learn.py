@@ -1,6 +1,6 @@
 """Does the policy learn? Held-out accuracy of SmolLM2-135M-Instruct before and after GRPO,
-branch replay next to the per-rollout baseline, on the same prompts; and PPO with a critic
-and online DPO from the same start.
+branch replay next to the per-rollout baseline, on the same prompts; and PPO with a critic,
+online DPO and LoRA adapters from the same start.
 
     .venv/bin/python bench/learn.py [--config configs/learn.yaml] [--out runs/learn]
                                     [--runs replay,baseline] [--plot docs/learn_curves.png]
@@ -8,7 +8,8 @@ and online DPO from the same start.
 
 Real `lsreplay train` flow runs of one config, one after another, in fresh run directories
 under --out (same seed, so the same prompts each step and the same held-out set), those
---runs names (default replay,baseline; replay,ppo,dpo compares the algorithms):
+--runs names (default replay,baseline; replay,ppo,dpo compares the algorithms, replay,lora
+LoRA with full training):
 
     replay    the config as it is: GRPO through branch replay
     baseline  replay.mode=naive: every rollout's full sequence forward and backward, as a
@@ -16,6 +17,9 @@ under --out (same seed, so the same prompts each step and the same held-out set)
     ppo       PPO with a critic (a value head on the policy's trunk), GAE advantages, 2
               epochs of 2 minibatches a step (docs/algorithms.md)
     dpo       online DPO: each tree's best leaf against its worst, the base model as reference
+    lora      GRPO through replay training LoRA adapters (rank 16, every projection) on the
+              frozen base, at 10x the config's learning rate (adapters start at zero and
+              move a low-rank slice of the weights: the usual LoRA practice)
 
 Each evaluates its policy after 0, eval.every, ..., steps updates on the held-out prompts
 (lsreplay.stages.evaluate). The accuracy this bench reports is the sampled one: the share
@@ -25,9 +29,12 @@ interval) is printed next to it. Wall time to an accuracy is the training time u
 policy existed: from step 0's first stage to the last update before it (evaluation time
 left out; both runs evaluate alike).
 
-Printed: each run's evaluations; with ppo or dpo, a line `replay_acc_start= replay_acc_end=
-ppo_acc_start= ... dpo_acc_end=` (sampled accuracy before and after each run's updates, their
-95% intervals in the table above it); with replay and baseline, on the replay run, how many
+Printed: each run's evaluations; a line `replay_step_s= replay_activation_peak_mib=
+replay_state_mib= ...` per run (its mean step time, the measured peak of the backward's saved
+activations, and `lsreplay plan`'s model state: weights, gradients, masters, AdamW); with ppo,
+dpo or lora, a line `replay_acc_start= replay_acc_end= ppo_acc_start= ... lora_acc_end=`
+(sampled accuracy before and after each run's updates, their 95% intervals in the table above
+it); with replay and baseline, on the replay run, how many
 held-out prompts' greedy answers went from wrong to right and back between the first and the
 last evaluation, with McNemar's exact p-value, and the greedy figures; then the last line
 `acc_start= acc_end= baseline_acc_end= wall_ratio=` (sampled accuracy; wall_ratio: the
@@ -53,7 +60,10 @@ from lsreplay.commands.report import curves, plot, read_metrics, write_report  #
 
 RUNS = {"replay": ["replay.mode=replay"], "baseline": ["replay.mode=naive"],
         "ppo": ["algo.name=ppo", "algo.critic=true", "algo.advantage=gae", "algo.epochs=2", "algo.minibatches=2"],
-        "dpo": ["algo.name=dpo"]}
+        "dpo": ["algo.name=dpo"],
+        "lora": ["replay.mode=replay", "model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32"]}
+# The lora run's learning rate over the config's.
+LORA_LR_FACTOR = 10
 SMOKE = ["steps=1", "eval.every=1", "eval.size=4", "eval.samples=1", "data.size=16", "data.prompts_per_step=2",
          "rollout.branching=[2]", "rollout.max_new_tokens=4"]
 
@@ -103,6 +113,31 @@ def table(name: str, run_dir: Path, rows: list[dict]) -> list[str]:
             for r in evaluations(rows)]
 
 
+def run_overrides(config: str, common: list[str], name: str) -> list[str]:
+    """A run's overrides: the common ones, its own, and for lora the scaled learning rate."""
+    if name != "lora":
+        return [*common, *RUNS[name]]
+    from lsreplay.core.config import load_config
+
+    lr = load_config(config, common).optim.lr * LORA_LR_FACTOR
+    return [*common, *RUNS[name], f"optim.lr={lr:g}"]
+
+
+def costs(config: str, common: list[str], metrics: dict[str, list[dict]]) -> str:
+    """Per run, key=value: mean step seconds, the measured peak of the backward's saved
+    activations (MiB) and the model state `lsreplay plan` counts for its config (MiB)."""
+    from lsreplay.commands.plan import load_plan_config, make_plan
+
+    out = []
+    for name, rows in metrics.items():
+        steps = [r for r in rows if "step_time" in r]
+        state = make_plan(*load_plan_config(config, run_overrides(config, common, name))).state.total
+        out += [f"{name}_step_s={sum(r['step_time'] for r in steps) / max(len(steps), 1):.2f}",
+                f"{name}_activation_peak_mib={max((r.get('peak_activation_bytes', 0) for r in steps), default=0) / 2**20:.1f}",
+                f"{name}_state_mib={state / 2**20:.1f}"]
+    return " ".join(out)
+
+
 def algorithms(metrics: dict[str, list[dict]]) -> str:
     """Each run's sampled held-out accuracy before and after its updates, key=value."""
     return " ".join(f"{name}_acc_{when}={evaluations(rows)[i]['eval_sample_accuracy']:.3f}"
@@ -149,14 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     common = (SMOKE if args.smoke else []) + args.overrides
-    metrics = {name: train(args.config, out / name, [*common, *RUNS[name]]) for name in runs}
+    metrics = {name: train(args.config, out / name, run_overrides(args.config, common, name)) for name in runs}
     for name, rows in metrics.items():
         print("\n".join(table(name, out / name, rows)))
+    print(costs(args.config, common, metrics))
     write_report([out / name for name in metrics], out / "report")
     if args.plot:
         plot(curves(metrics), Path(args.plot), keys=("eval_sample_accuracy", "eval_accuracy"))
 
-    if {"ppo", "dpo"} & set(runs):
+    if {"ppo", "dpo", "lora"} & set(runs):
         print(algorithms(metrics))
     if {"replay", "baseline"} <= set(runs):
         print("\n".join(summary(out, metrics)))

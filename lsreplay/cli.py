@@ -3,7 +3,9 @@
     lsreplay train [CONFIG.yaml] [key=value ...] [--force] [--wait]   run, or resume the run in run_dir
     lsreplay resume RUN_DIR [key=value ...] [--steps N] [--from-step S] [--force] [--wait]
                                                                        continue a run from its saved config
-    lsreplay export RUN_DIR OUT [--step N] [key=value ...]             a policy checkpoint as an HF model folder
+    lsreplay export RUN_DIR OUT [--step N] [--adapters] [key=value ...]
+                                                                       a policy checkpoint as an HF model folder
+                                                                       (LoRA merged in), or its PEFT adapters
     lsreplay serve [CONFIG.yaml] [key=value ...] (--cron EXPR | --interval SECONDS) [--name NAME]
     lsreplay convert-model                                             the SmolLM2 conversion alone
     lsreplay config [CONFIG.yaml] [key=value ...] [--check]            print the resolved config, validated
@@ -137,10 +139,11 @@ def _export(args) -> int:
     from lsreplay.state.checkpointing import export_policy
 
     cfg = open_run_config(args.run_dir, secrets_to_env(args.overrides), runs_code=False)  # it only copies weights
-    step, files = export_policy(Run(cfg), args.out, args.step)
+    step, files = export_policy(Run(cfg), args.out, args.step, adapters=args.adapters)
     size = sum(e["bytes"] for e in files.values())
-    print(f"wrote the policy of step {step} to {args.out} ({len(files)} files, {size / 2**20:.1f} MiB): "
-          "an HF model folder (AutoModelForCausalLM.from_pretrained, vllm serve)")
+    kind = ("a PEFT adapter folder (peft.PeftModel.from_pretrained onto the base model)" if args.adapters else
+            "an HF model folder (AutoModelForCausalLM.from_pretrained, vllm serve)")
+    print(f"wrote the policy of step {step} to {args.out} ({len(files)} files, {size / 2**20:.1f} MiB): {kind}")
     return 0
 
 
@@ -243,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("out", help="a new local folder")
     export.add_argument("overrides", nargs="*", help="storage overrides, e.g. storage.endpoint_url=...")
     export.add_argument("--step", type=int, help="the step's checkpoint (default: the newest complete one)")
+    export.add_argument("--adapters", action="store_true", help="with model.lora: the adapters as a PEFT folder "
+                        "(default: merged into the base, an HF model folder)")
     export.set_defaults(fn=_export)
     serve = sub.add_parser("serve", help="serve the training flow as a Prefect deployment on a schedule")
     serve.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")

@@ -59,6 +59,28 @@ def test_malformed_override(override, message, capsys):
     assert f"override {override!r}: " in err and message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.lora.rank=0", "'model.lora.rank' = 0 is not allowed: an integer >= 1 (the adapters' rank, e.g. 16); to "
+                          "train the full weights instead set model.lora.enabled=false"),
+    ("model.lora.target_modules=[q_proj,qkv_proj]", "model.lora.target_modules names 'qkv_proj', which "
+                                                    "LlamaForCausalLM does not have; its decoder layers' linear layers "
+                                                    "are ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', "
+                                                    "'up_proj', 'v_proj']: list some of those"),
+    ("model.lora.target_modules=[input_layernorm]", "names 'input_layernorm', a LlamaRMSNorm, which PEFT cannot wrap "
+                                                    "with LoRA here (linear layers only)"),
+    ("model.lora.target_modules=[lm_head]", "names 'lm_head', which is outside the decoder layers"),
+    ("model.lora.dropout=0.05", "'model.lora.dropout' = 0.05 is not allowed: 0"),
+    ("rollout.engine=vllm", "'rollout.engine' = 'vllm' is not allowed: hf with model.lora.enabled=true"),
+])
+def test_lora_errors(override, message, tiny_model_dir, tmp_path, capsys):
+    """Checked before any work (the preflight builds the model on the meta device)."""
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+                     "model.lora.enabled=true", override]) == 2
+    err = error(capsys)
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_metadata_column_that_is_not_json(tmp_path, tiny_model_dir, capsys):
     """A prompt file's `metadata` column holds JSON objects as strings (reasoning-gym's
     prompts), or structs. One that does not parse stops the run before any work, naming the

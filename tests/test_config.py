@@ -148,6 +148,13 @@ def test_a_dict_given_whole_replaces_the_default(tmp_path):
     ("actor_rollout_ref.actor.clip_ratio_high=0.28", "lsreplay's key is algo.clip_eps_high"),
     ("algorithm.norm_adv_by_std_in_grpo=false", "lsreplay's key is algo.scale_rewards (true: group, false: none)"),
     ("trainer.save_freq=5", "lsreplay's key is checkpoint.every"),
+    # TRL's peft_config (PEFT's LoraConfig) and ModelConfig flags, verl's lora_rank
+    ("peft_config.r=8", "lsreplay's key is model.lora.rank"),
+    ("peft_config.lora_alpha=16", "lsreplay's key is model.lora.alpha"),
+    ("peft_config.target_modules=[q_proj]", "lsreplay's key is model.lora.target_modules"),
+    ("model.lora.r=8", "lsreplay's key is model.lora.rank"),
+    ("use_peft=true", "lsreplay's key is model.lora.enabled"),
+    ("actor_rollout_ref.model.lora_rank=32", "lsreplay's key is model.lora.rank"),
     ("data.train_files=train.parquet", "lsreplay's key is data.path"),
     ("custom_reward_function.reward_kwargs={n: 1}", "lsreplay's key is reward.kwargs"),
     ("rollout.max_new_token=8", "did you mean rollout.max_new_tokens"),

@@ -88,6 +88,40 @@ def test_production_config_fits(capsys):
     assert "branches  replay: prompt recomputed after its subtree; level-1 segment recomputed" in out
 
 
+def test_lora_counts_the_adapters_alone_in_the_production_config(capsys):
+    """The production shape with LoRA (the commented section of its config): the bf16 base's
+    weights, gradients, float32 masters and AdamW moments for 40.4M adapters alone; it fits
+    without FSDP, in about a quarter of the full model state."""
+    assert main([PROD, "replay.fsdp=true"]) == 0
+    full = _last_kv(capsys.readouterr().out)
+    assert main([PROD, "model.lora.enabled=true", "replay.fsdp=false"]) == 0
+    out = capsys.readouterr().out
+    lora = _last_kv(out)
+    cfg, values = load_plan_config(PROD, ["model.lora.enabled=true", "replay.fsdp=false"])
+    plan = make_plan(cfg, values)
+    trained, base = plan.adapters, plan.dims.params()
+    assert trained == int(lora["lora_params"]) == 28 * 16 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))
+    st = plan.state
+    assert (st.weights, st.grads, st.master, st.moments) == ((base + trained) * 2, trained * 4, trained * 4,
+                                                             trained * 8)
+    assert lora["fits"] == "true" and float(lora["state_gib"]) < float(full["state_gib"]) / 3
+    assert float(lora["peak_gib"]) < float(full["peak_gib"])
+    assert "0.45 / 10" in out  # a checkpoint of adapters + AdamW, not 85 GiB
+
+
+def test_the_plans_adapter_count_is_what_peft_injects():
+    from lsreplay.core.config import load_config
+    from lsreplay.commands.plan import lora_params
+    from lsreplay.models.lora import add_adapters
+
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL, vocab_size=64))
+    for targets in ("[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "[q_proj,v_proj]"):
+        cfg = load_config(None, ["model.lora.enabled=true", "model.lora.rank=3", f"model.lora.target_modules={targets}"])
+        adapted = add_adapters(Qwen2ForCausalLM(Qwen2Config(**SMALL, vocab_size=64)), cfg.model.lora, seed=0)
+        injected = sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n)
+        assert lora_params(cfg, ModelDims.from_hf(model.config)) == injected
+
+
 @pytest.mark.parametrize("overrides, why", [
     (["replay.fsdp=false"], "replay.fsdp=true"),  # the replicated 7B state alone exceeds 96 GiB
     (["pool.device_memory_gb=40"], "40.00 GiB"),

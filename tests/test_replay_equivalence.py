@@ -9,6 +9,9 @@ float64 (HF's RMSNorm computes in float32 even then) and 1e-4 in float32.
 The critic's losses are per-position losses on the last hidden state through a value
 head, not weighted logprobs: `value` (the clipped value loss alone) and `ppo-critic` (PPO's
 surrogate plus the value loss, both heads in one backward) replay through heads.
+
+With LoRA (PEFT's adapters on every attention and MLP projection, lsreplay.models.lora) the
+same holds, and only the adapters and the value head get gradients.
 """
 
 import copy
@@ -24,6 +27,8 @@ from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import reference_logprobs, with_kl
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
+from lsreplay.core.config import LoraConfig
+from lsreplay.models.lora import add_adapters, is_adapter
 from lsreplay.models.distribution import RAW, SamplingParams
 from lsreplay.replay.cascade import cascade_applies
 from lsreplay.replay.heads import logprob_heads
@@ -85,8 +90,18 @@ def _reference(kind: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
     return ref
 
 
-def fresh_model(kind, dtype, critic: bool = False):
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)  # every projection: q, k, v, o, gate, up, down
+
+
+def fresh_model(kind, dtype, critic: bool = False, lora: bool = False):
     model = copy.deepcopy(_model(kind, dtype))
+    if lora:  # B random too: at its initial zero, A would get no gradient
+        add_adapters(model, LORA, seed=0)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.copy_(0.1 * torch.randn(param.shape, generator=g, dtype=torch.float64))
     if critic:  # a random head: a zero one would send the trunk no gradient at all
         attach_value_head(model)
         with torch.no_grad():
@@ -195,8 +210,9 @@ def build_logprob_loss(name: str, kind: str, dtype, model, trees):
     raise KeyError(name)
 
 
-def compare(kind: str, dtype, depth: int, name: str, sampling: SamplingParams = RAW, budget: int | None = None):
-    model = fresh_model(kind, dtype, critic=name in ("value", "ppo-critic"))
+def compare(kind: str, dtype, depth: int, name: str, sampling: SamplingParams = RAW, budget: int | None = None,
+            lora: bool = False):
+    model = fresh_model(kind, dtype, critic=name in ("value", "ppo-critic"), lora=lora)
     trees = make_trees(depth)
     loss_fn, heads, info = build_loss(name, kind, dtype, model, trees, sampling)
     replay_loss, stats = replay_loss_backward(model, trees, loss_fn, heads=heads, budget_bytes=budget)
@@ -264,6 +280,25 @@ def test_every_path_of_the_backward_is_exact(exact_rmsnorm, kind, name, path):
     expected = {"kept": lambda k, b: k == b, "recompute": lambda k, b: k == 0, "mixed": lambda k, b: 0 < k < b}[path]
     assert any(expected(k, b) for k, b in shares) and all(b > 0 for _, b in shares), shares
     replay_loss, naive_loss, rel, *_ = compare(kind, torch.float64, 3, name, budget=budget)
+    assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
+    assert rel <= 1e-11, rel
+
+
+@pytest.mark.parametrize("path", ["kept", "recompute"])
+@pytest.mark.parametrize("name", ["grpo-token-mean", "kl-k3", "ppo-critic"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_replay_is_exact_with_lora_on_every_projection(exact_rmsnorm, kind, name, path):
+    """PEFT's lora.Linear in every projection: the attention modules still take replay's
+    cascade attention, and the gradients of the adapters (and of the value head, which
+    trains in full beside them) are exactly the per-rollout ones; the base gets none."""
+    model = fresh_model(kind, torch.float64, lora=True)
+    assert cascade_applies(model)
+    adapted = {n for n, _ in model.named_parameters() if is_adapter(n)}
+    assert len(adapted) == 2 * 7 * model.config.num_hidden_layers
+    replay_loss, naive_loss, rel, _, _, naive = compare(kind, torch.float64, 3, name,
+                                                        budget={"kept": None, "recompute": 1}[path], lora=True)
+    critic = {"value_head.weight", "value_head.bias"} if name == "ppo-critic" else set()
+    assert set(naive) == adapted | critic
     assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
     assert rel <= 1e-11, rel
 

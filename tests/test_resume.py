@@ -61,10 +61,14 @@ def test_killed_in_each_stage_then_resumed_is_bit_identical(prefect_server, tiny
 PPO = ["algo.name=ppo", "algo.critic=true", "algo.advantage=gae", "algo.epochs=2", "optim.schedule=cosine",
        "optim.warmup_steps=1", "algo.dynamic_sampling=true", "algo.dynamic_sampling_draws=3", "algo.overlong=penalty",
        "algo.overlong_buffer=2", "reward.function=tests.varied_rewards:alike_on_even_prompts", "drafter.enabled=false"]
+# The same with LoRA adapters on every projection (their AdamW state beside the value head's)
+# and a KL term to the base (the policy with its adapters off).
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "algo.kl_coef=0.1"]
 
 
+@pytest.mark.parametrize("lora", [[], LORA], ids=["full", "lora"])
 def test_ppo_with_a_critic_a_schedule_and_dynamic_sampling_resumes_bit_identical(prefect_server, tiny_model_dir,
-                                                                                 tmp_path, monkeypatch):
+                                                                                 tmp_path, monkeypatch, lora):
     """A run stopped as step 1's rollouts start (an injected permanent error; the flow's
     process lets go of what it held, as a killed one would have) and resumed in a process
     that holds nothing: it draws step 1's trees and their replacements with the policy and
@@ -74,17 +78,18 @@ def test_ppo_with_a_critic_a_schedule_and_dynamic_sampling_resumes_bit_identical
     from flows.train import train
 
     ref = tmp_path / "reference"
-    train(overrides=[*tiny(ref, tiny_model_dir), *PPO])
+    train(overrides=[*tiny(ref, tiny_model_dir), *PPO, *lora])
     drawn = [json.loads((ref / f"step_{s:04d}/trees.done.json").read_text())["prompts_drawn"] for s in (0, 1)]
     assert max(drawn) > 1, drawn  # a tree was dropped and its prompt replaced
     run_dir = tmp_path / "run"
     monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:error")
     with pytest.raises(Exception, match="stage trees of step 1 failed"):
-        train(overrides=[*tiny(run_dir, tiny_model_dir), *PPO])
+        train(overrides=[*tiny(run_dir, tiny_model_dir), *PPO, *lora])
     monkeypatch.delenv("LSREPLAY_FAULTS")
     assert not done(run_dir, 1, "trees") and done(run_dir, 0, "policy")
     train(resume=str(run_dir), overrides=[unique_pool()])
     assert (run_dir / "checkpoints/policy/step_0000/critic.safetensors").is_file()
+    assert (run_dir / "checkpoints/policy/step_0000/adapter/adapter_model.safetensors").is_file() == bool(lora)
     assert digests(run_dir, "checkpoints", "step_0000", *STEP1) == digests(ref, "checkpoints", "step_0000", *STEP1)
     assert executions(run_dir)[(1, "trees")] == 2 and executions(run_dir)[(1, "policy")] == 1
 

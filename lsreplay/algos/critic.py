@@ -38,13 +38,15 @@ VALUE = "value"
 
 
 def attach_value_head(model: PreTrainedModel) -> PreTrainedModel:
-    """Give `model` a zero value head (hidden -> 1) in its dtype and on its device, once."""
+    """Give `model` a zero value head (hidden -> 1) in its dtype and on its device, once:
+    trainable where anything of the model is (its LoRA adapters: then the value loss reaches
+    the trunk through them)."""
     if not hasattr(model, VALUE_HEAD):
         param = next(model.parameters())
         head = torch.nn.Linear(model.config.hidden_size, 1, dtype=param.dtype, device=param.device)
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
-        head.requires_grad_(param.requires_grad)
+        head.requires_grad_(any(p.requires_grad for p in model.parameters()))
         model.add_module(VALUE_HEAD, head)
     return model
 

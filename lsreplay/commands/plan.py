@@ -6,7 +6,8 @@ positions does it train?
 Per device it counts, for branch replay and for the per-rollout (naive) backward:
 
 - model state: compute weights, the gradient accumulator, AdamW moments and (bfloat16
-  models: mixed precision) float32 master weights. Without FSDP every rank holds all of
+  models: mixed precision) float32 master weights. With LoRA (model.lora) the base's
+  weights in the compute dtype, and gradients, masters and moments for the adapters alone. Without FSDP every rank holds all of
   it. With FSDP (`lsreplay.distributed.parallel.shard_model`) the master weights, moments and reduced
   gradient are sharded over the ranks, but during the backward a rank holds the full
   compute weights and a full gradient accumulator (float32 for mixed precision): the
@@ -268,24 +269,54 @@ def critic_params(cfg, dims: ModelDims) -> int:
     return dims.hidden + 1 if cfg.algo.critic else 0
 
 
-def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool, extra_params: int = 0) -> StateBytes:
+# (in, out) features of each projection LoRA adapts (model.lora.target_modules), by name.
+def projection_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
+    h, q, kv, i = dims.hidden, dims.q_dim, dims.kv_dim, dims.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def lora_params(cfg, dims: ModelDims) -> int:
+    """The LoRA adapters' parameters (model.lora): A (rank x in) and B (out x rank) per target
+    projection of every layer; 0 without LoRA."""
+    from lsreplay.core.config import ConfigError
+
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return 0
+    shapes = projection_shapes(dims)
+    if unknown := [t for t in lora.target_modules if t not in shapes]:
+        raise ConfigError(f"lsreplay plan counts LoRA adapters on {', '.join(shapes)}; model.lora.target_modules "
+                          f"names {unknown}: plan with those projections")
+    return dims.layers * lora.rank * sum(sum(shapes[t]) for t in lora.target_modules)
+
+
+def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool, extra_params: int = 0,
+                adapters: int = 0) -> StateBytes:
     """bfloat16 means mixed precision: bf16 compute weights, float32 master weights,
     AdamW moments and gradient accumulation. float32/float64: one copy in that dtype.
-    extra_params: trained beside the model's (a critic's value head)."""
-    n = dims.params() + extra_params
+    extra_params: trained beside the model's (a critic's value head). adapters: LoRA's
+    parameters; then the base is held in the compute dtype and only they (and the extra
+    ones) have gradients, masters and moments."""
+    n = dims.params() + extra_params + adapters
+    trained = adapters + extra_params if adapters else n
     elt = ELT[dtype]
     mixed = dtype == "bfloat16"
     opt_elt = 4 if mixed else elt
     shard = ranks if fsdp else 1
     weights = n * elt
-    grads = n * opt_elt
-    master = n * 4 // shard if mixed else 0
-    moments = 2 * n * opt_elt // shard
-    grad_shard = n * opt_elt // shard if fsdp else 0
+    grads = trained * opt_elt
+    master = trained * 4 // shard if mixed else 0
+    moments = 2 * trained * opt_elt // shard
+    grad_shard = trained * opt_elt // shard if fsdp else 0
     if fsdp and not mixed:  # the sharded parameter is the master copy
-        master = n * elt // shard
+        master = trained * elt // shard
+    parts = [f"{extra_params} of them the critic"] if extra_params else []
+    if adapters:
+        parts.append(f"{trained / 1e6:.1f}M trained: LoRA adapters{' and the critic' if extra_params else ''}")
+    of_them = f" ({'; '.join(parts)})" if parts else ""
     return StateBytes(weights, grads, master, moments, grad_shard,
-                      notes=f"{n / 1e9:.3f}B params{f' ({extra_params} of them the critic)' if extra_params else ''}, "
+                      notes=f"{n / 1e9:.3f}B params{of_them}, "
                             f"{'mixed bf16/fp32' if mixed else dtype}, {'FSDP over ' + str(ranks) if fsdp else 'replicated'}")
 
 
@@ -327,14 +358,15 @@ def resident_beside_rollouts(cfg, dims: ModelDims) -> list[tuple[str, str, int]]
     where one device of this process runs it (pool.devices_per_step=1: masters, gradients
     and AdamW moments stay on it between steps); the reference with a KL term; the drafter
     the long tail decodes with."""
-    n, elt = dims.params(), ELT[cfg.model.dtype]
-    state = state_bytes(dims, cfg.model.dtype, 1, False, critic_params(cfg, dims))
-    lines = [("weights", "policy weights (the resident compute copy)", (n + critic_params(cfg, dims)) * elt)]
+    n, elt, adapters = dims.params(), ELT[cfg.model.dtype], lora_params(cfg, dims)
+    state = state_bytes(dims, cfg.model.dtype, 1, False, critic_params(cfg, dims), adapters)
+    lines = [("weights", "policy weights (the resident compute copy)", state.weights)]
     if cfg.pool.devices_per_step == 1:
         lines.append(("state", "the update's state held (masters, gradients, AdamW)",
                       state.grads + state.master + state.moments))
     if scores_reference(cfg):
-        lines.append(("reference", "the reference model (KL term, DPO)", n * elt))
+        lines.append(("reference", "the reference: the policy with its LoRA adapters off, no copy", 0) if adapters
+                     else ("reference", "the reference model (KL term, DPO)", n * elt))
     if speculates(cfg):
         lines.append(("drafter", "the drafter (fc + one layer)", (2 * dims.hidden ** 2 + dims.hidden
                                                                    + dims.layer_params()) * elt))
@@ -460,7 +492,8 @@ def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
     logprobs = (shape.unique_positions - shape.prompt) * scored * 8
     hidden = shape.unique_positions * dims.hidden * elt if cfg.drafter.enabled else 0
     master = ELT[master_dtype(cfg.model.dtype)]
-    checkpoint = 3 * (n + critic_params(cfg, dims)) * master  # masters + two AdamW moments
+    adapters = lora_params(cfg, dims)  # with LoRA only they (and a critic) are checkpointed
+    checkpoint = 3 * ((adapters or n) + critic_params(cfg, dims)) * master  # masters + two AdamW moments
     loads = (cfg.rollout.shards + 1 + scores_reference(cfg)) * n * master
     return StepIO(kv, trees * (logprobs + hidden), checkpoint, cfg.checkpoint.every, loads,
                   cfg.storage.bandwidth_gbps * 1e9)
@@ -492,6 +525,7 @@ class Plan:
     # PPO's later minibatches: the caching pass again, its prefix K/V held in host memory
     minibatch_kv: int = 0
     critic: int = 0  # the critic's parameters (a value head on the trunk)
+    adapters: int = 0  # LoRA's parameters (model.lora): all that trains beside the critic
     replay_path: str = ""  # how the update runs each branching level (replay_path)
     engine_kept: int = 0  # what a vLLM engine keeps on the device through the caching pass and the update
     engine_during_update: str = ""  # what happens to the engine's memory then, in words
@@ -596,12 +630,12 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     return Plan(model=model_name, dims=dims, dtype=dtype_name, mode=cfg.replay.mode, ranks=ranks, fsdp=fsdp,
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step,
-                state=state_bytes(dims, dtype_name, ranks, fsdp, critic_params(cfg, dims)),
+                state=state_bytes(dims, dtype_name, ranks, fsdp, critic_params(cfg, dims), lora_params(cfg, dims)),
                 replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
                 naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES[r.engine](cfg, dims, shape),
                 io=io, budget_bytes=budget, join_below=cfg.replay.join_below, algo=cfg.algo.name, updates=updates,
                 minibatch_kv=io.prefix_kv * minibatch // cfg.data.prompts_per_step if updates > 1 else 0,
-                critic=critic_params(cfg, dims),
+                critic=critic_params(cfg, dims), adapters=lora_params(cfg, dims),
                 replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below),
                 **engine_during_update(cfg, ROLLOUT_ENGINES[r.engine](cfg, dims, shape), accelerator))
 
@@ -662,8 +696,8 @@ def format_plan(p: Plan) -> str:
     fits = p.step_fits()
     kv = dict(algo=p.algo, updates_per_step=p.updates, mode=p.mode, devices=p.ranks, fsdp=str(p.fsdp).lower(), trees=p.trees, rollouts_per_tree=s.rollouts,
               positions_per_step=p.positions_per_step, replay_positions_per_step=p.replay_positions_per_step,
-              positions_ratio=f"{s.total_positions / s.unique_positions:.3f}",
-              peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
+              positions_ratio=f"{s.total_positions / s.unique_positions:.3f}", state_gib=gib(st.total),
+              **({"lora_params": p.adapters} if p.adapters else {}), peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
               naive_peak_gib=gib(p.peak("naive")), rollout_peak_gib=gib(p.rollout_peak()),
               device_gib=gib(p.device_bytes), fits="unknown" if fits is None else str(fits).lower(),
               **({} if p.io is None else {"io_gib_per_step": gib(p.io.written + p.io.read),
@@ -681,6 +715,9 @@ def format_update(p: Plan) -> str:
                  f"its trees' K/V in host memory ({gib(p.minibatch_kv)} GiB)")
     if p.critic:
         line += f"; critic: a value head on the policy's trunk ({p.critic} params), no K/V or model of its own"
+    if p.adapters:
+        line += (f"; LoRA: {p.adapters / 1e6:.1f}M adapter params train on the frozen base, whose weights are held "
+                 "in the compute dtype; the reference is the base with the adapters off")
     return line
 
 

@@ -56,6 +56,12 @@ TRL = {
     "dataset_name": "data.path (a local file or a folder datasets' save_to_disk wrote: nothing is downloaded)",
     "dataset_train_split": "data.split", "dataset_test_split": "eval.split",
     "model_name_or_path": "model.path", "dtype": "model.dtype", "torch_dtype": "model.dtype",
+    # TRL's ModelConfig LoRA flags, and the LoraConfig TRL takes as peft_config
+    "use_peft": "model.lora.enabled (LoRA adapters through PEFT)", "peft_config": "model.lora.enabled (and model.lora.rank, "
+                "alpha, target_modules: PEFT's LoraConfig r, lora_alpha, target_modules)",
+    "lora_r": "model.lora.rank", "peft_config.r": "model.lora.rank", "lora.r": "model.lora.rank",
+    "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout (0 only: replay trains without dropout)",
+    "lora_target_modules": "model.lora.target_modules", "target_modules": "model.lora.target_modules",
 }
 
 VERL = {
@@ -65,7 +71,7 @@ VERL = {
     "rollout.n": "rollout.branching (G rollouts per prompt are the product of its fan-outs: [8], or [4, 2])",
     "rollout.name": "rollout.engine (hf or vllm)",
     "rollout.gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
-    "model.path": "model.path",
+    "model.path": "model.path", "lora_rank": "model.lora.rank (with model.lora.enabled=true)",
     "optim.lr_warmup_steps": "optim.warmup_steps", "optim.clip_grad": "optim.grad_clip",
     "optim.warmup_style": "optim.schedule", "optim.betas": "optim.beta1 (and optim.beta2)",
     "grad_clip": "optim.grad_clip", "lr": "optim.lr",

@@ -45,6 +45,27 @@ class ConfigError(ValueError):
     """A config key, type or value that cannot work; the message says which and why."""
 
 
+# The attention and MLP projections of Llama, Qwen2 and most decoders: LoRA's default targets.
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    # Train low-rank adapters (PEFT's LoRA) on the frozen base model instead of its weights:
+    # gradients, float32 masters and AdamW moments for the adapters alone, the reference the
+    # base with the adapters off, checkpoints a PEFT adapter folder (lsreplay.models.lora).
+    enabled: bool = False
+    rank: int = 16
+    # The adapters' output is scaled by alpha / rank (PEFT's lora_alpha).
+    alpha: float = 32.0
+    # Must stay 0: branch replay differentiates exactly the forward the caching pass computed,
+    # so training runs without dropout (the attention's too).
+    dropout: float = 0.0
+    # Names of linear layers inside the decoder layers (a name matches every layer's module
+    # of that name, as PEFT's target_modules list does).
+    target_modules: list[str] = field(default_factory=lambda: list(PROJECTIONS))
+
+
 @dataclass
 class ModelConfig:
     # A local HF model folder, or "smollm2-135m-instruct": the GGUF shipped in the PyPI
@@ -56,6 +77,7 @@ class ModelConfig:
     # HF config kwargs with a model_type (e.g. Qwen2.5-7B's dims) for a randomly initialised
     # model of that shape: planning and benchmarks. Empty = load model.path.
     arch: dict = field(default_factory=dict)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -703,6 +725,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.threads >= 0, "threads", "must be >= 0 (0 = this machine's count, recorded with the run)",
            cfg.threads)
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"one of {', '.join(DTYPES)}", cfg.model.dtype)
+    _validate_lora(cfg)
     _validate_data(cfg)
     _validate_rollout(cfg)
     _validate_learning(cfg)
@@ -721,6 +744,25 @@ def validate(cfg: Config) -> None:
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
            "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)
+
+
+def _validate_lora(cfg: Config) -> None:
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    _check(lora.rank >= 1, "model.lora.rank", "an integer >= 1 (the adapters' rank, e.g. 16); to train the full "
+           "weights instead set model.lora.enabled=false", lora.rank)
+    _check(lora.alpha > 0, "model.lora.alpha", "a number > 0 (the adapters are scaled by alpha / rank)", lora.alpha)
+    _check(lora.dropout == 0, "model.lora.dropout", "0: branch replay differentiates exactly the forward its "
+           "caching pass computed, so nothing drops out (TRL's lora_dropout has no place here)", lora.dropout)
+    _check(len(lora.target_modules) >= 1 and all(isinstance(m, str) and m for m in lora.target_modules),
+           "model.lora.target_modules", f"a non-empty list of linear layers' names, e.g. {PROJECTIONS}",
+           lora.target_modules)
+    _check(cfg.rollout.engine == "hf", "rollout.engine", "hf with model.lora.enabled=true: the vLLM engine takes "
+           "full weights only (its LoRA sync is not built yet); set rollout.engine=hf or model.lora.enabled=false",
+           cfg.rollout.engine)
+    _check(not cfg.replay.fsdp, "replay.fsdp", "false with model.lora.enabled=true: the adapters are small enough "
+           "to replicate on every rank (plain data parallel)", cfg.replay.fsdp)
 
 
 def _validate_data(cfg: Config) -> None:

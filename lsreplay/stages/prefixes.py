@@ -25,6 +25,7 @@ from lsreplay.algos.backward import activations_kv, scores_of
 from lsreplay.core import faults
 from lsreplay.core.run import Run
 from lsreplay.core.storage import StorageError
+from lsreplay.models.lora import adapters_off
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
 from lsreplay.replay.heads import LOGPROB, Heads, logprob_heads
 from lsreplay.replay.segments import PrefixKV
@@ -164,8 +165,9 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
     records, trees = load_trees(run, step)
     device, clock = run.device(devices), StateClock()
     model = clock(policy_before, run, step, device)
-    # The reference (KL penalty, DPO) is the frozen base model: one more no-grad pass, logprobs only.
-    reference = clock(RESIDENT.reference, run, device) if scores_reference(run.cfg) else None
+    # The reference (KL penalty, DPO) is the frozen base model: one more no-grad pass, logprobs
+    # only; with LoRA the policy with its adapters off.
+    reference = clock(RESIDENT.reference, run, device, model) if scores_reference(run.cfg) else None
     files, kv_entries, act_entries, gaps, cached, start = [], [], [], [], 0, time.perf_counter()
     for i, (record, tree) in enumerate(zip(tqdm(records, desc=f"step {step} prefix cache", leave=False), trees)):
         need = TreeNeeds.of(run, step, record, model, tree)
@@ -223,8 +225,9 @@ def _cache_tree(run: Run, step: int, index: int, tree, model, reference,
         return {}, None, None
     acts = _capture(run, model, tree, need.heads, need.hidden)
     if reference is not None:
-        acts.ref_entry_logprobs = _capture(run, reference, tree, logprob_heads(sampled_as(run.cfg)),
-                                           keep_hidden=False).entry_logprobs
+        with adapters_off(reference):
+            acts.ref_entry_logprobs = _capture(run, reference, tree, logprob_heads(sampled_as(run.cfg)),
+                                               keep_hidden=False).entry_logprobs
     nodes = {}
     for node_id in sorted(need.kv):
         kv = acts.prefix_kv[node_id]

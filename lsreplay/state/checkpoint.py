@@ -16,6 +16,7 @@ import torch
 
 from lsreplay.core.layout import MODEL_FILE, CheckpointError
 from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
+from lsreplay.models.lora import checkpointed_state
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def load_module(
 
 def check_fits(store: Store, prefix: str, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """CheckpointError unless the model file's `tensors` load into `module` (names and shapes)."""
-    problems = _mismatches(module.state_dict(), tensors)
+    problems = _mismatches(checkpointed_state(module), tensors)
     if problems:
         raise CheckpointError(
             f"checkpoint {store.url(f'{prefix}/{MODEL_FILE}')} does not fit {type(module).__name__}: {problems}; "

@@ -12,7 +12,9 @@ Layout: checkpoints/policy/step_NNNN/{model.safetensors (float32 master weights)
 critic.safetensors (the value head's, with algo.critic), optimizer.safetensors,
 optimizer.json, rng.safetensors, meta.json, hf/ (the policy as an HF
 model folder in the compute dtype: lsreplay.models.hf_folder; its weights a hard link to the
-masters where they are the same bytes), checkpoint.json}.
+masters where they are the same bytes), checkpoint.json}. With model.lora the model file holds
+the adapters' masters alone, and adapter/ (a PEFT adapter folder: lsreplay.models.lora) stands
+where hf/ would: megabytes, not the base again; `lsreplay export` merges them.
 Drafter checkpoints older than the one a resume from the oldest kept policy checkpoint
 would load go with it.
 """
@@ -39,6 +41,7 @@ from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import Run
 from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry, Store, is_file_record
 from lsreplay.models.hf_folder import write_hf_folder
+from lsreplay.models.lora import merged_weights, write_adapter_folder
 from lsreplay.models.train_state import TrainState
 from lsreplay.state.checkpoint import (CRITIC_FILE, MODEL_FILE, load_weights, save_optimizer, save_rng,
                                  save_weights)
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 
 COMPLETE = "checkpoint.json"
 HF = "hf"  # the policy as an HF model folder (lsreplay.models.hf_folder)
+ADAPTER = "adapter"  # with model.lora: the adapters as a PEFT folder (lsreplay.models.lora)
 POLICY = "checkpoints/policy"
 DRAFTER = "checkpoints/drafter"
 
@@ -95,9 +99,13 @@ def write(run: Run, snap: Snapshot) -> dict:
     files = {name: entry for part in parts for name, entry in part["files"].items()}
     if critic:
         files[CRITIC_FILE] = run.store.write_tensors(f"{prefix}/{CRITIC_FILE}", critic)
-    hf = write_hf_folder(run.store, f"{prefix}/{HF}", weights, run.cfg.model,
-                         int(run.cfg.checkpoint.hf_shard_gb * 2**30), same_bytes_as=masters["files"][MODEL_FILE])
-    files.update({f"{HF}/{name}": entry for name, entry in hf.items()})
+    if run.cfg.model.lora.enabled:
+        adapter = write_adapter_folder(run.store, f"{prefix}/{ADAPTER}", weights, run.cfg.model)
+        files.update({f"{ADAPTER}/{name}": entry for name, entry in adapter.items()})
+    else:
+        hf = write_hf_folder(run.store, f"{prefix}/{HF}", weights, run.cfg.model,
+                             int(run.cfg.checkpoint.hf_shard_gb * 2**30), same_bytes_as=masters["files"][MODEL_FILE])
+        files.update({f"{HF}/{name}": entry for name, entry in hf.items()})
     record = {"step": snap.step, "config_hash": run.config_hash, "snapshot_seconds": snap.seconds,
               "write_seconds": time.perf_counter() - start,
               "files": {name: {k: e[k] for k in ("key", "bytes", "sha256")} for name, e in files.items()}}
@@ -306,9 +314,13 @@ def restart_after(run: Run, step: int) -> None:
     log.warning("the run continues from the policy checkpoint of step %d; what came after it is forgotten", step)
 
 
-def export_policy(run: Run, out: str, step: int | None = None) -> tuple[int, dict]:
+def export_policy(run: Run, out: str, step: int | None = None, adapters: bool = False) -> tuple[int, dict]:
     """Write the policy of the complete checkpoint of `step` (default: the newest) as an HF
-    model folder at the new local path `out`; returns (step, {file: entry})."""
+    model folder at the new local path `out` (with model.lora: the adapters merged into the
+    base; `adapters`: the PEFT adapter folder instead); returns (step, {file: entry})."""
+    if adapters and not run.cfg.model.lora.enabled:
+        raise ConfigError("--adapters exports LoRA adapters, and this run trains the full weights "
+                          "(model.lora.enabled=false): export without --adapters")
     complete = complete_steps(run)
     step = complete[-1] if step is None and complete else step
     if step not in complete:
@@ -320,9 +332,15 @@ def export_policy(run: Run, out: str, step: int | None = None) -> tuple[int, dic
     found = manifest(run, step)
     weights, _ = split_critic(load_weights(run.store, found["prefix"], found))
     partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    store = Store(str(partial.parent))
     try:
-        files = write_hf_folder(Store(str(partial.parent)), partial.name, weights, run.cfg.model,
-                                int(run.cfg.checkpoint.hf_shard_gb * 2**30))
+        if adapters:
+            files = write_adapter_folder(store, partial.name, weights, run.cfg.model)
+        else:
+            if run.cfg.model.lora.enabled:  # merged in the masters' dtype, written in the compute dtype
+                weights = merged_weights(run.cfg.model, weights)
+            files = write_hf_folder(store, partial.name, weights, run.cfg.model,
+                                    int(run.cfg.checkpoint.hf_shard_gb * 2**30))
         os.replace(partial, target)  # a folder appears complete or not at all
     finally:
         shutil.rmtree(partial, ignore_errors=True)

@@ -36,6 +36,7 @@ from lsreplay.core.config import Config
 from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import InputCorrupt, Run
 from lsreplay.models.loading import load_model, resolve_model_dir
+from lsreplay.models.lora import add_adapters
 from lsreplay.models.train_state import TrainState, master_dtype
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec, same_engine
 from lsreplay.state import checkpointing
@@ -126,8 +127,12 @@ class Resident:
                 self._copies[_key(run, device)].train = train
             return train
 
-    def reference(self, run: Run, device: torch.device) -> PreTrainedModel:
-        """The frozen base model (the KL penalty's reference)."""
+    def reference(self, run: Run, device: torch.device, policy: PreTrainedModel) -> PreTrainedModel:
+        """The frozen base model (the KL penalty's reference). With model.lora that is
+        `policy` itself, the copy on `device`, to run with its adapters off
+        (lsreplay.models.lora.adapters_off): no second copy of the base."""
+        if run.cfg.model.lora.enabled:
+            return policy
         with self._lock:
             key = _key(run, device)
             if key not in self._references:
@@ -263,9 +268,12 @@ class Resident:
 
 
 def policy_model(cfg: Config, device: torch.device | str, dtype: str | None = None) -> PreTrainedModel:
-    """The base policy on `device` (models.load_model), with its critic's value head where
-    the run trains one (algo.critic): every copy of a run's policy has the same parameters."""
+    """The base policy on `device` (models.load_model), with its LoRA adapters (model.lora,
+    seeded by the run's seed) and its critic's value head where the run has them
+    (algo.critic): every copy of a run's policy has the same parameters."""
     model = load_model(cfg.model, device=device, dtype=dtype)
+    if cfg.model.lora.enabled:
+        add_adapters(model, cfg.model.lora, cfg.seed)
     return attach_value_head(model) if cfg.algo.critic else model
 
 
