@@ -6,8 +6,10 @@
    (the default workload: 4 prompts x 8 rollouts as a [4, 2] tree behind the ~620-token
    context, <= 48 tokens; and a flat one: 2 prompts x 8, <= 128 tokens), the drafter off so
    that both engines decode plainly. Per run, over the steps after the first (the first
-   holds the engine's start-up): rollout tokens/s, rollout stage seconds, step seconds; then
-   the vllm / hf ratios.
+   holds the engine's start-up): rollout tokens/s, rollout stage seconds, step seconds, and
+   the step less its policy stage (rollouts, the weights' update, the caching pass: what the
+   engine changes; the update's time follows how many of each engine's trees carry a
+   gradient); then the vllm / hf ratios.
 2. The tail, vLLM with and without a drafter the run trained: one more run (HF engine, one
    step) trains its drafter --drafter-steps steps after the update; then vLLM decodes
    held-out prompts of the same source, 1, 2 and 4 at a time (the long tail: at most
@@ -58,12 +60,16 @@ def step_figures(rows: list[dict]) -> dict:
     warm = rows[1:] or rows
     return {"tokens_per_s": sum(r["completion_tokens"] for r in warm) / sum(r["trees_seconds"] for r in warm),
             "trees_s": mean(r["trees_seconds"] for r in warm), "step_s": mean(r["step_seconds"] for r in warm),
+            # What the engine changes: the step less its policy stage, whose time follows how
+            # many trees carry a gradient, which differs between the engines' samples.
+            "engine_side_s": mean(r["step_seconds"] - r["policy_seconds"] for r in warm),
             "first_trees_s": rows[0]["trees_seconds"]}
 
 
 def compare_steps(out: Path, steps: int) -> None:
-    print("| workload | engine | rollout tok/s | rollouts s | step s | first step's rollouts s (engine start) |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | engine | rollout tok/s | rollouts s | step s | step less update s | "
+          "first step's rollouts s (engine start) |")
+    print("|---|---|---|---|---|---|---|")
     ratios = {}
     for workload, shape in WORKLOADS.items():
         figures = {}
@@ -72,14 +78,17 @@ def compare_steps(out: Path, steps: int) -> None:
                          [f"steps={steps}", "drafter.enabled=false", *shape, *choice])
             figures[engine] = f = step_figures(rows)
             print(f"| {workload} | {engine} | {f['tokens_per_s']:.1f} | {f['trees_s']:.1f} | {f['step_s']:.1f} | "
+                  f"{f['engine_side_s']:.1f} | "
                   f"{f['first_trees_s']:.1f} |", flush=True)
         hf, vllm = figures["hf"], figures["vllm"]
         ratios[workload] = {"rollout_tokens_per_s": vllm["tokens_per_s"] / hf["tokens_per_s"],
                             "rollout_seconds": hf["trees_s"] / vllm["trees_s"],
-                            "step_seconds": hf["step_s"] / vllm["step_s"]}
+                            "step_seconds": hf["step_s"] / vllm["step_s"],
+                            "engine_side_seconds": hf["engine_side_s"] / vllm["engine_side_s"]}
     for workload, r in ratios.items():
         print(f"{workload}: vllm/hf rollout_tokens_per_s={r['rollout_tokens_per_s']:.3f} "
-              f"rollout_speedup={r['rollout_seconds']:.3f} step_speedup={r['step_seconds']:.3f}")
+              f"rollout_speedup={r['rollout_seconds']:.3f} step_speedup={r['step_seconds']:.3f} "
+              f"step_less_update_speedup={r['engine_side_seconds']:.3f}")
 
 
 def held_out(cfg, count: int) -> list[list[int]]:

@@ -41,12 +41,7 @@ def vllm_model_dir(tmp_path_factory) -> Path:
     alphabet, mostly as a function of the last token, so a drafter trained on a few of its
     rollouts predicts it on other prompts too."""
     out = tmp_path_factory.mktemp("vllm-tiny")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig()), local_files_only=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id, max_position_embeddings=512))
+    tokenizer, model = _tiny_llama(tied=False)
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_(std=1.0)
         head = model.get_output_embeddings().weight
@@ -106,12 +101,7 @@ def vllm_tied_model_dir(tmp_path_factory) -> Path:
     keeps it from repeating its last token (tied, the head scores that token's own row
     highest), so it writes varied text from the alphabet."""
     out = tmp_path_factory.mktemp("vllm-tied")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig()), local_files_only=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id, max_position_embeddings=512))
+    tokenizer, model = _tiny_llama(tied=True)
     with torch.no_grad():
         embedding = model.get_input_embeddings().weight
         embedding.normal_(std=0.01)
@@ -132,3 +122,14 @@ def short_prompts(model_dir: Path, count: int) -> list[list[int]]:
     cache blocks on CPU, so any block its prefix cache serves holds generated tokens."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return [tokenizer(f"Question {i}: what is {i} times {2 * i + 3}?")["input_ids"] for i in range(count)]
+
+
+def _tiny_llama(tied: bool):
+    """The SmolLM2 tokenizer and a random 2-layer Llama of hidden 64 over its vocabulary (seed 0)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig()), local_files_only=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, max_position_embeddings=512))
+    return tokenizer, model
