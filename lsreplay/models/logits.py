@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.models.vocab_grads import accumulator, head_logits
+from lsreplay.models.vocab_grads import accumulator
 
 FULL_PRECISION = (torch.float32, torch.float64)
 # Vocabulary rows of a bf16 head cast to float32 at a time: the transient copy stays at
@@ -22,36 +22,45 @@ def float_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head over `hidden` (..., d), computed and returned in float32; float64 stays float64."""
     head = model.get_output_embeddings()
     if torch.is_grad_enabled() and (acc := accumulator(head.weight)) is not None:  # see vocab_grads
-        full = head.weight.dtype in FULL_PRECISION
-        return head_logits(hidden, head, acc, head.weight.shape[0] if full else CHUNK)
+        return _FloatHead.apply(hidden, head.weight.detach(), acc.anchor, head.bias, acc)
     if head.weight.dtype in FULL_PRECISION:
         return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
-    return _FloatHead.apply(hidden, head.weight, head.bias)
+    return _FloatHead.apply(hidden, head.weight, None, head.bias, None)
 
 
 class _FloatHead(torch.autograd.Function):
-    """hidden @ weight.T (+ bias) of a lower-precision head, with float32 products and output.
-    What it saves for backward are its inputs as they are: no float32 copy of the head is
-    kept, and the casts run over vocabulary chunks."""
+    """hidden @ weight.T (+ bias) with products and output in float32 at least. What it saves
+    for backward are its inputs as they are: no float32 copy of a lower-precision head is
+    kept, and the casts run over vocabulary chunks. With an Accumulator (`acc`, see
+    vocab_grads; `weight` then detached, `anchor` carrying the graph) the weight's gradient
+    is added into its buffer instead of returned."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias):
+    def forward(ctx, hidden, weight, anchor, bias, acc):
         ctx.save_for_backward(hidden, weight)
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        h = hidden.float()
-        out = torch.cat([h @ w.float().T for w in weight.split(CHUNK)], dim=-1)
-        return out if bias is None else out + bias.float()
+        ctx.acc, ctx.bias_dtype = acc, None if bias is None else bias.dtype
+        ctx.dtype = dtype = torch.promote_types(weight.dtype, torch.float32)
+        ctx.chunk = weight.shape[0] if weight.dtype == dtype else CHUNK
+        h = hidden.to(dtype)
+        out = torch.cat([h @ w.to(dtype).T for w in weight.split(ctx.chunk)], dim=-1)
+        return out if bias is None else out + bias.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        h = hidden.reshape(-1, hidden.shape[-1]).float()
+        rows = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        h = hidden.reshape(-1, hidden.shape[-1]).to(ctx.dtype)
         grad_hidden = torch.zeros_like(h)
         grad_weight = []
-        for start, w in zip(range(0, weight.shape[0], CHUNK), weight.split(CHUNK)):
+        for start, w in zip(range(0, weight.shape[0], ctx.chunk), weight.split(ctx.chunk)):
             g = rows[:, start:start + w.shape[0]]
-            grad_hidden.addmm_(g, w.float())
-            grad_weight.append((g.T @ h).to(weight.dtype))
+            grad_hidden.addmm_(g, w.to(ctx.dtype))
+            if ctx.acc is not None:
+                ctx.acc.buffer[start:start + w.shape[0]].addmm_(g.T, h)
+            else:
+                grad_weight.append((g.T @ h).to(weight.dtype))
+        if ctx.acc is not None:
+            ctx.acc.used = True
         grad_bias = None if ctx.bias_dtype is None else rows.sum(0).to(ctx.bias_dtype)
-        return grad_hidden.to(hidden.dtype).reshape(hidden.shape), torch.cat(grad_weight), grad_bias
+        return (grad_hidden.to(hidden.dtype).reshape(hidden.shape), torch.cat(grad_weight) if grad_weight else None,
+                None, grad_bias, None)

@@ -8,7 +8,7 @@ vocab x hidden tensor, the head's product fills a fresh one, the two are summed 
 and the sum is added into `.grad`. Four passes over 113 MB for SmolLM2-135M per call; on
 CPU, where a pass over memory costs about what the run's matmuls do, that was 30% of a
 replay backward of the default config's tree (6 layers deep, profiled). Here the head's
-product goes straight into one buffer (`addmm_`), the embedding's rows are added into it
+product goes straight into one buffer (`addmm_`, in lsreplay.models.logits), the embedding's rows are added into it
 (`index_add_`), and autograd receives the buffer once when the backward ends: `.grad`, its
 hooks (float32 masters, lsreplay.models.train_state) and the sum are those of one gradient,
 up to the order of the additions. The price is the buffer: one more weight-sized tensor (in
@@ -106,40 +106,3 @@ class _EmbeddingInPlace(torch.autograd.Function):
         ctx.acc.buffer.index_add_(0, ids, rows)
         ctx.acc.used = True
         return None, None, None, None, None
-
-
-class HeadInPlace(torch.autograd.Function):
-    """hidden @ weight.T (+ bias) in float32 at least, the weight's gradient added into the
-    buffer (by vocabulary chunks of a lower-precision weight, as models.logits casts it).
-    Applied by head_logits."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, anchor, bias, acc, chunk):
-        ctx.save_for_backward(hidden, weight)
-        ctx.acc, ctx.chunk, ctx.bias_dtype = acc, chunk, None if bias is None else bias.dtype
-        dtype = acc.buffer.dtype
-        h = hidden.to(dtype)
-        if weight.dtype == dtype:
-            out = h @ weight.T
-        else:
-            out = torch.cat([h @ w.to(dtype).T for w in weight.split(chunk)], dim=-1)
-        return out if bias is None else out + bias.to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight = ctx.saved_tensors
-        dtype = ctx.acc.buffer.dtype
-        rows = grad.reshape(-1, grad.shape[-1]).to(dtype)
-        h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
-        grad_hidden = torch.zeros_like(h)
-        for start, w in zip(range(0, weight.shape[0], ctx.chunk), weight.split(ctx.chunk)):
-            g = rows[:, start:start + w.shape[0]]
-            grad_hidden.addmm_(g, w.to(dtype))
-            ctx.acc.buffer[start:start + w.shape[0]].addmm_(g.T, h)
-        ctx.acc.used = True
-        grad_bias = None if ctx.bias_dtype is None else rows.sum(0).to(ctx.bias_dtype)
-        return grad_hidden.to(hidden.dtype).reshape(hidden.shape), None, None, grad_bias, None, None
-
-
-def head_logits(hidden: torch.Tensor, head: torch.nn.Module, acc: Accumulator, chunk: int) -> torch.Tensor:
-    return HeadInPlace.apply(hidden, head.weight.detach(), acc.anchor, head.bias, acc, chunk)
