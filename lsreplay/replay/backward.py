@@ -43,7 +43,7 @@ from lsreplay.models.vocab_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
 from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_budget, device_peak_bytes, kept_spans,
-                                    leaf_rows, reset_device_peak)
+                                    leaf_batch_rows, reset_device_peak)
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
 from lsreplay.replay.view import Span, replay_view
 from lsreplay.tree import Node, RolloutTree
@@ -165,13 +165,10 @@ class _Replay:
         (see memory.saved_bytes) fit the budget next to the K/V held for them."""
         budget = self.budget - self.meter.current  # the held K/V already count toward the peak
         leaves = sorted(leaves, key=lambda n: -len(n.tokens))
-        batches = []
-        while leaves:
-            rows = leaf_rows(self.dims, self.elt, len(leaves), len(leaves[0].tokens), past_len, budget,
-                             cascade=self.cascade)
-            batches.append(leaves[:rows])
-            leaves = leaves[rows:]
-        return batches
+        rows = leaf_batch_rows(self.dims, self.elt, [len(n.tokens) for n in leaves], past_len, budget,
+                               cascade=self.cascade)
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        return [leaves[at:at + r] for at, r in zip(starts, rows)]
 
     def forward(self, nodes: list[Span], ancestors: list[PrefixKV]) -> tuple[torch.Tensor, PrefixKV]:
         """Hidden states of sibling `nodes` after their ancestors' K/V, and the first node's

@@ -208,6 +208,14 @@ def default_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> 
     return saved_bytes(dims, elt, 1, longest, 0, completion) + 2 * longest * kv_bytes_per_position(dims, elt)
 
 
+# What a replay run costs beyond its positions' forward and backward, in positions' worth:
+# every run computes and accumulates every weight's gradient once, whatever its length
+# (~0.4 s for SmolLM2-135M on two CPU cores, see view.py). And what a forward without grad
+# costs per position, as a share of one with grad and its backward (one matmul of three).
+RUN_POSITIONS = 100
+NO_GRAD_SHARE = 1 / 3
+
+
 def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascade: bool = False) -> set[int]:
     """The branching spans of a replay view (view.py) whose forward with grad replay keeps
     while their subtree replays, so that each is forwarded once for the update: its K/V
@@ -215,10 +223,19 @@ def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascad
     K/V as leaf tensors (from the caching pass, or computed without grad) and run again
     with grad after their subtree: the fallback that bounds memory. Kept: a span whose
     saved activations and K/V gradient, next to what the path above it holds and one row of
-    its longest child, fit `budget`. Decided from the view alone, so the caching pass knows
-    which K/V the backward will read."""
+    its longest child, fit `budget`, and where that is cheaper: a kept graph saves the
+    span's forward without grad but leaves less of the budget to its leaf children, which
+    may then need more micro-batches (runs) than beside its K/V alone; each run costs
+    RUN_POSITIONS. (A [4, 2] tree of the default config at its default budget: its prompt's
+    kept graph left room for one leaf per run, 8 runs where its K/V leave room for all 8 in
+    one.) Decided from the view alone, so the caching pass knows which K/V the backward
+    will read."""
     kv = kv_bytes_per_position(dims, elt)
     kept: set[int] = set()
+
+    def leaf_runs(span: Span, held: int) -> int:
+        widths = sorted((len(spans[c].tokens) for c in span.children if spans[c].is_leaf), reverse=True)
+        return len(leaf_batch_rows(dims, elt, widths, span.end, budget - held, cascade))
 
     def visit(span: Span, held: int) -> None:
         if span.is_leaf:
@@ -227,16 +244,29 @@ def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascad
         width = max(len(spans[c].tokens) for c in span.children)
         child = saved_bytes(dims, elt, 1, width, span.end, width - 1, cascade)
         grads = kv * len(span.tokens)
-        if held + own + grads + child <= budget:
+        kept_held, recompute_held = held + own + grads, held + 2 * grads  # the K/V as leaf tensors, and their gradient
+        extra_runs = leaf_runs(span, kept_held) - leaf_runs(span, recompute_held)
+        if kept_held + child <= budget and extra_runs * RUN_POSITIONS <= NO_GRAD_SHARE * len(span.tokens):
             kept.add(span.id)
-            held += own + grads
+            held = kept_held
         else:
-            held += 2 * grads  # the K/V as leaf tensors, and their gradient
+            held = recompute_held
         for c in span.children:
             visit(spans[c], held)
 
     visit(spans[0], 0)
     return kept
+
+
+def leaf_batch_rows(dims: ModelDims, elt: int, widths: list[int], past: int, budget: int,
+                    cascade: bool = False) -> list[int]:
+    """The micro-batches sibling leaves of `widths` new positions (longest first) after
+    `past` positions replay in: their sizes, in order (leaf_rows cuts each)."""
+    out, at = [], 0
+    while at < len(widths):
+        out.append(leaf_rows(dims, elt, len(widths) - at, widths[at], past, budget, cascade))
+        at += out[-1]
+    return out
 
 
 def leaf_rows(dims: ModelDims, elt: int, count: int, width: int, past: int, budget: int,
