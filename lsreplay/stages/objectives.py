@@ -27,12 +27,14 @@ from lsreplay.algos.critic import (VALUE, CriticBatch, explained_variance, gae, 
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprobs
 from lsreplay.algos.grpo import batch_reward_std, clip_fractions, tree_advantages
 from lsreplay.algos.kl import kl_loss
+from lsreplay.algos.model_tokens import model_tokens, on_model_tokens, sampled_masks
 from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.core.run import Run
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.stages.common import leaf_counts, leaf_subtrees, left_out, policy_heads, training_rewards
+from lsreplay.stages.common import (leaf_counts, leaf_subtrees, left_out, policy_heads,
+                                    sampled_flags, training_rewards)
 from lsreplay.stages.prefixes import load_activations
 
 
@@ -74,6 +76,11 @@ def completion_values(tree, entries: torch.Tensor | None) -> list[torch.Tensor]:
     return tree.completion_values(torch.zeros(tree.num_entries, dtype=torch.float64) if entries is None else entries)
 
 
+def pick(nested: list | None, idx: list[int]) -> list | None:
+    """The entries `idx` of a per-tree list (None stays None)."""
+    return None if nested is None else [nested[i] for i in idx]
+
+
 def kept_only(mask, *nested: list[list[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
     """Each nested list (per tree, per completion) with only the completions `mask` keeps."""
     if mask is None:
@@ -96,7 +103,10 @@ def response_mask(cfg, records: list[dict]) -> list[list[bool]] | None:
 def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
     """GRPO and PPO: the clipped surrogate, with the critic's value loss where there is one."""
     cfg, algo = run.cfg, run.cfg.algo
-    old = [completion_values(t, a.entry_logprobs) for t, a in zip(trees, acts)]
+    # Every term below is over the model's tokens; an episode's environment tokens are out.
+    sampled = sampled_masks([sampled_flags(r) for r in records])
+    full_old = [completion_values(t, a.entry_logprobs) for t, a in zip(trees, acts)]
+    old = model_tokens(full_old, sampled)
     counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
     rewards = [training_rewards(cfg, r) for r in records]
     mask, max_tokens = response_mask(cfg, records), cfg.rollout.max_new_tokens
@@ -105,7 +115,8 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
         if any(r is None for rs in rewards for r in rs):
             raise ValueError("a completion no reward function applies to (every one returned None) has no return for "
                              "the critic to learn: algo.critic needs a reward for every completion")
-        values = [completion_values(t, a.entry_scores.get(VALUE)) for t, a in zip(trees, acts)]
+        full_values = [completion_values(t, a.entry_scores.get(VALUE)) for t, a in zip(trees, acts)]
+        values = model_tokens(full_values, sampled)
         returns = [[gae(v, r, algo.gamma, algo.lam)[1] for v, r in zip(vs, rs)] for vs, rs in zip(values, rewards)]
         critic = CriticBatch(old_values=values, returns=returns, clip=algo.value_clip, loss_agg=algo.loss_agg,
                              max_tokens=max_tokens, counts=counts, mask=mask)
@@ -119,10 +130,13 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
                                            "independent" else None, batch_std))
                       for r, n, rec in zip(rewards, counts, records)]
     if algo.tis_cap:
-        weights = [importance_weights(o, r["logprobs"], algo.tis_cap) for o, r in zip(old, records)]
+        engine = [[[lp for lp, f in zip(lps, flags) if f] for lps, flags in zip(r["logprobs"], sampled_flags(r))]
+                  for r in records]
+        weights = [importance_weights(o, e, algo.tis_cap) for o, e in zip(old, engine)]
         advantages = [[a * w for a, w in zip(advs, ws)] for advs, ws in zip(advantages, weights)]
         extras.update(tis_figures(weights, algo.tis_cap, mask))
-    ref = [completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)] if algo.kl_coef > 0 else None
+    ref = model_tokens([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)], sampled) \
+        if algo.kl_coef > 0 else None
     batch = PPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
                      max_tokens=max_tokens, counts=counts, clip_eps_high=algo.clip_eps_high or None, mask=mask,
                      ref_logprobs=ref, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
@@ -135,10 +149,12 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
 
     def loss_for(idx: list[int]):
         minibatch = batch.select(idx)
-        return lambda scores: ppo_loss(scores, minibatch)
+        return on_model_tokens(lambda scores: ppo_loss(scores, minibatch), pick(sampled, idx))
 
     def figures(idx: list[int], scores) -> dict:
-        sub = batch.select(idx)
+        sub, kept_sampled = batch.select(idx), pick(sampled, idx)
+        scores = {name: model_tokens(s, kept_sampled) for name, s in scores.items()} if critic is not None \
+            else model_tokens(scores, kept_sampled)
         logprobs = scores[LOGPROB] if critic is not None else scores
         out = clip_fractions(logprobs, sub.old_logprobs, sub.advantages, sub.clip_eps, sub.clip_eps_high)
         if critic is not None:
@@ -146,7 +162,7 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
             out["value_clip_fraction"] = value_clip_fraction(scores[VALUE], sub.critic)
         return out
 
-    old_scores = {LOGPROB: old, VALUE: critic.old_values} if critic is not None else old
+    old_scores = {LOGPROB: full_old, VALUE: full_values} if critic is not None else full_old
     return Objective(loss_for, orders, old_scores, policy_heads(cfg), extras, figures)
 
 

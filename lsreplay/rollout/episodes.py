@@ -1,0 +1,104 @@
+"""Sample multi-turn episodes as trees: the model replies, the environment answers, again.
+
+An episode alternates the model's replies (sampled by the tree sampler, each up to
+`max_new_tokens`, ending at EOS) with the environment's answers (token ids `respond`
+returns, or None: the episode ends). The episodes of a prompt form one trie: at turn k every
+live episode is forked into `branching[k]` replies (1 past the last level), which share its
+whole history, the environment's answers included. A reply cut at `max_new_tokens` ends
+its episode, as does the last turn.
+
+An episode that ended before a branch point stands for every continuation it would have
+been forked into (its `count`, as in the single-turn sampler), so the counts of a tree sum
+to prod(branching) and the tree estimator stays unbiased when episodes end at different
+turns.
+
+Bit-reproducible: each episode's reply draws from its own generator, `generator_for(tree,
+path, turn)`, whatever else shares the batch; `respond` must then be deterministic (a
+function of the prompt and the episode so far). `respond` gets the tree's index and the
+episode's completion so far (ending with the model's reply), so the environment needs no
+state of its own to fork.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lsreplay.models.distribution import SamplingParams
+from lsreplay.rollout.tree_sampler import TreeRollout, sample_trees
+
+# respond(tree index, completion so far) -> the environment's token ids, or None: the episode ends.
+Respond = Callable[[int, list[int]], list[int] | None]
+
+
+@dataclass
+class EpisodeRollout(TreeRollout):
+    """A prompt's episodes as TreeRollout's leaves, plus per token whether the model sampled
+    it (False: the environment's tokens, 0.0 in `logprobs`) and each episode's turns."""
+
+    sampled: list[list[bool]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Episode:
+    tree: int
+    path: tuple[int, ...] = ()
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    turns: int = 0
+    finished: bool = False
+
+    def replied(self, index: int | None, reply: list[int], logprobs: list[float], finished: bool) -> _Episode:
+        path = self.path if index is None else self.path + (index,)
+        return _Episode(self.tree, path, self.tokens + reply, self.logprobs + logprobs,
+                        self.sampled + [True] * len(reply), self.turns + 1, finished)
+
+    def answered(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.sampled += [False] * len(tokens)
+
+
+@torch.inference_mode()
+def sample_episodes(model, prompts: list[list[int]], branching: list[int], max_turns: int, max_new_tokens: int,
+                    params: SamplingParams, eos_token_id: int | list[int],
+                    generator_for: Callable[[int, tuple[int, ...], int], torch.Generator],
+                    respond: Respond) -> list[EpisodeRollout]:
+    """The episode trees of `prompts`, branching `branching[k]` ways at turn k (see the module)."""
+    if not 1 <= len(branching) <= max_turns:
+        raise ValueError(f"need 1 to max_turns={max_turns} fan-outs (one per turn), got {branching}")
+    live, ended, positions = [_Episode(i) for i in range(len(prompts))], [], [0] * len(prompts)
+    for turn in range(max_turns):
+        if not live:
+            break
+        fan_out = branching[turn] if turn < len(branching) else 1
+        generators = [generator_for(e.tree, e.path, turn) for e in live]
+        trees, _ = sample_trees(model, [prompts[e.tree] + e.tokens for e in live], [fan_out], [], max_new_tokens,
+                                params, eos_token_id, generators)
+        going = []
+        for episode, tree in zip(live, trees):
+            positions[episode.tree] += tree.forward_positions
+            for reply, logprobs, finished, path in zip(tree.completions, tree.logprobs, tree.finished, tree.paths):
+                child = episode.replied(path[0] if turn < len(branching) else None, reply, logprobs, finished)
+                answer = respond(child.tree, child.tokens) if finished and turn + 1 < max_turns else None
+                if answer is None:
+                    ended.append(child)
+                else:
+                    child.answered(list(answer))
+                    going.append(child)
+        live = going
+    return [_rollout(prompts[i], sorted((e for e in ended if e.tree == i), key=lambda e: e.path), positions[i],
+                     branching) for i in range(len(prompts))]
+
+
+def _rollout(prompt: list[int], episodes: list[_Episode], positions: int, branching: list[int]) -> EpisodeRollout:
+    return EpisodeRollout(
+        prompt_ids=list(prompt), completions=[e.tokens for e in episodes], logprobs=[e.logprobs for e in episodes],
+        finished=[e.finished for e in episodes], forward_positions=positions, paths=[list(e.path) for e in episodes],
+        counts=[math.prod(branching[len(e.path):]) for e in episodes], sampled=[e.sampled for e in episodes],
+        turns=[e.turns for e in episodes])
