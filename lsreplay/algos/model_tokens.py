@@ -47,14 +47,15 @@ def model_tokens(nested: NestedLogprobs, sampled: NestedSampled) -> NestedLogpro
     return out
 
 
+def model_token_scores(scores, sampled: NestedSampled):
+    """Scores (nested, or by head as {name: nested}) at the model's tokens only."""
+    if isinstance(scores, Mapping):
+        return {name: model_tokens(nested, sampled) for name, nested in scores.items()}
+    return model_tokens(scores, sampled)
+
+
 def on_model_tokens(loss_fn: Callable, sampled: NestedSampled) -> Callable:
     """loss_fn over the model's tokens of its scores (nested, or by head as {name: nested})."""
     if sampled is None:
         return loss_fn
-
-    def loss(scores):
-        if isinstance(scores, Mapping):
-            return loss_fn({name: model_tokens(nested, sampled) for name, nested in scores.items()})
-        return loss_fn(model_tokens(scores, sampled))
-
-    return loss
+    return lambda scores: loss_fn(model_token_scores(scores, sampled))

@@ -27,7 +27,7 @@ from lsreplay.algos.critic import (VALUE, CriticBatch, explained_variance, gae, 
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprobs
 from lsreplay.algos.grpo import batch_reward_std, clip_fractions, tree_advantages
 from lsreplay.algos.kl import kl_loss
-from lsreplay.algos.model_tokens import model_tokens, on_model_tokens, sampled_masks
+from lsreplay.algos.model_tokens import model_token_scores, model_tokens, on_model_tokens, sampled_masks
 from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.core.run import Run
@@ -152,9 +152,7 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
         return on_model_tokens(lambda scores: ppo_loss(scores, minibatch), pick(sampled, idx))
 
     def figures(idx: list[int], scores) -> dict:
-        sub, kept_sampled = batch.select(idx), pick(sampled, idx)
-        scores = {name: model_tokens(s, kept_sampled) for name, s in scores.items()} if critic is not None \
-            else model_tokens(scores, kept_sampled)
+        sub, scores = batch.select(idx), model_token_scores(scores, pick(sampled, idx))
         logprobs = scores[LOGPROB] if critic is not None else scores
         out = clip_fractions(logprobs, sub.old_logprobs, sub.advantages, sub.clip_eps, sub.clip_eps_high)
         if critic is not None:
