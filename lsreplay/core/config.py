@@ -158,6 +158,7 @@ class VLLMConfig:
 
 
 ENGINES = ("hf", "vllm")
+VLLM_MAX_LORA_RANK = 512  # vLLM 0.32's largest max_lora_rank
 
 
 @dataclass
@@ -758,9 +759,8 @@ def _validate_lora(cfg: Config) -> None:
     _check(len(lora.target_modules) >= 1 and all(isinstance(m, str) and m for m in lora.target_modules),
            "model.lora.target_modules", f"a non-empty list of linear layers' names, e.g. {PROJECTIONS}",
            lora.target_modules)
-    _check(cfg.rollout.engine == "hf", "rollout.engine", "hf with model.lora.enabled=true: the vLLM engine takes "
-           "full weights only (its LoRA sync is not built yet); set rollout.engine=hf or model.lora.enabled=false",
-           cfg.rollout.engine)
+    _check(cfg.rollout.engine == "hf" or lora.rank <= VLLM_MAX_LORA_RANK, "model.lora.rank",
+           f"at most {VLLM_MAX_LORA_RANK} with rollout.engine=vllm (the largest adapter vLLM serves)", lora.rank)
     _check(not cfg.replay.fsdp, "replay.fsdp", "false with model.lora.enabled=true: the adapters are small enough "
            "to replicate on every rank (plain data parallel)", cfg.replay.fsdp)
 

@@ -6,8 +6,9 @@ with Prefect's, see docs/rollout-engines.md). `VLLMEngine` starts it, sends it w
 and turns its answers into lsreplay's types: `sample_trees` gives the same `TreeRollout`s
 as the HF tree sampler (leaf counts, paths, behaviour logprobs), so every later stage runs
 unchanged. An engine is long-lived, one per device and run (`ENGINES`, a resident like
-the policy): it follows the policy by `load_policy` (the weights in memory, over the
-socket) and speculates with the newest drafter (`load_drafter`).
+the policy): it follows the policy by `load_policy` (the weights in memory, through shared
+memory) or, with LoRA, by `load_adapters` (the adapters alone, as a PEFT folder; the base
+it started with stays), and speculates with the newest drafter (`load_drafter`).
 
 What differs from the HF engine: sampling is exact in distribution but not reproducible
 (vLLM draws from one engine-wide generator, and on CPU per-request seeds fail), so an
@@ -39,6 +40,9 @@ from pathlib import Path
 import torch
 
 from lsreplay.algos.critic import is_critic
+from lsreplay.core.config import ModelConfig
+from lsreplay.core.storage import Store
+from lsreplay.models.lora import checkpointed_state, write_adapter_folder
 from lsreplay.rollout.tree_sampler import TreeRollout
 from lsreplay.rollout.vllm_worker import check_version
 
@@ -95,6 +99,7 @@ class EngineSpec:
     spec_threshold: int = 0
     timeout_s: float = 1800.0  # the deadline of each call (start-up: START_TIMEOUT)
     sleeps: bool = False  # started with vLLM's sleep mode (CUDA): `sleep()` releases weights and KV cache
+    lora_rank: int = 0  # LoRA on, adapters of this rank (0: full weights)
 
 
 class VLLMEngine:
@@ -117,7 +122,7 @@ class VLLMEngine:
                                   gpu_memory_utilization=spec.gpu_memory_utilization,
                                   enforce_eager=spec.enforce_eager, drafter=spec.drafter,
                                   draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold,
-                                  sleep_mode=spec.sleeps)
+                                  sleep_mode=spec.sleeps, lora_rank=spec.lora_rank)
             check_device(spec.device, reply["device_uuid"])
         except EngineError as e:
             self._end()
@@ -303,10 +308,22 @@ class VLLMEngine:
                 self._weights.mapped()
         return time.perf_counter() - started
 
+    def load_adapters(self, model: torch.nn.Module, lora: ModelConfig) -> float:
+        """With LoRA: serve through `model`'s adapters from now on (the policy after an
+        update; `lora` its model config), and drop the prefix cache; returns the seconds it
+        took. The adapters go as a PEFT folder (megabytes) in shared memory; the base the
+        engine started with is never sent."""
+        started = time.perf_counter()
+        with self._lock, tempfile.TemporaryDirectory(prefix="lsreplay-adapters-", dir=shared_memory()) as folder:
+            write_adapter_folder(Store(folder), "adapter", checkpointed_state(model), lora)
+            self._exchange("load_adapter", None, self.spec.timeout_s, {"path": f"{folder}/adapter"})
+        return time.perf_counter() - started
+
     def sleep(self) -> None:
-        """Release the weights and the KV cache (vLLM's sleep mode, level 2) until `wake_up`;
-        the weights must be loaded again then (CUDA only: the engine started with `sleeps`)."""
-        self._request("sleep")
+        """Release the KV cache and the weights (vLLM's sleep mode) until `wake_up`; the
+        weights must be loaded again then (CUDA only: the engine started with `sleeps`). A LoRA
+        engine keeps its base in host memory (level 1): only the adapters are sent again."""
+        self._request("sleep", level=1 if self.spec.lora_rank else 2)
 
     def wake_up(self) -> None:
         self._request("wake_up")
@@ -370,7 +387,8 @@ def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: s
         enforce_eager=not on_cuda if r.vllm.enforce_eager is None else r.vllm.enforce_eager,
         threads=cfg.threads or torch.get_num_threads(), device=str(device), drafter=drafter,
         draft_tokens=max(r.draft_lens) if drafter else 0, spec_threshold=r.spec_threshold if drafter else 0,
-        timeout_s=r.vllm.timeout_s, sleeps=on_cuda and r.vllm.sleep_during_update)
+        timeout_s=r.vllm.timeout_s, sleeps=on_cuda and r.vllm.sleep_during_update,
+        lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0)
 
 
 def same_engine(a: EngineSpec, b: EngineSpec) -> bool:
@@ -394,6 +412,11 @@ SHARED_MEMORY = "/dev/shm"
 ALIGN = 64  # bytes: every tensor's offset in the buffer, so that each dtype's view of it is aligned
 
 
+def shared_memory() -> str | None:
+    """The folder for files the engine reads as soon as they are written (None: the temp folder)."""
+    return SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None
+
+
 class SharedWeights:
     """The buffer in shared memory a policy's weights are copied into, once per update, for
     the engine to load from views of it. Kept for the engine's life (a fresh buffer's page
@@ -415,8 +438,7 @@ class SharedWeights:
         size = max(size, ALIGN)
         if self.data is None or self.data.numel() != size:
             self.close()
-            descriptor, self.path = tempfile.mkstemp(prefix="lsreplay-weights-",
-                                                     dir=SHARED_MEMORY if os.path.isdir(SHARED_MEMORY) else None)
+            descriptor, self.path = tempfile.mkstemp(prefix="lsreplay-weights-", dir=shared_memory())
             try:
                 os.posix_fallocate(descriptor, 0, size)  # ENOSPC now, not SIGBUS at the copy
             except OSError as e:

@@ -11,8 +11,12 @@ in a shared-memory buffer the client wrote them into (one copy; the socket carri
 their layout) and are loaded in place from views of it (vLLM's `reload_weights`), so an
 update never goes through a checkpoint on disk, a serialisation or a pickle.
 
-Requests (dicts with "op" and "call"): start, trees, load_weights, sleep, wake_up,
-load_drafter, metrics, shutdown. A failure aborts every vLLM request in flight and is answered {"error": "Type:
+With LoRA (`lora_rank` at the start) the engine keeps the base model it started with and
+serves every request through the policy's adapters, which arrive as a PEFT folder
+(`load_adapter`, megabytes) after each update.
+
+Requests (dicts with "op" and "call"): start, trees, load_weights, load_adapter, sleep,
+wake_up, load_drafter, metrics, shutdown. A failure aborts every vLLM request in flight and is answered {"error": "Type:
 message", "traceback": ..., "aborted": how many}; the client then closes the engine.
 """
 
@@ -74,16 +78,18 @@ class Server:
         self.call = 0  # the number of the request being served (every reply and progress message carries it)
         self.in_flight: set[str] = set()  # vLLM request ids added and not finished
         self.buffers: dict = {}  # the client's weights buffer, by path: mapped once
+        self.adapter = None  # with LoRA: the LoRARequest of the policy's adapters (None: the base alone)
 
     def start(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
               gpu_memory_utilization: float, enforce_eager: bool, drafter: str | None, draft_tokens: int,
-              spec_threshold: int, sleep_mode: bool) -> dict:
+              spec_threshold: int, sleep_mode: bool, lora_rank: int) -> dict:
         """Build the engine: prefix caching on, the tokenizer left out (lsreplay sends token
         ids and stop tokens), per-step statistics on (the speculative counters), each sampled
         token's logprob under the distribution it was drawn from (temperature, top-k, top-p:
         "processed", as lsreplay's trainer scores it; vLLM's default is the raw one). With a
         drafter, speculation runs only while at most `spec_threshold` sequences are in the
-        batch (vLLM's dynamic schedule: the long tail), `draft_tokens` drafts each."""
+        batch (vLLM's dynamic schedule: the long tail), `draft_tokens` drafts each. With
+        `lora_rank`, LoRA on: one adapter at a time, of at most that rank."""
         import vllm
 
         check_version(vllm.__version__)
@@ -98,6 +104,8 @@ class Server:
         if _on_cpu():
             options["block_size"] = 32  # the CPU attention's smallest: at most 31 prompt tokens recomputed per branch
             _expand_per_request_values_correctly()
+        if lora_rank:
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank_slot(lora_rank))
         if drafter:
             schedule = [(1, spec_threshold, draft_tokens), (spec_threshold + 1, 1 << 20, 0)]
             options["speculative_config"] = {"method": "eagle", "model": drafter,
@@ -130,7 +138,8 @@ class Server:
             for child in range(branching[level]):
                 request_id = f"{self.call}:{tree}/{'.'.join(map(str, path + (child,)))}"
                 nodes[request_id] = (tree, path + (child,), list(tokens), list(logprobs))
-                engine.add_request(request_id, {"prompt_token_ids": prompts[tree] + tokens}, params)
+                engine.add_request(request_id, {"prompt_token_ids": prompts[tree] + tokens}, params,
+                                   lora_request=self.adapter)
                 self.in_flight.add(request_id)
 
         for tree in range(len(prompts)):
@@ -189,10 +198,30 @@ class Server:
                                "cache blocks): it would serve K/V computed with the old weights")
         return {"seconds": time.perf_counter() - started}
 
-    def sleep(self) -> dict:
-        """Release the weights and the KV cache (level 2: nothing kept in host memory; the
-        client loads the weights again after `wake_up`)."""
-        self.llm.sleep(level=2)
+    def load_adapter(self, path: str) -> dict:
+        """The policy's adapters after an update, from the PEFT folder `path`: loaded under a
+        new id (vLLM caches an adapter by id), the previous one removed, and the prefix cache
+        (K/V of the old adapters) dropped, or the load fails."""
+        from vllm.lora.request import LoRARequest
+
+        started, engine = time.perf_counter(), self.llm.llm_engine
+        number = self.adapter.lora_int_id + 1 if self.adapter else 1
+        adapter = LoRARequest(f"policy-{number}", number, path)
+        if not engine.add_lora(adapter):
+            raise RuntimeError(f"vLLM did not load the adapters in {path}")
+        if self.adapter is not None:
+            engine.remove_lora(self.adapter.lora_int_id)
+        self.adapter = adapter
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not drop its prefix cache after the adapters' update (requests still "
+                               "hold cache blocks): it would serve K/V computed with the old adapters")
+        return {"seconds": time.perf_counter() - started}
+
+    def sleep(self, level: int) -> dict:
+        """Release the KV cache and the weights: level 2 keeps nothing in host memory (the
+        client loads the weights again after `wake_up`), level 1 keeps the weights there (the
+        base of a LoRA engine, which is never sent again)."""
+        self.llm.sleep(level=level)
         return {}
 
     def wake_up(self) -> dict:
@@ -254,6 +283,18 @@ def _installed(distribution: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def _lora_rank_slot(rank: int) -> int:
+    """The smallest of vLLM's allowed `max_lora_rank` values that holds adapters of `rank`."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    slots = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not slots:
+        raise ValueError(f"vLLM serves LoRA ranks up to {max(get_args(MaxLoRARanks))}, not {rank}")
+    return min(slots)
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:

@@ -162,8 +162,13 @@ class Resident:
                 held.engine.wake_up()
                 held.asleep = False
             if held.acts_in != step:
-                seconds = held.engine.load_policy(self.policy(run, step, device))
-                log.info("vLLM engine on %s: weights of the policy of step %d loaded in %.1f s", device, step, seconds)
+                policy = self.policy(run, step, device)
+                if run.cfg.model.lora.enabled:
+                    seconds, what = held.engine.load_adapters(policy, run.cfg.model), "adapters"
+                else:
+                    seconds, what = held.engine.load_policy(policy), "weights"
+                log.info("vLLM engine on %s: %s of the policy of step %d loaded in %.1f s", device, what, step,
+                         seconds)
                 held.acts_in = step
             if drafter is not None and held.drafter_step != drafter[0]:
                 held.engine.load_drafter(drafter[1])
