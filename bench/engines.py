@@ -20,8 +20,10 @@
    vLLM engine --syncs times, a little changed each time, as after a step: seconds per
    update, and the host memory each process added at the update's peak (its peak resident
    set, reset before each update, over its resident set before; the shared buffer the
-   weights go through counts in both, and stays from the first update on). `--only sync`
-   runs this part alone (a minute).
+   weights go through counts in both, and stays from the first update on). Then the same
+   with LoRA (rank 16 on every projection): the engine keeps its base, and each update sends
+   the adapters alone (a PEFT folder in shared memory). `--only sync` runs this part alone
+   (two minutes).
 
 Run it alone: the machine's other work weighs on the engines unequally.
 """
@@ -146,37 +148,45 @@ def reset_peak(pid: int | str) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak resident set (VmHWM) starts again from now
 
 
-def compare_sync(syncs: int) -> None:
+def compare_sync(syncs: int, lora: bool) -> None:
+    """The weights' update --syncs times: full weights, or with LoRA (rank 16 on every
+    projection) the adapters alone, the engine keeping its base."""
     import torch
 
     from lsreplay.models.loading import load_model
+    from lsreplay.models.lora import add_adapters, is_adapter
 
-    cfg = load_config(CONFIG, [])
+    cfg = load_config(CONFIG, ["model.lora.enabled=true"] if lora else [])
     model = load_model(cfg.model, device="cpu")
+    if lora:
+        add_adapters(model, cfg.model.lora, cfg.seed)
+    sent = [p for n, p in model.named_parameters() if is_adapter(n) or not lora]
     engine = VLLMEngine(engine_spec(cfg, torch.device("cpu"), str(resolve_model_dir(cfg.model)), 0, None))
-    size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    print(f"\nweights' update: {cfg.model.path or 'SmolLM2-135M-Instruct'} in {cfg.model.dtype}, {size:.0f} MiB")
+    size = sum(p.numel() * p.element_size() for p in sent) / 2**20
+    what = f"LoRA rank {cfg.model.lora.rank} adapters" if lora else "full weights"
+    print(f"\nweights' update, {what}: {cfg.model.path or 'SmolLM2-135M-Instruct'} in {cfg.model.dtype}, "
+          f"{size:.1f} MiB sent")
     print("| update | seconds | trainer's peak + MiB | engine's peak + MiB |")
     print("|---|---|---|---|")
     rows = []
     try:
         for i in range(syncs):
             with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1 + 1e-4)
+                for p in sent:
+                    p.add_(1e-4 * (i + 1))
             before = {pid: resident_mib(pid, "VmRSS") for pid in ("self", engine.pid)}
             for pid in before:
                 reset_peak(pid)
-            seconds = engine.load_policy(model)
+            seconds = engine.load_adapters(model, cfg.model) if lora else engine.load_policy(model)
             peaks = {pid: resident_mib(pid, "VmHWM") - rss for pid, rss in before.items()}
             rows.append((seconds, peaks["self"], peaks[engine.pid]))
             print(f"| {i} | {seconds:.2f} | {peaks['self']:.0f} | {peaks[engine.pid]:.0f} |", flush=True)
     finally:
         engine.close()
     warm = rows[1:] or rows
-    print(f"sync: {mean(r[0] for r in warm):.2f} s per update after the first ({rows[0][0]:.2f} s), peak + "
+    print(f"sync ({what}): {mean(r[0] for r in warm):.3f} s per update after the first ({rows[0][0]:.2f} s), peak + "
           f"{max(r[1] for r in warm):.0f} MiB trainer / {max(r[2] for r in warm):.0f} MiB engine after the first "
-          f"(first: {rows[0][1]:.0f} / {rows[0][2]:.0f} MiB: the shared buffer), for {size:.0f} MiB of weights")
+          f"(first: {rows[0][1]:.0f} / {rows[0][2]:.0f} MiB), for {size:.1f} MiB sent")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "tail"):
         compare_tail(out, args.drafter_steps)
     if args.only in (None, "sync"):
-        compare_sync(args.syncs)
+        compare_sync(args.syncs, lora=False)
+        compare_sync(args.syncs, lora=True)
     return 0
 
 

@@ -54,3 +54,42 @@ def test_a_lora_engine_follows_the_adapters_of_each_update_and_keeps_its_base(vl
             assert base_gap > 1e-2, base_gap  # and the adapters changed what it serves
     finally:
         engine.close()
+
+
+def base_gap(model, records: list[dict], sampling: SamplingParams) -> float:
+    """The largest gap between the logprobs a step's rollouts were sampled with (from
+    `sampling`'s distribution) and `model`'s."""
+    gaps = [0.0]
+    for record in records:
+        for completion, logprobs in zip(record["completions"], record["logprobs"]):
+            scored = teacher_forced(model, record["prompt_ids"], completion, sampling)
+            gaps.append((torch.tensor(logprobs) - scored).abs().max().item())
+    return max(gaps)
+
+
+def test_a_lora_run_on_vllm_trains_its_adapters_and_the_engine_serves_them(prefect_server, vllm_model_dir, tmp_path):
+    """A real run (rollout.engine=vllm, model.lora): step 0's rollouts come from the engine's
+    base, step 1's from the base with the adapters of step 0's update (the engine took
+    nothing else), and every step's logprob gap is as small as with full weights; the
+    checkpoint is a PEFT folder."""
+    from flowrun import tree_records, unique_pool
+
+    from flows.train import train
+    from vllm_models import tiny_vllm_run
+
+    run_dir = tmp_path / "run"
+    metrics = train(overrides=tiny_vllm_run(run_dir, vllm_model_dir, "rollout.engine=vllm", "steps=2",
+                                            "model.lora.enabled=true", "model.lora.rank=8", "optim.lr=3e-2",
+                                            "rollout.temperature=0.7", "rollout.top_k=40", "rollout.top_p=0.95",
+                                            "drafter.enabled=false", "rollout.vllm.logprob_gap_every=1",
+                                            unique_pool()))
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:  # against the policy that acted in the step
+        assert 0 < m["engine_logprob_gap_mean"] < 1e-4 and m["engine_logprob_gap_max"] < 1e-3, m
+    assert metrics[0]["grad_norm"] > 0
+    sampling = SamplingParams(temperature=0.7, top_p=0.95, top_k=40)
+    base = load_model(ModelConfig(path=str(vllm_model_dir), dtype="float32"), trainable=False)
+    assert base_gap(base, tree_records(run_dir, 0), sampling) < 1e-4  # sampled by the base: no adapter yet
+    assert base_gap(base, tree_records(run_dir, 1), sampling) > 1e-2  # not by the base: by the updated adapters
+    adapter = run_dir / "checkpoints/policy/step_0001/adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
