@@ -24,6 +24,8 @@
    with LoRA (rank 16 on every projection): the engine keeps its base, and each update sends
    the adapters alone (a PEFT folder in shared memory). `--only sync` runs this part alone
    (two minutes).
+4. The idle engine: a CPU engine's CPU time while it waits after a call, as during the
+   caching pass and the update (`--only idle`, half a minute).
 
 Run it alone: the machine's other work weighs on the engines unequally.
 """
@@ -31,6 +33,7 @@ Run it alone: the machine's other work weighs on the engines unequally.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -189,13 +192,42 @@ def compare_sync(syncs: int, lora: bool) -> None:
           f"(first: {rows[0][1]:.0f} / {rows[0][2]:.0f} MiB), for {size:.1f} MiB sent")
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) every thread of process `pid` has used."""
+    ticks = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def idle_engine(seconds: float) -> None:
+    """What a CPU engine takes from the trainer while it waits (the caching pass and the
+    update): its CPU time over `seconds` right after a call, and again 5 s later."""
+    import torch
+
+    cfg = load_config(CONFIG, [])
+    engine = VLLMEngine(engine_spec(cfg, torch.device("cpu"), str(resolve_model_dir(cfg.model)), 0, None))
+    try:
+        engine.generate(held_out(cfg, 4), 32, [2])
+        for wait in (0.0, 5.0):
+            time.sleep(wait)
+            before = cpu_seconds(engine.pid)
+            time.sleep(seconds)
+            used = cpu_seconds(engine.pid) - before
+            print(f"idle engine, {wait:.0f} s after its last call: {used:.2f} CPU s in {seconds:.0f} s "
+                  f"({used / seconds:.1%} of one core)")
+    finally:
+        engine.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--drafter-steps", type=int, default=80)
     parser.add_argument("--out", default=str(REPO / "runs/engines"))
     parser.add_argument("--syncs", type=int, default=6)
-    parser.add_argument("--only", choices=("steps", "tail", "sync"), help="run this part alone")
+    parser.add_argument("--only", choices=("steps", "tail", "sync", "idle"), help="run this part alone")
     args = parser.parse_args(argv)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -206,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "sync"):
         compare_sync(args.syncs, lora=False)
         compare_sync(args.syncs, lora=True)
+    if args.only in (None, "idle"):
+        idle_engine(10.0)
     return 0
 
 
