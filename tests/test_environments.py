@@ -169,3 +169,22 @@ def test_a_template_that_is_not_prefix_preserving_is_refused(tokenizer):
     e = episodes(dropping, ["rollout.environment=lsreplay.data.agentic.ArithmeticFeedback"])
     with pytest.raises(EpisodeError, match="not prefix-preserving"):
         e.respond(0, reply(dropping, "It is 8"))
+
+
+def turns_taken(completions, **kwargs) -> list[float]:
+    """A TRL-style reward of multi-turn completions: the assistant messages in each."""
+    return [float(sum(m["role"] == "assistant" for m in c)) for c in completions]
+
+
+def test_rewards_see_the_episodes_messages_and_the_environments_reward():
+    from lsreplay.data.rewards import Reward
+
+    row = Prompt(0, "basic_arithmetic", "What is 3 + 4?", "7", {}, {"answer": "7"})
+    messages = [[[{"role": "assistant", "content": "8"}, {"role": "user", "content": "Wrong"},
+                  {"role": "assistant", "content": "7"}], [{"role": "assistant", "content": "7"}]]]
+    args = ([row], [["7", "7"]], [[[1, 2], [3]]], None, messages, [[0.5, 1.0]])
+    scored = Reward(load_config(None, ["reward.functions=[test_environments.turns_taken]"])).score(*args)
+    assert scored.by_function == {"turns_taken": [[2.0, 1.0]], "environment": [[0.5, 1.0]]}
+    assert scored.totals == [[2.5, 2.0]]
+    alone = Reward(load_config(None, [])).score(*args)  # no reward.functions: no default checker beside it
+    assert alone.by_function == {"environment": [[0.5, 1.0]]} and alone.totals == [[0.5, 1.0]]

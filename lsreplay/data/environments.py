@@ -31,6 +31,8 @@ import asyncio
 import concurrent.futures
 import inspect
 import json
+import math
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -323,8 +325,14 @@ class Episodes:
             if self.play.answers and "tool_calls" not in reply:
                 _resolved(instance.respond(self.openings[tree] + ended.messages))
             if self.play.rewards:
-                ended.reward = _resolved(instance.get_reward())
+                ended.reward = self._reward(tree, _resolved(instance.get_reward()))
         return ended
+
+    def _reward(self, tree: int, value) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise EpisodeError(f"environment {callable_name(self.play.factory)}.get_reward() returned {value!r} for an "
+                               f"episode of prompt {self.prompts[tree].index}; it must return a finite float")
+        return float(value)
 
     def _replied(self, tree: int, completion: list[int]) -> tuple[Episode, dict]:
         """The episode the completion continues (the longest waiting history it extends)

@@ -259,14 +259,16 @@ class CallLog:
         self.extras[column] = jsonable(values)
 
 
-def trl_keywords(rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, log: CallLog) -> dict:
+def trl_keywords(rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, log: CallLog,
+                 messages: list[list[dict]] | None = None) -> dict:
     """Every keyword TRL's GRPOTrainer passes a reward function, for a batch of (prompt,
     completion text, completion token ids): for message prompts each completion is
-    [{"role": "assistant", "content": text}]."""
+    [{"role": "assistant", "content": text}], or for episodes their `messages` (the assistant,
+    tool and environment messages after the prompt, as TRL passes multi-turn completions)."""
     columns = trl_columns(list(flat[0][0].columns))
     return {"prompts": [p.question for p, _, _ in flat],
-            "completions": [c if isinstance(p.question, str) else [{"role": "assistant", "content": c}]
-                            for p, c, _ in flat],
+            "completions": messages if messages is not None else
+            [c if isinstance(p.question, str) else [{"role": "assistant", "content": c}] for p, c, _ in flat],
             "completion_ids": [list(i) for _, _, i in flat],
             **{k: [p.columns.get(k) for p, _, _ in flat] for k in columns},
             "trainer_state": state, "log_extra": log.extra_logger(rf), "log_metric": log.metric_logger(rf),

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import posixpath
 
-from lsreplay.core.config import Config, ConfigError
+from lsreplay.core.config import Config, ConfigError, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
+from lsreplay.data.environments import load_play
 from lsreplay.data.preferences import check_preferences, offline
 from lsreplay.data.prompt_sets import check_prompts
 from lsreplay.data.rendering import render_prompt
@@ -24,7 +25,7 @@ from lsreplay.rollout.vllm_engine import check_engine
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
     run, the model folder is there, the trackers are installed, the reward functions import
-    and take what the data gives them, and the prompts load, have the shape of prompts,
+    and take what the data gives them, the tools and environment import, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
     (lsreplay.data.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
     DatasetError with a message that says what to do. Returns the run with its thread count
@@ -42,6 +43,8 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     if cfg.drafter.enabled:
         check_drafters(run)
     check_trackers(cfg)
+    if multi_turn(cfg.rollout):
+        load_play(cfg.rollout)  # the tools and the environment import and have schemas
     reward = Reward(cfg)  # the reward functions import and can be called in their styles
     tokenizer = load_tokenizer(cfg.model)
     if offline(cfg):  # the preference dataset trains; prompts only evaluate
