@@ -66,6 +66,7 @@ def test_bad_values_name_the_key(override, message):
     (["rollout.branch_at=turns", "rollout.segment_tokens=[]"], "at most rollout.max_turns = 1 fan-outs"),
     (["rollout.branch_at=turn"], "tokens or turns"),
     (["rollout.max_turns=0"], "an integer >= 1 (1 = single-turn answers)"),
+    (["rollout.max_turns=2", "algo.overlong=penalty"], "none or mask with multi-turn episodes"),
     (["rollout.tools=[calculator]"], "'rollout.tools[0]' = 'calculator' is not allowed: an import path"),
     (["rollout.environment=Arithmetic"], "an import path of the environment class"),
 ])

@@ -917,6 +917,10 @@ def _validate_episodes(cfg: Config) -> None:
                "fan-outs with rollout.branch_at=turns (one per turn); raise rollout.max_turns or drop levels",
                r.branching)
     if multi_turn(r):
+        # DAPO's penalty grows with the completion's length, which in an episode holds the
+        # environment's tokens and every turn's reply.
+        _check(cfg.algo.overlong != "penalty", "algo.overlong", "none or mask with multi-turn episodes: the soft "
+               "overlong penalty measures a single answer's length against rollout.max_new_tokens", cfg.algo.overlong)
         _check(r.engine == "hf", "rollout.engine", "hf with multi-turn episodes (rollout.tools, rollout.environment "
                "or rollout.max_turns > 1): they are HF-engine only for now, as the vLLM engine's continuation "
                "requests (the next turn served from its prefix cache) are not wired; set rollout.engine=hf",

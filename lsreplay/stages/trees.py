@@ -11,8 +11,8 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay.core import faults
-from lsreplay.core.run import Run
 from lsreplay.core.config import multi_turn
+from lsreplay.core.run import Run
 from lsreplay.data.environments import Chat, Episode, Episodes, load_play
 from lsreplay.data.preferences import Preference, offline, preference_record
 from lsreplay.data.rendering import render_prompt
