@@ -90,12 +90,14 @@ def test_bad_tools_and_environments_name_the_key(overrides, message):
 
 
 def test_tool_calls_in_the_documented_format(tokenizer):
-    message = parse_reply(tokenizer, f"Let me compute. {call('calculator', expression='3+4')}", [])
+    schemas = [tool_schema(calculator, "calculator")]
+    message = parse_reply(tokenizer, f"Let me compute. {call('calculator', expression='3+4')}", schemas)
     assert message == {"role": "assistant", "content": "Let me compute.", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+4"}}}]}
-    assert parse_reply(tokenizer, "The answer is 7.", []) == {"role": "assistant", "content": "The answer is 7."}
-    bad = parse_reply(tokenizer, "<tool_call>{calculator}</tool_call>", [])["tool_calls"][0]
+    assert parse_reply(tokenizer, "The answer is 7.", schemas) == {"role": "assistant", "content": "The answer is 7."}
+    bad = parse_reply(tokenizer, "<tool_call>{calculator}</tool_call>", schemas)["tool_calls"][0]
     assert "not JSON" in bad["error"]
+    assert "tool_calls" not in parse_reply(tokenizer, call("calculator", expression="1"), [])  # no tools offered
 
 
 def test_the_tokenizers_own_parser_where_it_has_one():
@@ -105,7 +107,7 @@ def test_the_tokenizers_own_parser_where_it_has_one():
         def parse_response(self, text, prefix, tools):
             return {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]}
 
-    assert parse_reply(Parsing(), "anything", [])["tool_calls"] == [
+    assert parse_reply(Parsing(), "anything", [tool_schema(calculator, "calculator")])["tool_calls"] == [
         {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
 
 

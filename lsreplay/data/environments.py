@@ -170,7 +170,10 @@ def parse_reply(tokenizer, text: str, schemas: list[dict]) -> dict:
     """The assistant message of a reply: its content and tool calls in TRL's form
     ({"type": "function", "function": {"name", "arguments"}}; an unreadable call holds
     "error"). The tokenizer's own parser where it has a response_template, else the
-    documented <tool_call> format."""
+    documented <tool_call> format; no calls at all where no tool is offered (an environment
+    that only answers in words sees every reply)."""
+    if not schemas:
+        return _assistant(text.strip(), [])
     if getattr(tokenizer, "response_template", None) is not None:
         message = tokenizer.parse_response(text, prefix="", tools=schemas or None)
         calls = [c if "function" in c else {"type": "function", "function": c} for c in message.get("tool_calls") or []]
