@@ -190,3 +190,14 @@ def test_rewards_see_the_episodes_messages_and_the_environments_reward():
     assert scored.totals == [[2.5, 2.0]]
     alone = Reward(load_config(None, [])).score(*args)  # no reward.functions: no default checker beside it
     assert alone.by_function == {"environment": [[0.5, 1.0]]} and alone.totals == [[0.5, 1.0]]
+
+
+def test_preflight_refuses_a_tool_without_a_schema_before_any_work(tiny_model_dir, tmp_path):
+    from lsreplay.stages.preflight import preflight
+
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", "data.size=8",
+                             "data.prompts_per_step=2", "drafter.enabled=false", "rollout.max_turns=2",
+                             "rollout.tools=[test_environments.untyped]"])
+    with pytest.raises(EpisodeError, match="rollout.tools\\[0\\] = 'test_environments.untyped'"):
+        preflight(cfg)
+    assert not (tmp_path / "run" / "step_0000").exists()

@@ -9,7 +9,7 @@ import posixpath
 from lsreplay.core.config import Config, ConfigError, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
-from lsreplay.data.environments import load_play
+from lsreplay.data.environments import Chat, Episodes, load_play
 from lsreplay.data.preferences import check_preferences, offline
 from lsreplay.data.prompt_sets import check_prompts
 from lsreplay.data.rendering import render_prompt
@@ -43,14 +43,23 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     if cfg.drafter.enabled:
         check_drafters(run)
     check_trackers(cfg)
-    if multi_turn(cfg.rollout):
-        load_play(cfg.rollout)  # the tools and the environment import and have schemas
     reward = Reward(cfg)  # the reward functions import and can be called in their styles
     tokenizer = load_tokenizer(cfg.model)
     if offline(cfg):  # the preference dataset trains; prompts only evaluate
         check_preferences(cfg, tokenizer)
-    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, cfg.data), reward, training=not offline(cfg))
+    check_prompts(cfg, prompt_renderer(cfg, tokenizer), reward, training=not offline(cfg))
     return run.with_pinned_threads()
+
+
+def prompt_renderer(cfg: Config, tokenizer):
+    """How a prompt reaches the model: rendered alone, or for episodes as their opening (the
+    environment's reset string added, the tools shown); loading the tools and environment
+    checks they import and have schemas."""
+    if not multi_turn(cfg.rollout):
+        return lambda prompt: render_prompt(tokenizer, prompt, cfg.data)
+    play = load_play(cfg.rollout)
+    chat = Chat(tokenizer, play, cfg.data, [tokenizer.eos_token_id])  # the end-of-turn matters for later turns only
+    return lambda prompt: Episodes(play, chat, [prompt]).prompt_ids()[0]
 
 
 def check_drafters(run: Run) -> None:
