@@ -201,3 +201,16 @@ def test_preflight_refuses_a_tool_without_a_schema_before_any_work(tiny_model_di
     with pytest.raises(EpisodeError, match="rollout.tools\\[0\\] = 'test_environments.untyped'"):
         preflight(cfg)
     assert not (tmp_path / "run" / "step_0000").exists()
+
+
+def test_a_template_that_renders_tools_gets_them_through_tools(tokenizer):
+    native = copy.deepcopy(tokenizer)
+    native.chat_template = (
+        "{% if tools %}<|im_start|>system\n<tools>{{ tools | tojson }}</tools><|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    e = episodes(native, ["rollout.tools=[lsreplay.data.agentic.calculator]"])
+    assert e.chat.native and not any("<tools>" in m["content"] for m in e.openings[0])
+    assert native.decode(e.prompt_ids()[0]).startswith('<|im_start|>system\n<tools>[{"type": "function"')
+    first = reply(native, call("calculator", expression="2*3"))
+    assert native.decode(e.respond(0, first)) == "\n<|im_start|>tool\n6<|im_end|>\n<|im_start|>assistant\n"
