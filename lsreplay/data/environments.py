@@ -27,8 +27,6 @@ randomness, no outside service whose answers change).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import inspect
 import json
 import math
@@ -43,6 +41,7 @@ from transformers.utils.chat_template_utils import DocstringParsingException, Ty
 from lsreplay.core.config import ConfigError, DataConfig, RolloutConfig
 from lsreplay.data.rendering import prompt_messages, render_messages
 from lsreplay.data.reward_functions import callable_name, load_function
+from lsreplay.data.rewards import await_all
 from lsreplay.data.sources import DatasetError, Prompt
 
 # The documented tool-call format, for templates without a response parser (Hermes' and Qwen2.5's).
@@ -112,8 +111,8 @@ def load_play(r: RolloutConfig) -> Play:
         play.schemas.append(tool_schema(function, f"tool rollout.tools[{i}] = {spec!r}"))
     if r.environment:
         play.factory = load_function(r.environment, "environment rollout.environment =")
-        probe = _instance(play.factory, r.environment)
-        play.methods = [name for name, member in inspect.getmembers(probe, callable)
+        probe = instance_of(play.factory)
+        play.methods = [name for name, _ in inspect.getmembers(probe, callable)
                         if not name.startswith("_") and name not in ENVIRONMENT_HOOKS]
         for name in play.methods:
             if name in play.functions:
@@ -123,28 +122,18 @@ def load_play(r: RolloutConfig) -> Play:
     return play
 
 
-def _instance(factory: Callable, spec: str):
+def instance_of(factory: Callable):
+    """A new instance of the environment class, for one episode (or a look at its methods)."""
     try:
         return factory()
     except Exception as e:
-        raise EpisodeError(f"environment {spec!r}: {callable_name(factory)}() raised {type(e).__name__}: {e}; an "
-                           "environment class is built with no arguments, one instance per episode") from e
+        raise EpisodeError(f"environment {callable_name(factory)}() raised {type(e).__name__}: {e}; an environment "
+                           "class is built with no arguments, one instance per episode (rollout.environment)") from e
 
 
 def _resolved(value):
     """An async tool's (or environment method's) result awaited; a sync one's as it is."""
-    if not inspect.isawaitable(value):
-        return value
-
-    async def wait():
-        return await value
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(wait())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # this thread runs a loop already
-        return pool.submit(asyncio.run, wait()).result()
+    return await_all({0: value})[0] if inspect.isawaitable(value) else value
 
 
 def call_tool(tools: dict[str, Callable], call: dict) -> tuple[dict, bool]:
@@ -348,7 +337,7 @@ class Episodes:
         """A fresh environment instance for the tree's row, reset; and what reset returned."""
         if self.play.factory is None:
             return None, None
-        instance = self.play.factory()
+        instance = instance_of(self.play.factory)
         said = _resolved(instance.reset(**self.rows[tree])) if callable(getattr(instance, "reset", None)) else None
         return instance, None if said is None else str(said)
 

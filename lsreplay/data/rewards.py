@@ -149,8 +149,9 @@ def _number(rf: RewardFunction, value, prompt: Prompt, what: str, allow_none: bo
     return float(value)
 
 
-def _await_all(pending: dict[int, object]) -> dict[int, object]:
-    """Await the coroutines async reward functions returned, together (as TRL gathers them)."""
+def await_all(pending: dict[int, object]) -> dict[int, object]:
+    """Await the coroutines async reward functions (or tools) returned, together (as TRL gathers
+    them), also from a thread that runs an event loop already."""
     async def gather():
         return dict(zip(pending, await asyncio.gather(*pending.values())))
 
@@ -251,7 +252,7 @@ class Reward:
         pending = {k: v for k, v in calls.items() if inspect.isawaitable(v)}
         if pending:
             try:
-                calls.update(_await_all(pending))
+                calls.update(await_all(pending))
             except RewardError:
                 raise
             except Exception as e:
