@@ -164,7 +164,9 @@ def parse_reply(tokenizer, text: str, schemas: list[dict]) -> dict:
     if not schemas:
         return _assistant(text.strip(), [])
     if getattr(tokenizer, "response_template", None) is not None:
-        message = tokenizer.parse_response(text, prefix="", tools=schemas or None)
+        # prefix="": the reply holds all the turn's text; a template that pre-writes part of
+        # the reply in its generation prompt (an opening <think>) would want that text here.
+        message = tokenizer.parse_response(text, prefix="", tools=schemas)
         calls = [c if "function" in c else {"type": "function", "function": c} for c in message.get("tool_calls") or []]
         return _assistant(message.get("content") or "", calls)
     return _assistant(TOOL_CALL.sub("", text).strip(), [_call(body) for body in TOOL_CALL.findall(text)])
