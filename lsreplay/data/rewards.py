@@ -47,8 +47,8 @@ DEFAULT_NAME = "reasoning_gym"
 # The name an episode environment's get_reward() is logged under (rewards/environment/mean).
 ENVIRONMENT_NAME = "environment"
 
-__all__ = ["CORRECT", "EXACT_ANSWER", "Reward", "RewardError", "Scores", "extract_answer", "score",
-           "unscorable_tasks"]
+__all__ = ["CORRECT", "ENVIRONMENT_NAME", "EXACT_ANSWER", "Reward", "RewardError", "Scores", "await_all",
+           "extract_answer", "score", "unscorable_tasks"]
 
 
 # ---------------------------------------------------------------- reasoning-gym
