@@ -60,11 +60,26 @@ def test_bad_values_name_the_key(override, message):
     (["algo.kl_coef=0.1", "algo.kl_estimator=k1"], "is 0 in expectation on-policy, so as a loss term it regularizes"),
     (["algo.dynamic_sampling_metric=accuracy"], "reward or training_reward or rewards/NAME"),
     (["rollout.engine=vllm", "rollout.top_k=20"], "vLLM 0.32's CPU sampler fails on a top-k cut alone"),
+    (["rollout.engine=vllm", "rollout.max_turns=3"], "HF-engine only for now, as the vLLM engine's continuation"),
+    (["rollout.engine=vllm", "rollout.tools=[m.f]"], "'rollout.engine' = 'vllm' is not allowed: hf with multi-turn"),
+    (["rollout.max_turns=3", "rollout.branch_at=turns"], "[] with rollout.branch_at=turns"),
+    (["rollout.branch_at=turns", "rollout.segment_tokens=[]"], "at most rollout.max_turns = 1 fan-outs"),
+    (["rollout.branch_at=turn"], "tokens or turns"),
+    (["rollout.max_turns=0"], "an integer >= 1 (1 = single-turn answers)"),
+    (["rollout.max_turns=2", "algo.overlong=penalty"], "none or mask with multi-turn episodes"),
+    (["rollout.tools=[calculator]"], "'rollout.tools[0]' = 'calculator' is not allowed: an import path"),
+    (["rollout.environment=Arithmetic"], "an import path of the environment class"),
 ])
 def test_algorithm_settings_that_cannot_work_together(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert message in str(e.value)
+
+
+def test_episodes_branching_per_turn_load():
+    r = load_config(None, ["rollout.max_turns=3", "rollout.branch_at=turns", "rollout.segment_tokens=[]",
+                           "rollout.environment=m.Env", "rollout.tools=[m.f]"]).rollout
+    assert (r.max_turns, r.branch_at, r.branching, r.tools, r.environment) == (3, "turns", [4, 2], ["m.f"], "m.Env")
 
 
 def test_a_decaying_schedule_makes_steps_part_of_the_result():

@@ -63,7 +63,7 @@ def test_every_config_key_is_documented_once():
     assert (missing, twice, unknown) == ([], [], [])
 
 
-GUIDES = [REFERENCE.parents[1] / "README.md", REFERENCE.parent / "data-and-rewards.md"]
+GUIDES = [REFERENCE.parents[1] / "README.md", REFERENCE.parent / "data-and-rewards.md", REFERENCE.parent / "multi-turn.md"]
 
 
 def train_commands(text: str) -> list[list[str]]:

@@ -74,3 +74,17 @@ def test_the_tree_estimator_is_unbiased_when_episodes_end_at_different_turns():
     se = (trees.var() / trees.numel() + flat.var() / flat.numel()).sqrt()
     assert 0.05 < float(flat.mean()) < 0.95
     assert abs(float(trees.mean() - flat.mean())) <= 4.5 * float(se), (trees.mean(), flat.mean(), se)
+
+
+def test_episodes_fork_at_token_offsets_of_the_first_reply():
+    """branch_at=tokens: [2, 2] forks the first reply after 2 tokens; later turns continue
+    each episode once, so the paths have the first reply's branch points only."""
+    model = tiny_model("llama", vocab=8, dtype=torch.float64, initializer_range=0.3)
+    rollouts = sample_episodes(model, [[2, 3], [4, 5, 3]] * 4, [2, 2], MAX_TURNS, 6, SamplingParams(temperature=1.0),
+                               EOS, lambda tree, path, turn: torch.Generator().manual_seed(
+                                   hash((tree, path, turn)) % 2**62), respond, segment_tokens=[2])
+    for r in rollouts:
+        assert sum(r.counts) == 4 and all(len(p) <= 2 for p in r.paths)
+        for tokens, flags, turns in zip(r.completions, r.sampled, r.turns):
+            assert sum(not f for f in flags) == len(ANSWER) * (turns - 1)
+    assert max(t for r in rollouts for t in r.turns) >= 2

@@ -25,6 +25,12 @@ from lsreplay.algos.weights import NestedLogprobs
 NestedSampled = list[list[torch.Tensor]] | None
 
 
+def sampled_flags(record: dict) -> list[list[bool]]:
+    """A rollout record's flags: per completion, per token, whether the model sampled it
+    (False: an episode's environment tokens). Single-turn records carry none: all True."""
+    return record.get("sampled") or [[True] * len(c) for c in record["completions"]]
+
+
 def sampled_masks(flags: list[list[list[bool]]]) -> NestedSampled:
     """Per-token flags (as the rollout records keep them) as bool tensors; None where every
     token was sampled (single-turn rollouts), so that nothing is selected at all."""

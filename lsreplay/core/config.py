@@ -188,6 +188,25 @@ class RolloutConfig:
     # 0 verifies one token without drafting, so the bandit can turn drafting off where it loses.
     # With engine=vllm the largest is vLLM's draft length (no bandit: vLLM drafts a fixed number).
     draft_lens: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
+    # Multi-turn episodes (docs/multi-turn.md; HF engine only): tool functions offered to the
+    # model ("module.function", typed, with Google-style docstrings), an environment class
+    # ("module.Factory": one instance per episode), and the model turns an episode may take
+    # (1 = single-turn answers).
+    tools: list[str] = field(default_factory=list)
+    environment: str = ""
+    max_turns: int = 1
+    # Where a prompt's rollouts fork: "tokens", at the segment_tokens offsets of the first
+    # reply (as single-turn rollouts), or "turns", branching[k] replies at turn k, each after
+    # the environment's answer to the turn before.
+    branch_at: str = "tokens"
+
+
+BRANCH_AT = ("tokens", "turns")
+
+
+def multi_turn(r: RolloutConfig) -> bool:
+    """Whether the rollouts are episodes (tools, an environment or several turns) rather than single answers."""
+    return bool(r.tools or r.environment or r.max_turns > 1)
 
 
 ALGOS = ("grpo", "ppo", "dpo")
@@ -842,8 +861,10 @@ def _validate_rollout(cfg: Config) -> None:
     # identical ones, every advantage is 0 and a run would train for hours and change nothing.
     _check(math.prod(r.branching) >= 2, "rollout.branching", "at least 2 rollouts per prompt (the product of "
            "the fan-outs): GRPO's advantages compare a prompt's rollouts, so one alone trains nothing", r.branching)
-    _check(len(r.segment_tokens) == len(r.branching) - 1, "rollout.segment_tokens",
-           f"exactly len(rollout.branching) - 1 = {len(r.branching) - 1} values", r.segment_tokens)
+    _validate_episodes(cfg)
+    if r.branch_at == "tokens":
+        _check(len(r.segment_tokens) == len(r.branching) - 1, "rollout.segment_tokens",
+               f"exactly len(rollout.branching) - 1 = {len(r.branching) - 1} values", r.segment_tokens)
     _check(all(s >= 1 for s in r.segment_tokens) and sum(r.segment_tokens) < r.max_new_tokens,
            "rollout.segment_tokens", "values >= 1 summing to less than rollout.max_new_tokens", r.segment_tokens)
     _check(r.temperature > 0, "rollout.temperature", "must be > 0: greedy rollouts of a prompt are all the same "
@@ -875,6 +896,35 @@ def _validate_rollout(cfg: Config) -> None:
         _check(not (speculates and r.top_k and r.top_p == 1 and cfg.pool.accelerator == "cpu"), "rollout.top_k",
                "0, or with rollout.top_p < 1 too, while a CPU vLLM engine speculates: vLLM 0.32's CPU sampler fails "
                "on a top-k cut alone in a step that drafted nothing (or set rollout.spec_threshold=0)", r.top_k)
+
+
+def _validate_episodes(cfg: Config) -> None:
+    r = cfg.rollout
+    _check(r.max_turns >= 1, "rollout.max_turns", "an integer >= 1 (1 = single-turn answers)", r.max_turns)
+    _check(r.branch_at in BRANCH_AT, "rollout.branch_at", " or ".join(BRANCH_AT), r.branch_at)
+    for i, spec in enumerate(r.tools):
+        _check(isinstance(spec, str) and _is_import_path(spec), f"rollout.tools[{i}]", "an import path: "
+               "module.function or module:function (e.g. lsreplay.data.agentic:calculator), or path/to/file.py:function",
+               spec)
+    _check(not r.environment or _is_import_path(r.environment), "rollout.environment", "empty, or an import path "
+           "of the environment class: module.Factory or module:Factory (e.g. lsreplay.data.agentic:ArithmeticFeedback)",
+           r.environment)
+    if r.branch_at == "turns":
+        _check(not r.segment_tokens, "rollout.segment_tokens", "[] with rollout.branch_at=turns: episodes then fork "
+               "at turn boundaries only (rollout.branching gives one fan-out per turn); set rollout.segment_tokens=[] "
+               "or rollout.branch_at=tokens", r.segment_tokens)
+        _check(len(r.branching) <= r.max_turns, "rollout.branching", f"at most rollout.max_turns = {r.max_turns} "
+               "fan-outs with rollout.branch_at=turns (one per turn); raise rollout.max_turns or drop levels",
+               r.branching)
+    if multi_turn(r):
+        # DAPO's penalty grows with the completion's length, which in an episode holds the
+        # environment's tokens and every turn's reply.
+        _check(cfg.algo.overlong != "penalty", "algo.overlong", "none or mask with multi-turn episodes: the soft "
+               "overlong penalty measures a single answer's length against rollout.max_new_tokens", cfg.algo.overlong)
+        _check(r.engine == "hf", "rollout.engine", "hf with multi-turn episodes (rollout.tools, rollout.environment "
+               "or rollout.max_turns > 1): they are HF-engine only for now, as the vLLM engine's continuation "
+               "requests (the next turn served from its prefix cache) are not wired; set rollout.engine=hf",
+               r.engine)
 
 
 def _validate_learning(cfg: Config) -> None:

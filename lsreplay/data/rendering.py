@@ -46,14 +46,24 @@ def render_prompt(tokenizer, prompt: Prompt, data: DataConfig) -> list[int]:
     """The prompt's token ids, as TRL's GRPOTrainer tokenizes it."""
     messages = prompt_messages(prompt, data)
     if messages is None:
-        ids = tokenizer(prompt.question + data.answer_instruction)["input_ids"]
-    else:
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                **data.chat_template_kwargs)["input_ids"]
-        except (ValueError, TemplateError) as e:  # no chat template, or one that refuses these messages
-            raise DatasetError(f"prompt {prompt.index}: the tokenizer's chat template cannot render it ({e}); give "
-                               "a model with a chat template, or string prompts with data.chat_template=false") from e
+        return _within_limit(tokenizer(prompt.question + data.answer_instruction)["input_ids"], prompt, data)
+    return render_messages(tokenizer, messages, prompt, data)
+
+
+def render_messages(tokenizer, messages: list[dict], prompt: Prompt, data: DataConfig,
+                    tools: list[dict] | None = None) -> list[int]:
+    """The token ids of `prompt`'s chat messages (as given: an episode's opening adds to
+    them) with the generation prompt, and the tool schemas where the template renders them."""
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True, **data.chat_template_kwargs)["input_ids"]
+    except (ValueError, TemplateError) as e:  # no chat template, or one that refuses these messages
+        raise DatasetError(f"prompt {prompt.index}: the tokenizer's chat template cannot render it ({e}); give "
+                           "a model with a chat template, or string prompts with data.chat_template=false") from e
+    return _within_limit(ids, prompt, data)
+
+
+def _within_limit(ids: list[int], prompt: Prompt, data: DataConfig) -> list[int]:
     if len(ids) > data.max_prompt_tokens:
         raise DatasetError(f"prompt {prompt.index} has {len(ids)} tokens, more than data.max_prompt_tokens="
                            f"{data.max_prompt_tokens}; raise the limit or use shorter prompts")

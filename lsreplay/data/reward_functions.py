@@ -75,11 +75,11 @@ def _split(spec: str) -> tuple[str, str]:
     return module, name
 
 
-def _import(spec: str, module_name: str):
+def _import(spec: str, module_name: str, what: str):
     if module_name.endswith(".py"):  # verl's custom_reward_function.path
         path = Path(module_name)
         if not path.is_file():
-            raise RewardError(f"reward function {spec!r}: no file {path} (relative to the working directory "
+            raise RewardError(f"{what} {spec!r}: no file {path} (relative to the working directory "
                               f"{os.getcwd()})")
         loaded = importlib.util.spec_from_file_location(f"lsreplay_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(loaded)
@@ -89,24 +89,25 @@ def _import(spec: str, module_name: str):
         return importlib.import_module(module_name)
 
 
-def load_function(spec: str) -> Callable:
-    """The callable an import path names (module.function, module:function, file.py:function)."""
+def load_function(spec: str, what: str = "reward function") -> Callable:
+    """The callable an import path names (module.function, module:function, file.py:function);
+    `what` it is names it in the errors (a reward function, a tool, an environment)."""
     module_name, name = _split(spec)
     try:
-        module = _import(spec, module_name)
+        module = _import(spec, module_name, what)
     except RewardError:
         raise
     except ModuleNotFoundError as e:
         if e.name is None or not module_name.startswith(e.name):
-            raise RewardError(f"reward function {spec!r}: importing {module_name} failed: {e}") from e
-        raise RewardError(f"reward function {spec!r}: no module named {module_name!r}; put {module_name}.py in the "
+            raise RewardError(f"{what} {spec!r}: importing {module_name} failed: {e}") from e
+        raise RewardError(f"{what} {spec!r}: no module named {module_name!r}; put {module_name}.py in the "
                           "working directory or on PYTHONPATH (or pip install the package that has it)") from e
     except Exception as e:
-        raise RewardError(f"reward function {spec!r}: importing {module_name} raised "
+        raise RewardError(f"{what} {spec!r}: importing {module_name} raised "
                           f"{type(e).__name__}: {e}") from e
     function = getattr(module, name, None)
     if not callable(function):
-        raise RewardError(f"reward function {spec!r}: {module_name} ({module.__file__}) has no function {name!r}")
+        raise RewardError(f"{what} {spec!r}: {module_name} ({module.__file__}) has no function {name!r}")
     return function
 
 
@@ -258,14 +259,16 @@ class CallLog:
         self.extras[column] = jsonable(values)
 
 
-def trl_keywords(rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, log: CallLog) -> dict:
+def trl_keywords(rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, log: CallLog,
+                 messages: list[list[dict]] | None = None) -> dict:
     """Every keyword TRL's GRPOTrainer passes a reward function, for a batch of (prompt,
     completion text, completion token ids): for message prompts each completion is
-    [{"role": "assistant", "content": text}]."""
+    [{"role": "assistant", "content": text}], or for episodes their `messages` (the assistant,
+    tool and environment messages after the prompt, as TRL passes multi-turn completions)."""
     columns = trl_columns(list(flat[0][0].columns))
     return {"prompts": [p.question for p, _, _ in flat],
-            "completions": [c if isinstance(p.question, str) else [{"role": "assistant", "content": c}]
-                            for p, c, _ in flat],
+            "completions": messages if messages is not None else
+            [c if isinstance(p.question, str) else [{"role": "assistant", "content": c}] for p, c, _ in flat],
             "completion_ids": [list(i) for _, _, i in flat],
             **{k: [p.columns.get(k) for p, _, _ in flat] for k in columns},
             "trainer_state": state, "log_extra": log.extra_logger(rf), "log_metric": log.metric_logger(rf),

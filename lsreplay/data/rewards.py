@@ -44,9 +44,11 @@ CORRECT = 1.0
 EXACT_ANSWER = "exact_answer"
 # The name the default reward's figures are logged under (rewards/reasoning_gym/mean).
 DEFAULT_NAME = "reasoning_gym"
+# The name an episode environment's get_reward() is logged under (rewards/environment/mean).
+ENVIRONMENT_NAME = "environment"
 
-__all__ = ["CORRECT", "EXACT_ANSWER", "Reward", "RewardError", "Scores", "extract_answer", "score",
-           "unscorable_tasks"]
+__all__ = ["CORRECT", "ENVIRONMENT_NAME", "EXACT_ANSWER", "Reward", "RewardError", "Scores", "await_all",
+           "extract_answer", "score", "unscorable_tasks"]
 
 
 # ---------------------------------------------------------------- reasoning-gym
@@ -147,8 +149,9 @@ def _number(rf: RewardFunction, value, prompt: Prompt, what: str, allow_none: bo
     return float(value)
 
 
-def _await_all(pending: dict[int, object]) -> dict[int, object]:
-    """Await the coroutines async reward functions returned, together (as TRL gathers them)."""
+def await_all(pending: dict[int, object]) -> dict[int, object]:
+    """Await the coroutines async reward functions (or tools) returned, together (as TRL gathers
+    them), also from a thread that runs an event loop already."""
     async def gather():
         return dict(zip(pending, await asyncio.gather(*pending.values())))
 
@@ -203,14 +206,19 @@ class Reward:
             check_trl_keywords(rf, columns)
 
     def score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
-              state) -> Scores:
+              state, messages: list[list[list[dict]]] | None = None,
+              environment: list[list[float | None]] | None = None) -> Scores:
         """Every completion of every prompt scored; `state` is the transformers.TrainerState
-        TRL-style functions get as trainer_state (lsreplay.stages.trainer_state). A RewardError
+        TRL-style functions get as trainer_state (lsreplay.stages.trainer_state). Episodes give
+        their `messages` (TRL-style functions get them as completions) and, where the
+        environment scores them, its rewards: one more reward of weight 1 (rewards/environment),
+        and the only one when reward.functions is empty (no default checker then). A RewardError
         if the functions take longer than reward.timeout_seconds (a function that hangs)."""
+        args = (prompts, completions, completion_ids, state, messages, environment)
         if not self.timeout:
-            return self._score(prompts, completions, completion_ids, state)
+            return self._score(*args)
         try:
-            return _within(self.timeout, self._score, prompts, completions, completion_ids, state)
+            return _within(self.timeout, self._score, *args)
         except TimeoutError:
             names = ", ".join(rf.spec for rf in self.functions) or "reasoning-gym's checkers"
             raise RewardError(f"the reward functions ({names}) did not score the completions of prompts "
@@ -219,26 +227,32 @@ class Reward:
                               "or raise reward.timeout_seconds if it is only slow") from None
 
     def _score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
-               state) -> Scores:
+               state, messages: list[list[list[dict]]] | None, environment: list[list[float | None]] | None) -> Scores:
+        if not self.functions and environment is not None:
+            return Scores(environment, {ENVIRONMENT_NAME: environment}, {}, {})
         if not self.functions:
             values = [[score(p, c, self.task_args.get(p.task)) for c in cs] for p, cs in zip(prompts, completions)]
             return Scores(values, {DEFAULT_NAME: values}, {}, {})
         flat = [(p, c, i) for p, cs, ids in zip(prompts, completions, completion_ids) for c, i in zip(cs, ids)]
-        calls, logged = self._calls(flat, state)
+        calls, logged = self._calls(flat, state, None if messages is None else [m for ms in messages for m in ms])
         by_function = {rf.name: self._values(rf, calls[k], flat, logged) for k, rf in enumerate(self.functions)}
-        totals = [self._total(flat[j][0], [(rf.weight, by_function[rf.name][j]) for rf in self.functions])
-                  for j in range(len(flat))]
+        weighted = [(rf.weight, by_function[rf.name]) for rf in self.functions]
+        if environment is not None:
+            by_function[ENVIRONMENT_NAME] = [v for vs in environment for v in vs]
+            weighted.append((1.0, by_function[ENVIRONMENT_NAME]))
+        totals = [self._total(flat[j][0], [(w, values[j]) for w, values in weighted]) for j in range(len(flat))]
         return Scores(_nest(totals, completions), {name: _nest(v, completions) for name, v in by_function.items()},
                       {column: _nest(v, completions) for column, v in logged.extras.items()}, logged.metrics)
 
-    def _calls(self, flat: list[tuple[Prompt, str, list[int]]], state) -> tuple[dict[int, object], CallLog]:
+    def _calls(self, flat: list[tuple[Prompt, str, list[int]]], state,
+               messages: list[list[dict]] | None) -> tuple[dict[int, object], CallLog]:
         """Every function's raw results (async ones awaited together) and what they logged."""
         logged = CallLog(len(flat))
-        calls = {k: self._call(rf, flat, state, logged) for k, rf in enumerate(self.functions)}
+        calls = {k: self._call(rf, flat, state, logged, messages) for k, rf in enumerate(self.functions)}
         pending = {k: v for k, v in calls.items() if inspect.isawaitable(v)}
         if pending:
             try:
-                calls.update(_await_all(pending))
+                calls.update(await_all(pending))
             except RewardError:
                 raise
             except Exception as e:
@@ -246,14 +260,15 @@ class Reward:
                                   f"{sorted({p.index for p, _, _ in flat})}; fix the function") from e
         return calls, logged
 
-    def _call(self, rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, logged: CallLog):
+    def _call(self, rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, logged: CallLog,
+              messages: list[list[dict]] | None):
         """The function's raw results: one list (TRL's style, a reward model) or one value per
         completion; a coroutine stands for what async functions return."""
         if rf.style == "model":
             return self._guarded(rf, sorted({p.index for p, _, _ in flat}), rf.function, [(p, c) for p, c, _ in flat])
         if rf.style == "trl":
             return self._guarded(rf, sorted({p.index for p, _, _ in flat}), rf.function,
-                                 **trl_keywords(rf, flat, state, logged))
+                                 **trl_keywords(rf, flat, state, logged, messages))
         if rf.style == "verl":
             values = [self._guarded(rf, [p.index], rf.function,
                                     **verl_keywords(rf, p, c, self.answer_column, self.source_column))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 import numbers
 
+from lsreplay.algos.model_tokens import sampled_flags
+
 
 # The trees stage's figures under TRL's names (rollout_metrics), copied into the step's record.
 TRL_ROLLOUT_PREFIXES = ("completions/", "rewards/", "extras/")
@@ -56,7 +58,8 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
         out[f"completions/max{key}_length"] = max((k for k, *_ in chosen), default=0)
     samples = sum(n for *_, n, _ in leaves)
     out["completions/clipped_ratio"] = sum(n for _, f, n, _ in leaves if not f) / samples
-    tokens = sum(n * k for k, _, n, _ in leaves)
+    # The model's tokens only: an episode's environment tokens were not sampled (logprob 0 in the record).
+    tokens = sum(n * sum(flags) for r, ns in zip(records, counts) for flags, n in zip(sampled_flags(r), ns))
     if tokens and all(lps is not None for *_, lps in leaves):
         out["entropy"] = -sum(n * sum(lps) for _, _, n, lps in leaves) / tokens
     for column in dict.fromkeys(k for r in records for k in r.get("extras", {})):
@@ -65,6 +68,24 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
         if pairs:
             out[f"extras/{column}/mean"] = _weighted([float(v) for v, _ in pairs], [n for _, n in pairs])[0]
     return out
+
+
+def episode_metrics(records: list[dict]) -> dict:
+    """Episodes' figures, each leaf counted as the samples it stands for: turns per episode,
+    tool calls per episode, the share of tool calls that failed, and the share of completion
+    tokens the environment wrote (tool results, its messages, the template around them).
+    Nothing for single-turn rollouts."""
+    if not any("turns" in r for r in records):
+        return {}
+    leaves = [(n, t, calls, errors, len(flags) - sum(flags), len(flags))
+              for r in records for n, t, calls, errors, flags in zip(r["counts"], r["turns"], r["tool_calls"],
+                                                                      r["tool_errors"], r["sampled"])]
+    samples, calls = sum(leaf[0] for leaf in leaves), sum(n * c for n, _, c, *_ in leaves)
+    tokens = sum(n * k for n, *_, k in leaves)
+    return {"episode_turns_mean": sum(n * t for n, t, *_ in leaves) / samples,
+            "tool_calls_mean": calls / samples,
+            "tool_error_share": sum(n * e for n, _, _, e, _, _ in leaves) / calls if calls else 0.0,
+            "environment_token_share": sum(n * e for n, *_, e, _ in leaves) / tokens if tokens else 0.0}
 
 
 def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
@@ -94,7 +115,8 @@ def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
 # and TRL's learning rate and clip fractions.
 OPTIONAL_KEYS = {
     "trees": ("trees_all_alike", "prompts_drawn", "trees_dropped", "leaves_per_tree", "group_size",
-              "effective_group_size"),
+              "effective_group_size", "episode_turns_mean", "tool_calls_mean", "tool_error_share",
+              "environment_token_share"),
     "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
     "policy": ("kl", "updates", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
                "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", "trees_left_out",

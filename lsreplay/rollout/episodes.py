@@ -4,8 +4,11 @@ An episode alternates the model's replies (sampled by the tree sampler, each up 
 `max_new_tokens`, ending at EOS) with the environment's answers (token ids `respond`
 returns, or None: the episode ends). The episodes of a prompt form one trie: at turn k every
 live episode is forked into `branching[k]` replies (1 past the last level), which share its
-whole history, the environment's answers included. A reply cut at `max_new_tokens` ends
-its episode, as does the last turn.
+whole history, the environment's answers included. Given `segment_tokens`, the episodes
+fork at token offsets instead, within the first reply, as single-turn trees do
+(tree_sampler.sample_trees' `branching` and `segment_tokens`), and every later turn
+continues each episode once. A reply cut at `max_new_tokens` ends its episode, as does the
+last turn.
 
 An episode that ended before a branch point stands for every continuation it would have
 been forked into (its `count`, as in the single-turn sampler), so the counts of a tree sum
@@ -53,9 +56,9 @@ class _Episode:
     turns: int = 0
     finished: bool = False
 
-    def replied(self, index: int | None, reply: list[int], logprobs: list[float], finished: bool) -> _Episode:
-        path = self.path if index is None else self.path + (index,)
-        return _Episode(self.tree, path, self.tokens + reply, self.logprobs + logprobs,
+    def replied(self, forks: tuple[int, ...], reply: list[int], logprobs: list[float], finished: bool) -> _Episode:
+        """The episode continued by a reply, reached through the branch points `forks`."""
+        return _Episode(self.tree, self.path + forks, self.tokens + reply, self.logprobs + logprobs,
                         self.sampled + [True] * len(reply), self.turns + 1, finished)
 
     def answered(self, tokens: list[int]) -> None:
@@ -68,23 +71,24 @@ class _Episode:
 def sample_episodes(model, prompts: list[list[int]], branching: list[int], max_turns: int, max_new_tokens: int,
                     params: SamplingParams, eos_token_id: int | list[int],
                     generator_for: Callable[[int, tuple[int, ...], int], torch.Generator],
-                    respond: Respond) -> list[EpisodeRollout]:
-    """The episode trees of `prompts`, branching `branching[k]` ways at turn k (see the module)."""
-    if not 1 <= len(branching) <= max_turns:
+                    respond: Respond, segment_tokens: list[int] | None = None) -> list[EpisodeRollout]:
+    """The episode trees of `prompts`, branching `branching[k]` ways at turn k, or at the
+    token offsets `segment_tokens` of the first reply (see the module)."""
+    if segment_tokens is None and not 1 <= len(branching) <= max_turns:
         raise ValueError(f"need 1 to max_turns={max_turns} fan-outs (one per turn), got {branching}")
     live, ended, positions = [_Episode(i) for i in range(len(prompts))], [], [0] * len(prompts)
     for turn in range(max_turns):
         if not live:
             break
-        fan_out = branching[turn] if turn < len(branching) else 1
+        fan_outs, segments, forks = _turn_levels(branching, segment_tokens, turn)
         generators = [generator_for(e.tree, e.path, turn) for e in live]
-        trees, _ = sample_trees(model, [prompts[e.tree] + e.tokens for e in live], [fan_out], [], max_new_tokens,
+        trees, _ = sample_trees(model, [prompts[e.tree] + e.tokens for e in live], fan_outs, segments, max_new_tokens,
                                 params, eos_token_id, generators)
         going = []
         for episode, tree in zip(live, trees):
             positions[episode.tree] += tree.forward_positions
             for reply, logprobs, finished, path in zip(tree.completions, tree.logprobs, tree.finished, tree.paths):
-                child = episode.replied(path[0] if turn < len(branching) else None, reply, logprobs, finished)
+                child = episode.replied(tuple(path) if forks else (), reply, logprobs, finished)
                 answer = respond(child.tree, child.tokens) if finished and turn + 1 < max_turns else None
                 if answer is None:
                     ended.append(child)
@@ -94,6 +98,13 @@ def sample_episodes(model, prompts: list[list[int]], branching: list[int], max_t
         live = going
     return [_rollout(prompts[i], sorted((e for e in ended if e.tree == i), key=lambda e: e.path), positions[i],
                      branching) for i in range(len(prompts))]
+
+
+def _turn_levels(branching: list[int], segment_tokens: list[int] | None, turn: int) -> tuple[list[int], list[int], bool]:
+    """The fan-outs and segment lengths of turn `turn`'s replies, and whether they fork."""
+    if segment_tokens is not None:
+        return (list(branching), list(segment_tokens), True) if turn == 0 else ([1], [], False)
+    return ([branching[turn]], [], True) if turn < len(branching) else ([1], [], False)
 
 
 def _rollout(prompt: list[int], episodes: list[_Episode], positions: int, branching: list[int]) -> EpisodeRollout:

@@ -79,12 +79,6 @@ def leaf_counts(record: dict) -> list[int]:
     return record.get("counts", [1] * len(record["completions"]))
 
 
-def sampled_flags(record: dict) -> list[list[bool]]:
-    """Per completion, per token: whether the model sampled it (False: an episode's
-    environment tokens, lsreplay.algos.model_tokens). Single-turn records carry none: all True."""
-    return record.get("sampled") or [[True] * len(c) for c in record["completions"]]
-
-
 def leaf_subtrees(record: dict) -> list[int]:
     """Each leaf's first-level subtree (leaves of different ones share no sampled token).
     Records written before leaves carried paths: each leaf its own, with which the

@@ -27,14 +27,13 @@ from lsreplay.algos.critic import (VALUE, CriticBatch, explained_variance, gae, 
 from lsreplay.algos.dpo import best_worst_pairs, dpo_loss, sequence_logprobs
 from lsreplay.algos.grpo import batch_reward_std, clip_fractions, tree_advantages
 from lsreplay.algos.kl import kl_loss
-from lsreplay.algos.model_tokens import model_token_scores, model_tokens, on_model_tokens, sampled_masks
+from lsreplay.algos.model_tokens import model_token_scores, model_tokens, on_model_tokens, sampled_flags, sampled_masks
 from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.core.run import Run
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.stages.common import (leaf_counts, leaf_subtrees, left_out, policy_heads,
-                                    sampled_flags, training_rewards)
+from lsreplay.stages.common import leaf_counts, leaf_subtrees, left_out, policy_heads, training_rewards
 from lsreplay.stages.prefixes import load_activations
 
 

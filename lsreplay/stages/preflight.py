@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import posixpath
 
-from lsreplay.core.config import Config, ConfigError
+from lsreplay.core.config import Config, ConfigError, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
+from lsreplay.data.environments import Chat, Episodes, load_play
 from lsreplay.data.preferences import check_preferences, offline
 from lsreplay.data.prompt_sets import check_prompts
 from lsreplay.data.rendering import render_prompt
@@ -24,7 +25,7 @@ from lsreplay.rollout.vllm_engine import check_engine
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
     run, the model folder is there, the trackers are installed, the reward functions import
-    and take what the data gives them, and the prompts load, have the shape of prompts,
+    and take what the data gives them, the tools and environment import, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
     (lsreplay.data.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
     DatasetError with a message that says what to do. Returns the run with its thread count
@@ -46,8 +47,19 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     tokenizer = load_tokenizer(cfg.model)
     if offline(cfg):  # the preference dataset trains; prompts only evaluate
         check_preferences(cfg, tokenizer)
-    check_prompts(cfg, lambda prompt: render_prompt(tokenizer, prompt, cfg.data), reward, training=not offline(cfg))
+    check_prompts(cfg, prompt_renderer(cfg, tokenizer), reward, training=not offline(cfg))
     return run.with_pinned_threads()
+
+
+def prompt_renderer(cfg: Config, tokenizer):
+    """How a prompt reaches the model: rendered alone, or for episodes as their opening (the
+    environment's reset string added, the tools shown); loading the tools and environment
+    checks they import and have schemas."""
+    if not multi_turn(cfg.rollout):
+        return lambda prompt: render_prompt(tokenizer, prompt, cfg.data)
+    play = load_play(cfg.rollout)
+    chat = Chat(tokenizer, play, cfg.data, [tokenizer.eos_token_id])  # the end-of-turn matters for later turns only
+    return lambda prompt: Episodes(play, chat, [prompt]).prompt_ids()[0]
 
 
 def check_drafters(run: Run) -> None:

@@ -11,15 +11,18 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from lsreplay.core import faults
+from lsreplay.core.config import multi_turn
 from lsreplay.core.run import Run
+from lsreplay.data.environments import Chat, Episode, Episodes, load_play
 from lsreplay.data.preferences import Preference, offline, preference_record
 from lsreplay.data.rendering import render_prompt
 from lsreplay.data.rewards import Reward
 from lsreplay.data.sources import Prompt
 from lsreplay.drafter.model import Drafter
-from lsreplay.metrics.records import rollout_metrics
+from lsreplay.metrics.records import episode_metrics, rollout_metrics
 from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.rollout.bandit import DraftLengthBandit
+from lsreplay.rollout.episodes import sample_episodes
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, policy_before,
                                     records_in_prompt_order, sampled_as,
@@ -67,7 +70,9 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     state = trainer_state(run, step)
     draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
     records, rounds, pending, logged, start = {}, [], indices, {}, time.perf_counter()
-    speculation, drafter_step = adaptive_engine(run, step, shard, model) if r.engine == "hf" else (None, None)
+    # Episodes decode turn by turn, without the speculative tail (rollout.episodes).
+    speculates = r.engine == "hf" and not multi_turn(r)
+    speculation, drafter_step = adaptive_engine(run, step, shard, model) if speculates else (None, None)
     with tqdm(total=len(indices) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
               unit="tok", leave=False) as bar:
 
@@ -78,9 +83,9 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
 
         for draw in range(draws):
             prompts = [Prompt(**(stored["prompts"] if draw == 0 else stored["reserve"][draw - 1])[i]) for i in pending]
-            trees, figures, decisions, drafter_step = _sample(run, step, device, model, tokenizer, prompts, pending,
-                                                              draw, advance, clock, speculation, drafter_step)
-            scored, metrics = tree_records(tokenizer, prompts, trees, reward, state)
+            trees, figures, decisions, drafter_step, episodes = _sample(
+                run, step, device, model, tokenizer, prompts, pending, draw, advance, clock, speculation, drafter_step)
+            scored, metrics = tree_records(tokenizer, prompts, trees, reward, state, episodes)
             records.update(zip(pending, scored))
             for name, values in metrics.items():  # what the reward functions gave log_metric
                 logged.setdefault(name, []).extend(values)
@@ -124,17 +129,48 @@ def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt]
             advance, clock: StateClock, speculation: Speculation | None, drafter_step: int | None):
     """One round of the shard's rollouts: the trees of `prompts` (the step's places `slots`,
     in round `draw`), the decode figures (combine_traces' keys), the decode decisions (HF
-    engine) and the drafter's step."""
+    engine), the drafter's step, and for episodes each one's outcome (else None)."""
     cfg, r = run.cfg, run.cfg.rollout
+    if multi_turn(r):
+        return _episode_round(run, step, device, model, tokenizer, prompts, slots, draw, advance)
     prompt_ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     if r.engine == "vllm":
         trees, figures, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
                                                        advance, clock)
-        return trees, {**length_summary([len(c) for t in trees for c in t.completions]), **figures}, [], drafter_step
+        return (trees, {**length_summary([len(c) for t in trees for c in t.completions]), **figures}, [], drafter_step,
+                None)
     generators = [run.generator(step, "trees", i, *([draw] if draw else []), device=device) for i in slots]
     trees, trace = sample_trees(model, prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
                                 sampled_as(cfg), eos_ids(tokenizer, model), generators, advance, speculation=speculation)
-    return trees, trace.summary([len(c) for t in trees for c in t.completions]), trace.decisions(), drafter_step
+    return trees, trace.summary([len(c) for t in trees for c in t.completions]), trace.decisions(), drafter_step, None
+
+
+def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
+                   advance):
+    """One round of episodes (rollout.max_turns, tools, an environment: lsreplay.data.environments),
+    as _sample returns a round: the decode figures are the round's wall time (no decode trace,
+    no speculation), and each episode's outcome comes with its tree."""
+    cfg, r = run.cfg, run.cfg.rollout
+    eos = eos_ids(tokenizer, model)
+    play = load_play(r)
+    episodes = Episodes(play, Chat(tokenizer, play, cfg.data, eos), prompts)
+    draws = [draw] if draw else []
+
+    def generator_for(tree: int, path: tuple[int, ...], turn: int):
+        # Turn 0 draws as a single-turn tree would; later turns per episode ("turn" keeps the keys apart).
+        return run.generator(step, "trees", slots[tree], *draws, *(["turn", turn, *path] if turn else []),
+                             device=device)
+
+    start = time.perf_counter()
+    trees = sample_episodes(model, episodes.prompt_ids(), list(r.branching), r.max_turns, r.max_new_tokens,
+                            sampled_as(cfg), eos, generator_for, episodes.respond,
+                            list(r.segment_tokens) if r.branch_at == "tokens" else None)
+    advance(sum(sum(flags) for t in trees for flags in t.sampled))
+    outcomes = [[episodes.outcome(i, c) for c in t.completions] for i, t in enumerate(trees)]
+    figures = {**length_summary([len(c) for t in trees for c in t.completions]),
+               "decode_seconds": time.perf_counter() - start, "decode_steps": 0, "tail_time_share": 0.0,
+               "spec_rounds": 0, "spec_tokens": 0, "accept_len": 0.0, "spec_time_share": 0.0}
+    return trees, figures, [], None, outcomes
 
 
 def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices) -> dict:
@@ -221,7 +257,7 @@ def collect_trees(run: Run, step: int) -> dict:
         # dynamic sampling, prompts_drawn - trees of the step's trees were dropped for that.
         "trees_all_alike": sum(all_alike(training_rewards(run.cfg, rec)) for rec in records),
         "prompts_drawn": drawn, "trees_dropped": drawn - len(records),
-        **rollout_metrics(records, run.cfg.rollout.max_new_tokens),
+        **rollout_metrics(records, run.cfg.rollout.max_new_tokens), **episode_metrics(records),
         "num_tokens": tokens_seen(run, step) + sample_tokens(records), "logged": logged_means(shards),
         "completion_tokens": sum(lengths),
         "forward_positions": sum(m["forward_positions"] for m in shards), "seconds": seconds,
@@ -231,21 +267,38 @@ def collect_trees(run: Run, step: int) -> dict:
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
-def tree_records(tokenizer, prompts: list[Prompt], trees, reward: Reward, state) -> tuple[list[dict], dict]:
+def tree_records(tokenizer, prompts: list[Prompt], trees, reward: Reward, state,
+                 episodes: list[list[Episode]] | None = None) -> tuple[list[dict], dict]:
     """What the store keeps of each tree: tokens, behaviour logprobs, texts, rewards (None
     where no reward function applies; each function's values: one batch of the shard's
     completions, as TRL scores them; the columns they logged), and the samples each leaf
     stands for (its count, and its path through the branch points). And the scalars the
-    functions gave log_metric."""
+    functions gave log_metric. Episodes add per leaf which tokens the model sampled, its
+    turns, tool calls and tool errors; their rewards see the messages (TRL-style functions),
+    or the last reply (the others), and the environment's reward."""
     texts = [[tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions] for tree in trees]
-    scores = reward.score(prompts, texts, [tree.completions for tree in trees], state)
+    if episodes is None:
+        scores = reward.score(prompts, texts, [tree.completions for tree in trees], state)
+    else:
+        environment = [[e.reward for e in es] for es in episodes] if any(e.reward is not None for es in episodes
+                                                                         for e in es) else None
+        scores = reward.score(prompts, [[e.answer for e in es] for es in episodes], [t.completions for t in trees],
+                              state, [[e.messages for e in es] for es in episodes], environment)
     records = [{"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
                 "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts[i], "rewards": scores.totals[i],
                 "reward_functions": {name: values[i] for name, values in scores.by_function.items()},
                 "extras": {column: values[i] for column, values in scores.extras.items()},
-                "counts": tree.counts, "paths": tree.paths}
+                "counts": tree.counts, "paths": tree.paths,
+                **({} if episodes is None else episode_fields(tree, episodes[i]))}
                for i, (prompt, tree) in enumerate(zip(prompts, trees))]
     return records, scores.metrics
+
+
+def episode_fields(tree, episodes: list[Episode]) -> dict:
+    """What a record keeps of a tree's episodes, per leaf: the model's tokens (algos.model_tokens.sampled_flags),
+    its turns, tool calls and tool errors."""
+    return {"sampled": tree.sampled, "turns": tree.turns, "tool_calls": [e.tool_calls for e in episodes],
+            "tool_errors": [e.tool_errors for e in episodes]}
 
 
 def sample_tokens(records: list[dict]) -> int:

@@ -1,0 +1,152 @@
+"""Multi-turn episodes through a real training step on the tiny model: an environment that
+says "wrong, try again" for up to 3 turns (branching per turn), and a calculator tool
+(a tiny model made to call it, branching per turn too). The records flag the environment's tokens, the step's
+metrics count turns, tool calls, their errors and environment tokens, the update trains, and a trees
+stage cut off after writing its shard (before its done marker) samples the same episodes
+again on resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lsreplay import stages
+from lsreplay.core.config import load_config
+from lsreplay.data.agentic import ArithmeticFeedback
+from lsreplay.metrics.records import step_record
+from lsreplay.stages.common import load_trees
+from lsreplay.stages.preflight import preflight
+
+FEEDBACK = f"\n<|im_start|>user\n{ArithmeticFeedback.RETRY}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def talkative_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model, writing end-of-turn about as often as a digit: its replies end, so
+    episodes go on to further turns."""
+    out = tmp_path_factory.mktemp("talkative")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[tokenizer.eos_token_id] = head[digits].mean(0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# The calculator call the tool-calling model writes, as two added tokens around its operand.
+CALL_HEAD, CALL_TAIL = '<tool_call>{"name": "calculator", "arguments": {"expression": "', '+4"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_calling_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model as a bigram machine that calls the calculator: no attention and no MLP
+    (the last token alone decides the next), and after the generation prompt's newline it
+    writes CALL_HEAD, then 3, 5 or x alike, then CALL_TAIL and end-of-turn: 3+4 and 5+4
+    compute, x+4 fails."""
+    out = tmp_path_factory.mktemp("tool-calling")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    tokenizer.add_tokens([CALL_HEAD, CALL_TAIL])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    model.resize_token_embeddings(len(tokenizer))
+    head_id, tail_id = tokenizer.convert_tokens_to_ids([CALL_HEAD, CALL_TAIL])
+    newline, operands = tokenizer.encode("\n")[0], [tokenizer.encode(c)[0] for c in "35x"]
+    following = {newline: [head_id], head_id: operands, **{o: [tail_id] for o in operands},
+                 tail_id: [tokenizer.eos_token_id]}
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        basis = torch.eye(embed.shape[1])
+        head.zero_()
+        for k, (token, nexts) in enumerate(following.items()):
+            # The final RMSNorm makes the residual basis[k] * sqrt(hidden): each next token's logit is 30.
+            embed[token] = basis[k]
+            head[nexts] += 30 * basis[k] / embed.shape[1] ** 0.5
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tool_failures(completions, **kwargs) -> list[float]:
+    """A TRL-style reward of multi-turn completions: the tool messages that report an error."""
+    return [float(sum(m["role"] == "tool" and "error" in m["content"] for m in c)) for c in completions]
+
+
+def overrides(run_dir, model_dir) -> list[str]:
+    return [f"run_dir={run_dir}", f"model.path={model_dir}", "data.size=8", "data.prompts_per_step=2",
+            "rollout.max_new_tokens=8", "drafter.enabled=false", "optim.lr=1e-3", "eval.every=0",
+            "reward.function=varied_rewards:code_parity"]
+
+
+def one_step(cfg) -> tuple:
+    run = preflight(cfg)
+    for stage in (stages.sample_prompts, stages.generate_trees, stages.cache_prefixes, stages.train_policy):
+        stage(run, 0)
+    manifests = {name: run.manifest(0, name) for name in ("prompts", "trees", "prefixes", "policy")}
+    return run, load_trees(run, 0)[0], step_record(0, manifests)
+
+
+def environment_segments(tokenizer, record: dict, leaf: int) -> list[str]:
+    """The decoded runs of a leaf's tokens that the model did not sample."""
+    runs, current = [], []
+    for token, sampled in zip(record["completions"][leaf], record["sampled"][leaf]):
+        if not sampled:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    return [tokenizer.decode(r) for r in runs + ([current] if current else [])]
+
+
+def test_an_environment_that_answers_trains_branching_per_turn_and_resumes(talkative_model_dir, tmp_path):
+    cfg = load_config(None, [*overrides(tmp_path / "run", talkative_model_dir), "rollout.branching=[4,2]",
+                             "rollout.branch_at=turns", "rollout.segment_tokens=[]", "rollout.max_turns=3",
+                             "rollout.environment=lsreplay.data.agentic.ArithmeticFeedback"])
+    run, records, metrics = one_step(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(talkative_model_dir, local_files_only=True)
+    for record in records:
+        assert sum(record["counts"]) == 8 and len(record["sampled"]) == len(record["completions"])
+        for leaf, turns in enumerate(record["turns"]):
+            assert environment_segments(tokenizer, record, leaf) == [FEEDBACK] * (turns - 1)
+            assert all(lp == 0.0 for lp, f in zip(record["logprobs"][leaf], record["sampled"][leaf]) if not f)
+        assert record["reward_functions"]["environment"] and "code_parity" in record["reward_functions"]
+    assert max(t for r in records for t in r["turns"]) >= 2  # some episodes were told to try again
+    assert 1 < metrics["episode_turns_mean"] <= 3 and 0 < metrics["environment_token_share"] < 1
+    assert metrics["tool_calls_mean"] == 0 and metrics["tool_error_share"] == 0
+    assert metrics["grad_norm"] > 0 and "rewards/environment/mean" in metrics
+
+    # Cut off after the shard's records were written, before its done marker: sampled again, the same.
+    (tmp_path / "run/step_0000/trees-shard0.done.json").unlink()
+    (tmp_path / "run/step_0000/trees.done.json").unlink()
+    stages.generate_trees(run, 0)
+    assert load_trees(run, 0)[0] == records
+
+
+def test_a_model_calling_the_calculator_trains_on_its_calls_and_their_errors(tool_calling_model_dir, tmp_path):
+    cfg = load_config(None, [*overrides(tmp_path / "run", tool_calling_model_dir), "rollout.branching=[3,2]",
+                             "rollout.branch_at=turns", "rollout.segment_tokens=[]", "rollout.max_turns=3",
+                             "rollout.tools=[lsreplay.data.agentic.calculator]",
+                             "reward.function=test_episode_flow:tool_failures"])
+    run, records, metrics = one_step(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(tool_calling_model_dir, local_files_only=True)
+    # SmolLM2's template ignores tools=: they are described in the system message.
+    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in tokenizer.decode(records[0]["prompt_ids"])
+    results = {"3": "7", "5": "9", "x": "{'error': 'not arithmetic: x'}"}
+    for record in records:
+        for leaf, text in enumerate(record["texts"]):
+            # Every reply is a call; the last one's is not run (no turn left to read its result).
+            assert record["turns"][leaf] == 3 and record["tool_calls"][leaf] == 2
+            operands = [part[0] for part in text.split('"expression": "')[1:]]
+            assert environment_segments(tokenizer, record, leaf) == [
+                f"\n<|im_start|>tool\n{results[o]}<|im_end|>\n<|im_start|>assistant\n" for o in operands[:2]]
+            assert record["tool_errors"][leaf] == operands[:2].count("x")
+    assert metrics["episode_turns_mean"] == 3 and metrics["tool_calls_mean"] == 2
+    assert 0 < metrics["tool_error_share"] < 1 and 0 < metrics["environment_token_share"] < 1
+    assert metrics["grad_norm"] > 0
+    assert json.dumps(records)  # the records stay JSON
