@@ -70,12 +70,13 @@ def test_malformed_override(override, message, capsys):
                                                     "with LoRA here (linear layers only)"),
     ("model.lora.target_modules=[lm_head]", "names 'lm_head', which is outside the decoder layers"),
     ("model.lora.dropout=0.05", "'model.lora.dropout' = 0.05 is not allowed: 0"),
-    ("rollout.engine=vllm", "'rollout.engine' = 'vllm' is not allowed: hf with model.lora.enabled=true"),
+    ("rollout.engine=vllm model.lora.rank=1024", "'model.lora.rank' = 1024 is not allowed: at most 512 with "
+                                                 "rollout.engine=vllm"),
 ])
 def test_lora_errors(override, message, tiny_model_dir, tmp_path, capsys):
     """Checked before any work (the preflight builds the model on the meta device)."""
     assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
-                     "model.lora.enabled=true", override]) == 2
+                     "model.lora.enabled=true", *override.split()]) == 2
     err = error(capsys)
     assert message in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
