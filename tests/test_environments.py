@@ -161,13 +161,19 @@ def test_forked_episodes_replay_their_own_history_into_fresh_instances(tokenizer
     assert e.outcome(0, shared + reply(tokenizer, "done")).reward == 2.0
 
 
+def with_template(tokenizer, template: str):
+    """A copy of `tokenizer` with another chat template."""
+    changed = copy.deepcopy(tokenizer)
+    changed.chat_template = template
+    return changed
+
+
 def test_a_template_that_is_not_prefix_preserving_is_refused(tokenizer):
     """A template that shows only the last assistant reply (as some drop earlier reasoning)."""
-    dropping = copy.deepcopy(tokenizer)
-    dropping.chat_template = (
+    dropping = with_template(tokenizer, (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
         "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     e = episodes(dropping, ["rollout.environment=lsreplay.data.agentic.ArithmeticFeedback"])
     with pytest.raises(EpisodeError, match="not prefix-preserving"):
         e.respond(0, reply(dropping, "It is 8"))
@@ -204,11 +210,10 @@ def test_preflight_refuses_a_tool_without_a_schema_before_any_work(tiny_model_di
 
 
 def test_a_template_that_renders_tools_gets_them_through_tools(tokenizer):
-    native = copy.deepcopy(tokenizer)
-    native.chat_template = (
+    native = with_template(tokenizer, (
         "{% if tools %}<|im_start|>system\n<tools>{{ tools | tojson }}</tools><|im_end|>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     e = episodes(native, ["rollout.tools=[lsreplay.data.agentic.calculator]"])
     assert e.chat.native and not any("<tools>" in m["content"] for m in e.openings[0])
     assert native.decode(e.prompt_ids()[0]).startswith('<|im_start|>system\n<tools>[{"type": "function"')
