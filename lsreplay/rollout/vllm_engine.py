@@ -308,14 +308,14 @@ class VLLMEngine:
                 self._weights.mapped()
         return time.perf_counter() - started
 
-    def load_adapters(self, model: torch.nn.Module, lora: ModelConfig) -> float:
+    def load_adapters(self, model: torch.nn.Module, model_cfg: ModelConfig) -> float:
         """With LoRA: serve through `model`'s adapters from now on (the policy after an
-        update; `lora` its model config), and drop the prefix cache; returns the seconds it
+        update, configured by `model_cfg`), and drop the prefix cache; returns the seconds it
         took. The adapters go as a PEFT folder (megabytes) in shared memory; the base the
         engine started with is never sent."""
         started = time.perf_counter()
         with self._lock, tempfile.TemporaryDirectory(prefix="lsreplay-adapters-", dir=shared_memory()) as folder:
-            write_adapter_folder(Store(folder), "adapter", checkpointed_state(model), lora)
+            write_adapter_folder(Store(folder), "adapter", checkpointed_state(model), model_cfg)
             self._exchange("load_adapter", None, self.spec.timeout_s, {"path": f"{folder}/adapter"})
         return time.perf_counter() - started
 
