@@ -367,11 +367,21 @@ def check_engine(cfg, model_dir: Path) -> None:
                           "rollout.engine=hf, or a model vLLM supports (Llama, Qwen2, ... architectures)")
     if cfg.pool.accelerator == "cpu":
         weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 2**30
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+        free = available_memory() / 2**30
         if cfg.rollout.vllm.kv_cache_gb + weights > free:
             raise ConfigError(f"rollout.vllm.kv_cache_gb={cfg.rollout.vllm.kv_cache_gb} GiB of KV cache plus the "
-                              f"model's {weights:.1f} GiB do not fit the {free:.1f} GiB of free memory; lower "
+                              f"model's {weights:.1f} GiB do not fit the {free:.1f} GiB of available memory; lower "
                               "rollout.vllm.kv_cache_gb")
+
+
+def available_memory() -> int:
+    """Bytes the system can give without swapping: MemAvailable, which counts the page cache
+    it can drop (free pages alone fell to 0.2 GiB after `make setup`'s installs filled the
+    cache, and refused a 0.25 GiB KV cache on a 24 GiB machine)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/meminfo") as f:
+            return int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: str | None) -> EngineSpec:
