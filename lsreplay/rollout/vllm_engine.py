@@ -341,7 +341,7 @@ class VLLMEngine:
 def check_engine(cfg, model_dir: Path) -> None:
     """Before any work, for rollout.engine=vllm: vLLM is installed in rollout.vllm.python, it
     runs the model's architecture, and on a CPU pool its KV cache plus a copy of the weights
-    fit the free host memory. ConfigError naming the fix otherwise."""
+    fit the available host memory (MemAvailable). ConfigError naming the fix otherwise."""
     from lsreplay.core.config import ConfigError
 
     if cfg.model.arch:
