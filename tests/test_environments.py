@@ -4,15 +4,18 @@ ignores tools=), replay into fresh instances at forks, and the errors that name 
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import logging
+import time
 
 import pytest
 from transformers import AutoTokenizer
 
 from lsreplay.core.config import ConfigError, ModelConfig, load_config
 from lsreplay.data.agentic import calculator
-from lsreplay.data.environments import (Chat, EpisodeError, Episodes, call_tool, load_play, parse_reply,
-                                        renders_tools, tool_schema)
+from lsreplay.data.environments import (Chat, EpisodeError, Episodes, ToolAnswer, call_tool, load_play,
+                                        parse_reply, renders_tools, tool_schema)
 from lsreplay.data.sources import Prompt
 from lsreplay.models.loading import resolve_model_dir
 
@@ -113,13 +116,87 @@ def test_the_tokenizers_own_parser_where_it_has_one():
 
 def test_calls_answer_with_results_or_trls_errors():
     tools = {"calculator": calculator, "slow_double": slow_double}
-    assert call_tool(tools, {"function": {"name": "slow_double", "arguments": {"x": 4}}}) == (
+    assert call_tool(tools, {"function": {"name": "slow_double", "arguments": {"x": 4}}}) == ToolAnswer(
         {"role": "tool", "name": "slow_double", "content": "8"}, False)
-    assert call_tool(tools, {"function": {"name": "calculator", "arguments": {"expression": "1/0"}}}) == (
+    assert call_tool(tools, {"function": {"name": "calculator", "arguments": {"expression": "1/0"}}}) == ToolAnswer(
         {"role": "tool", "name": "calculator", "content": "{'error': 'division by zero'}"}, True)
-    assert call_tool(tools, {"function": {"name": "nope", "arguments": {}}})[0]["content"] == \
+    assert call_tool(tools, {"function": {"name": "nope", "arguments": {}}}).message["content"] == \
         "{'error': 'Tool nope not found.'}"
-    assert call_tool(tools, {"function": {"name": "calculator", "arguments": {"x": 1}}})[1]
+    assert call_tool(tools, {"function": {"name": "calculator", "arguments": {"x": 1}}}).failed
+
+
+HANG_SECONDS, TIMEOUT = 30.0, 0.5  # a call that hangs (its thread is left behind, asleep), and the limit
+
+
+def hanging_sum(a: int, b: int) -> int:
+    """Add two numbers, after a long wait.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    time.sleep(HANG_SECONDS)
+    return a + b
+
+
+async def hanging_double(x: int) -> int:
+    """Double a number, asynchronously, after a long wait.
+
+    Args:
+        x: the number
+    """
+    await asyncio.sleep(HANG_SECONDS)
+    return 2 * x
+
+
+def test_a_tool_that_hangs_answers_as_a_failed_call_within_the_timeout(caplog):
+    tools = {"hanging_sum": hanging_sum, "hanging_double": hanging_double, "calculator": calculator}
+    for name, arguments in (("hanging_sum", {"a": 1, "b": 2}), ("hanging_double", {"x": 3})):
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="lsreplay.data.environments"):
+            answer = call_tool(tools, {"function": {"name": name, "arguments": arguments}}, timeout=TIMEOUT)
+        assert TIMEOUT <= time.monotonic() - started < TIMEOUT + 2
+        assert answer == ToolAnswer({"role": "tool", "name": name,
+                                     "content": f"{{'error': 'Tool {name} did not answer within 0.5 s.'}}"}, True, True)
+        assert f"tool {name} did not answer within rollout.tool_timeout_seconds=0.5 s" in caplog.text
+    fast = call_tool(tools, {"function": {"name": "calculator", "arguments": {"expression": "2+3"}}}, timeout=TIMEOUT)
+    assert fast == ToolAnswer({"role": "tool", "name": "calculator", "content": "5"}, False)
+
+
+def test_a_call_that_timed_out_is_not_replayed_and_a_hanging_environment_stops_naming_it(tokenizer):
+    e = episodes(tokenizer, ["rollout.tools=[test_environments.hanging_sum,lsreplay.data.agentic.calculator]",
+                             f"rollout.tool_timeout_seconds={TIMEOUT}"])
+    first = reply(tokenizer, call("hanging_sum", a=1, b=2))
+    answer = e.respond(0, first)
+    assert "did not answer within 0.5 s" in tokenizer.decode(answer)
+    second = first + answer + reply(tokenizer, call("calculator", expression="1+2"))
+    started = time.monotonic()
+    assert "3" in tokenizer.decode(e.respond(0, second))  # the earlier hanging call was not run again
+    assert time.monotonic() - started < TIMEOUT
+    assert e.outcome(0, second).tool_errors == 1
+
+    hanging = episodes(tokenizer, ["rollout.environment=test_environments.HangingFeedback",
+                                   f"rollout.tool_timeout_seconds={TIMEOUT}"])
+    with pytest.raises(EpisodeError, match=r"HangingFeedback: its respond did not return within "
+                                           r"rollout.tool_timeout_seconds=0.5 s \(an episode of prompt 0\)"):
+        hanging.respond(0, reply(tokenizer, "It is 8"))
+
+
+class HangingFeedback:
+    """An environment whose answer never comes."""
+
+    def respond(self, messages: list[dict]) -> str:
+        time.sleep(HANG_SECONDS)
+        return "Wrong."
+
+
+def test_an_answer_longer_than_the_limit_is_not_shown_and_ends_the_episode(tokenizer, caplog):
+    e = episodes(tokenizer, ["rollout.tools=[lsreplay.data.agentic.calculator]", "rollout.max_environment_tokens=5"])
+    first = reply(tokenizer, call("calculator", expression="3+4"))
+    with caplog.at_level(logging.WARNING, logger="lsreplay.data.environments"):
+        assert e.respond(0, first) is None  # "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n": > 5 tokens
+    assert "more than rollout.max_environment_tokens=5: not shown" in caplog.text
+    assert e.outcome(0, first).tool_calls == 0  # ended as at the last turn: its calls count as not run
 
 
 def test_smollm2s_template_gets_the_tools_in_its_system_message(tokenizer):

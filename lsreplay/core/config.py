@@ -188,13 +188,22 @@ class RolloutConfig:
     # 0 verifies one token without drafting, so the bandit can turn drafting off where it loses.
     # With engine=vllm the largest is vLLM's draft length (no bandit: vLLM drafts a fixed number).
     draft_lens: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    # Multi-turn episodes (docs/multi-turn.md; HF engine only): tool functions offered to the
+    # Multi-turn episodes (docs/multi-turn.md; both engines): tool functions offered to the
     # model ("module.function", typed, with Google-style docstrings), an environment class
     # ("module.Factory": one instance per episode), and the model turns an episode may take
     # (1 = single-turn answers).
     tools: list[str] = field(default_factory=list)
     environment: str = ""
     max_turns: int = 1
+    # The most tokens one answer of the environment may add to an episode (tool results or its
+    # message, with the chat template's tokens around them); a longer one is not shown and the
+    # episode ends at the reply before it. It bounds an episode's length (completion_tokens):
+    # what `lsreplay plan` sizes and the vLLM engine's context holds.
+    max_environment_tokens: int = 256
+    # Seconds one call of a tool or of the environment (reset, respond, get_reward) may take: a
+    # tool call past it answers as a tool error (as TRL returns errors), an environment's hook
+    # past it stops the shard naming it; either way the stall is logged. 0 = no limit.
+    tool_timeout_seconds: float = 60.0
     # Where a prompt's rollouts fork: "tokens", at the segment_tokens offsets of the first
     # reply (as single-turn rollouts), or "turns", branching[k] replies at turn k, each after
     # the environment's answer to the turn before.
@@ -902,6 +911,10 @@ def _validate_episodes(cfg: Config) -> None:
     r = cfg.rollout
     _check(r.max_turns >= 1, "rollout.max_turns", "an integer >= 1 (1 = single-turn answers)", r.max_turns)
     _check(r.branch_at in BRANCH_AT, "rollout.branch_at", " or ".join(BRANCH_AT), r.branch_at)
+    _check(r.max_environment_tokens >= 1, "rollout.max_environment_tokens", "an integer >= 1 (the most tokens one "
+           "answer of the environment may add to an episode)", r.max_environment_tokens)
+    _check(r.tool_timeout_seconds >= 0, "rollout.tool_timeout_seconds", ">= 0 (seconds a call of a tool or of the "
+           "environment may take; 0 = no limit)", r.tool_timeout_seconds)
     for i, spec in enumerate(r.tools):
         _check(isinstance(spec, str) and _is_import_path(spec), f"rollout.tools[{i}]", "an import path: "
                "module.function or module:function (e.g. lsreplay.data.agentic:calculator), or path/to/file.py:function",

@@ -23,12 +23,22 @@ calls, its `respond` calls) are replayed into it. That costs turns^2 / 2 calls p
 and needs what the HF sampler needs anyway to be bit-reproducible: tools and environments
 must be deterministic (a function of the row and the episode so far; no clock, no unseeded
 randomness, no outside service whose answers change).
+
+Every call of a tool or of the environment (its construction, reset, respond, get_reward)
+runs on a thread of its own, given `rollout.tool_timeout_seconds`: a tool call past it answers
+as a failed call (`{'error': ...}`, as TRL returns errors) and is not replayed later (its
+effect on the instance is unknown); an environment's hook past it stops the shard, naming
+it. A thread cannot be stopped: the one that hangs is left behind, and the stall is logged.
+A call that times out makes the episodes depend on timing, not only on the draws.
+An environment's answer of more than `rollout.max_environment_tokens` tokens is not shown:
+the episode ends at the reply before it, as at its last turn (logged).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import numbers
 import re
@@ -41,8 +51,10 @@ from transformers.utils.chat_template_utils import DocstringParsingException, Ty
 from lsreplay.core.config import ConfigError, DataConfig, RolloutConfig
 from lsreplay.data.rendering import prompt_messages, render_messages
 from lsreplay.data.reward_functions import callable_name, load_function
-from lsreplay.data.rewards import await_all
+from lsreplay.data.rewards import Overdue, await_all, within
 from lsreplay.data.sources import DatasetError, Prompt
+
+log = logging.getLogger(__name__)
 
 # The documented tool-call format, for templates without a response parser (Hermes' and Qwen2.5's).
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -75,13 +87,16 @@ def tool_schema(function: Callable, what: str) -> dict:
 @dataclass
 class Play:
     """What episodes are played with: the tool functions, the environment class (None: none),
-    every tool's schema (the functions', then the environment's methods'), and the names of
-    the environment's tool methods."""
+    every tool's schema (the functions', then the environment's methods'), the names of
+    the environment's tool methods, the seconds a call may take (0: no limit) and the most
+    tokens an answer of the environment may add."""
 
     functions: dict[str, Callable]
     factory: Callable | None = None
     schemas: list[dict] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)
+    timeout: float = 0.0
+    max_answer_tokens: int = 256
 
     @property
     def answers(self) -> bool:
@@ -100,7 +115,7 @@ class Play:
 
 def load_play(r: RolloutConfig) -> Play:
     """The configured tools and environment, their schemas checked."""
-    play = Play({})
+    play = Play({}, timeout=r.tool_timeout_seconds, max_answer_tokens=r.max_environment_tokens)
     for i, spec in enumerate(r.tools):
         function = load_function(spec, f"tool rollout.tools[{i}] =")
         name = callable_name(function)
@@ -136,9 +151,27 @@ def _resolved(value):
     return await_all({0: value})[0] if inspect.isawaitable(value) else value
 
 
-def call_tool(tools: dict[str, Callable], call: dict) -> tuple[dict, bool]:
-    """The tool message answering one parsed call, and whether the call failed (TRL's
-    tool_failure: an unknown tool, bad arguments, an exception)."""
+def _run(seconds: float, function: Callable, *args, **kwargs):
+    """function(*args, **kwargs), awaited if async, given `seconds` (0: no limit): Overdue past them."""
+    def run():
+        return _resolved(function(*args, **kwargs))
+
+    return within(seconds, run) if seconds else run()
+
+
+@dataclass(frozen=True)
+class ToolAnswer:
+    """The tool message answering one call; whether the call failed (TRL's tool_failure: an
+    unknown tool, bad arguments, an exception, no answer in time), and whether it ran out of
+    time (its effect on the instance unknown: not replayed)."""
+
+    message: dict
+    failed: bool
+    timed_out: bool = False
+
+
+def call_tool(tools: dict[str, Callable], call: dict, timeout: float = 0.0) -> ToolAnswer:
+    """The answer to one parsed call, given `timeout` seconds (0: no limit)."""
     function = call.get("function", {})
     name = function.get("name") or "unknown"
     try:
@@ -146,10 +179,18 @@ def call_tool(tools: dict[str, Callable], call: dict) -> tuple[dict, bool]:
             raise ValueError(call["error"])
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
-        result, failed = _resolved(tools[name](**function.get("arguments", {}))), False
+        return ToolAnswer(_tool_message(name, _run(timeout, tools[name], **function.get("arguments", {}))), False)
+    except Overdue:
+        log.warning("tool %s did not answer within rollout.tool_timeout_seconds=%g s: answered as a failed call "
+                    "(its thread is left running)", name, timeout)
+        return ToolAnswer(_tool_message(name, {"error": f"Tool {name} did not answer within {timeout:g} s."}), True,
+                          True)
     except Exception as e:
-        result, failed = {"error": str(e)}, True
-    return {"role": "tool", "name": name, "content": str(result)}, failed
+        return ToolAnswer(_tool_message(name, {"error": str(e)}), True)
+
+
+def _tool_message(name: str, result) -> dict:
+    return {"role": "tool", "name": name, "content": str(result)}
 
 
 # ---------------------------------------------------------------- the chat template's side
@@ -290,10 +331,10 @@ class Episodes:
         episode, reply = self._replied(tree, completion)
         instance, errors = self._replayed(tree, episode), 0
         if "tool_calls" in reply:
-            answers, errors = self._tools(instance, reply["tool_calls"])
-            action = ("tools", reply["tool_calls"])
+            answers, errors, replayed = self._tools(instance, reply["tool_calls"])
+            action = ("tools", replayed)
         elif self.play.answers:
-            said = _resolved(instance.respond(self.openings[tree] + episode.messages + [reply]))
+            said = self._hook(tree, "respond", instance.respond, self.openings[tree] + episode.messages + [reply])
             answers = None if said is None else [{"role": "user", "content": str(said)}]
             action = ("respond", len(episode.messages) + 1)
         else:
@@ -302,6 +343,11 @@ class Episodes:
             return None
         before = episode.messages + [reply]
         ids = self.chat.continuation(self.openings[tree] + before, self.openings[tree] + before + answers)
+        if len(ids) > self.play.max_answer_tokens:
+            log.warning("the environment's answer to an episode of prompt %d is %d tokens, more than "
+                        "rollout.max_environment_tokens=%d: not shown, the episode ends at the reply before it",
+                        self.prompts[tree].index, len(ids), self.play.max_answer_tokens)
+            return None
         calls = len(reply.get("tool_calls", []))
         self.waiting[tree][tuple(completion + ids)] = Episode(before + answers, episode.actions + [action],
                                                               episode.tool_calls + calls, episode.tool_errors + errors)
@@ -317,9 +363,9 @@ class Episodes:
         if self.play.factory is not None:
             instance = self._replayed(tree, episode)
             if self.play.answers and "tool_calls" not in reply:
-                _resolved(instance.respond(self.openings[tree] + ended.messages))
+                self._hook(tree, "respond", instance.respond, self.openings[tree] + ended.messages)
             if self.play.rewards:
-                ended.reward = self._reward(tree, _resolved(instance.get_reward()))
+                ended.reward = self._reward(tree, self._hook(tree, "get_reward", instance.get_reward))
         return ended
 
     def _reward(self, tree: int, value) -> float:
@@ -339,9 +385,21 @@ class Episodes:
         """A fresh environment instance for the tree's row, reset; and what reset returned."""
         if self.play.factory is None:
             return None, None
-        instance = instance_of(self.play.factory)
-        said = _resolved(instance.reset(**self.rows[tree])) if callable(getattr(instance, "reset", None)) else None
+        instance = self._hook(tree, "construction", instance_of, self.play.factory)
+        resets = callable(getattr(instance, "reset", None))
+        said = self._hook(tree, "reset", instance.reset, **self.rows[tree]) if resets else None
         return instance, None if said is None else str(said)
+
+    def _hook(self, tree: int, hook: str, function: Callable, *args, **kwargs):
+        """A call of the environment (`hook`: its construction, reset, respond, get_reward) for
+        an episode of the tree's prompt, given rollout.tool_timeout_seconds: EpisodeError past them."""
+        try:
+            return _run(self.play.timeout, function, *args, **kwargs)
+        except Overdue:
+            raise EpisodeError(f"environment {callable_name(self.play.factory)}: its {hook} did not return "
+                               f"within rollout.tool_timeout_seconds={self.play.timeout:g} s (an episode of "
+                               f"prompt {self.prompts[tree].index}); a call that hangs stops the rollouts here: fix "
+                               "it, or raise rollout.tool_timeout_seconds if it is only slow") from None
 
     def _replayed(self, tree: int, episode: Episode):
         """A fresh instance brought to the episode's state by replaying its actions."""
@@ -350,11 +408,13 @@ class Episodes:
             if kind == "tools":
                 self._tools(instance, detail)
             else:
-                _resolved(instance.respond(self.openings[tree] + episode.messages[:detail]))
+                self._hook(tree, "respond", instance.respond, self.openings[tree] + episode.messages[:detail])
         return instance
 
-    def _tools(self, instance, calls: list[dict]) -> tuple[list[dict], int]:
-        """The tool messages answering the calls, and how many of the calls failed."""
+    def _tools(self, instance, calls: list[dict]) -> tuple[list[dict], int, list[dict]]:
+        """The tool messages answering the calls, how many of the calls failed, and the calls
+        to replay into a later instance (those that answered in time)."""
         tools = self.play.tools(instance)
-        answers = [call_tool(tools, call) for call in calls]
-        return [message for message, _ in answers], sum(failed for _, failed in answers)
+        answers = [call_tool(tools, call, self.play.timeout) for call in calls]
+        return ([a.message for a in answers], sum(a.failed for a in answers),
+                [call for call, a in zip(calls, answers) if not a.timed_out])

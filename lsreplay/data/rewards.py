@@ -47,8 +47,8 @@ DEFAULT_NAME = "reasoning_gym"
 # The name an episode environment's get_reward() is logged under (rewards/environment/mean).
 ENVIRONMENT_NAME = "environment"
 
-__all__ = ["CORRECT", "ENVIRONMENT_NAME", "EXACT_ANSWER", "Reward", "RewardError", "Scores", "await_all",
-           "extract_answer", "score", "unscorable_tasks"]
+__all__ = ["CORRECT", "ENVIRONMENT_NAME", "EXACT_ANSWER", "Overdue", "Reward", "RewardError", "Scores", "await_all",
+           "extract_answer", "score", "unscorable_tasks", "within"]
 
 
 # ---------------------------------------------------------------- reasoning-gym
@@ -218,8 +218,8 @@ class Reward:
         if not self.timeout:
             return self._score(*args)
         try:
-            return _within(self.timeout, self._score, *args)
-        except TimeoutError:
+            return within(self.timeout, self._score, *args)
+        except Overdue:
             names = ", ".join(rf.spec for rf in self.functions) or "reasoning-gym's checkers"
             raise RewardError(f"the reward functions ({names}) did not score the completions of prompts "
                               f"{sorted({p.index for p in prompts})} within reward.timeout_seconds={self.timeout:g}; "
@@ -331,10 +331,14 @@ class Reward:
         return None
 
 
-def _within(seconds: float, fn: Callable, *args):
-    """fn(*args) on a thread of its own, given `seconds`: its result or error, or TimeoutError.
+class Overdue(TimeoutError):
+    """A call `within` gave a deadline did not return by then (not a TimeoutError of its own)."""
+
+
+def within(seconds: float, fn: Callable, *args):
+    """fn(*args) on a thread of its own, given `seconds`: its result or error, or Overdue.
     A thread cannot be stopped: one that hangs stays behind, a daemon (it does not keep the
-    process from exiting); the stage that waited for it goes on to fail."""
+    process from exiting), while the caller goes on (to fail, or to answer without it)."""
     out: dict = {}
 
     def target() -> None:
@@ -343,11 +347,12 @@ def _within(seconds: float, fn: Callable, *args):
         except BaseException as e:  # handed to the caller's thread
             out["error"] = e
 
-    worker = threading.Thread(target=contextvars.copy_context().run, args=(target,), daemon=True, name="reward")
+    worker = threading.Thread(target=contextvars.copy_context().run, args=(target,), daemon=True,
+                              name=getattr(fn, "__name__", "within"))
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
-        raise TimeoutError(f"not done within {seconds} s")
+        raise Overdue(f"not done within {seconds:g} s")
     if "error" in out:
         raise out["error"]
     return out["value"]
