@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from lsreplay.core.config import (ANSWER_INSTRUCTION, SYSTEM_PROMPT, ConfigError, from_dict, load_config, result_hash,
-                                  to_dict, to_yaml)
+from lsreplay.core.config import (ANSWER_INSTRUCTION, ENGINES, SYSTEM_PROMPT, ConfigError, completion_tokens,
+                                  from_dict, load_config, result_hash, to_dict, to_yaml)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -60,8 +60,8 @@ def test_bad_values_name_the_key(override, message):
     (["algo.kl_coef=0.1", "algo.kl_estimator=k1"], "is 0 in expectation on-policy, so as a loss term it regularizes"),
     (["algo.dynamic_sampling_metric=accuracy"], "reward or training_reward or rewards/NAME"),
     (["rollout.engine=vllm", "rollout.top_k=20"], "vLLM 0.32's CPU sampler fails on a top-k cut alone"),
-    (["rollout.engine=vllm", "rollout.max_turns=3"], "HF-engine only for now, as the vLLM engine's continuation"),
-    (["rollout.engine=vllm", "rollout.tools=[m.f]"], "'rollout.engine' = 'vllm' is not allowed: hf with multi-turn"),
+    (["rollout.max_environment_tokens=0"], "an integer >= 1 (the most tokens one answer of the environment"),
+    (["rollout.tool_timeout_seconds=-1"], ">= 0 (seconds a call of a tool or of the environment may take; 0 = no"),
     (["rollout.max_turns=3", "rollout.branch_at=turns"], "[] with rollout.branch_at=turns"),
     (["rollout.branch_at=turns", "rollout.segment_tokens=[]"], "at most rollout.max_turns = 1 fan-outs"),
     (["rollout.branch_at=turn"], "tokens or turns"),
@@ -76,10 +76,13 @@ def test_algorithm_settings_that_cannot_work_together(overrides, message):
     assert message in str(e.value)
 
 
-def test_episodes_branching_per_turn_load():
-    r = load_config(None, ["rollout.max_turns=3", "rollout.branch_at=turns", "rollout.segment_tokens=[]",
-                           "rollout.environment=m.Env", "rollout.tools=[m.f]"]).rollout
-    assert (r.max_turns, r.branch_at, r.branching, r.tools, r.environment) == (3, "turns", [4, 2], ["m.f"], "m.Env")
+def test_episodes_branching_per_turn_load_for_both_engines():
+    for engine in ENGINES:
+        r = load_config(None, ["rollout.max_turns=3", "rollout.branch_at=turns", "rollout.segment_tokens=[]",
+                               "rollout.environment=m.Env", "rollout.tools=[m.f]", f"rollout.engine={engine}"]).rollout
+        assert (r.max_turns, r.branch_at, r.branching, r.tools, r.environment) == (3, "turns", [4, 2], ["m.f"], "m.Env")
+        # An episode at its longest: 3 replies of 48 tokens, 2 of the environment's answers of 256.
+        assert completion_tokens(r) == 3 * 48 + 2 * 256
 
 
 def test_a_decaying_schedule_makes_steps_part_of_the_result():

@@ -8,7 +8,7 @@ from conftest import tiny_model
 
 from lsreplay.algos.model_tokens import sampled_masks
 from lsreplay.models.distribution import SamplingParams
-from lsreplay.rollout.episodes import sample_episodes
+from lsreplay.rollout.episodes import HFTurns, sample_episodes
 from lsreplay.tree import RolloutTree
 
 EOS, ANSWER = [0, 1], [6, 7]  # two end-of-turn tokens: 1 is "the right answer", 0 another
@@ -21,14 +21,18 @@ def respond(tree: int, completion: list[int]) -> list[int] | None:
     return None if completion[-1] == 1 else ANSWER
 
 
+def hf_turns(model, generator_for) -> HFTurns:
+    """Replies of up to 6 tokens at temperature 1, each episode's from generator_for(tree, path, turn)."""
+    return HFTurns(model, 6, SamplingParams(temperature=1.0), EOS, generator_for)
+
+
 def sample(seed: int = 0):
     model = tiny_model("llama", vocab=8, dtype=torch.float64, initializer_range=0.3)
 
     def generator_for(tree: int, path: tuple, turn: int) -> torch.Generator:
         return torch.Generator().manual_seed(hash((seed, tree, path, turn)) % 2**62)
 
-    return sample_episodes(model, [[2, 3], [4, 5, 3]], BRANCHING, MAX_TURNS, 6, SamplingParams(temperature=1.0),
-                           EOS, generator_for, respond)
+    return sample_episodes(hf_turns(model, generator_for), [[2, 3], [4, 5, 3]], BRANCHING, MAX_TURNS, respond)
 
 
 def test_episodes_branch_at_turns_and_flag_the_environment_tokens():
@@ -60,9 +64,8 @@ def reward(completion: list[int], turns: int) -> float:
 def per_prompt_estimates(branching: list[int], prompts: int) -> torch.Tensor:
     """Each tree's count-weighted mean reward (the tree estimator of the expected reward)."""
     model = tiny_model("llama", vocab=8, dtype=torch.float64, initializer_range=0.3)
-    rollouts = sample_episodes(model, [[2, 3]] * prompts, branching, MAX_TURNS, 6, SamplingParams(temperature=1.0),
-                               EOS, lambda tree, path, turn: torch.Generator().manual_seed(
-                                   hash((len(branching), tree, path, turn)) % 2**62), respond)
+    rollouts = sample_episodes(hf_turns(model, lambda tree, path, turn: torch.Generator().manual_seed(
+        hash((len(branching), tree, path, turn)) % 2**62)), [[2, 3]] * prompts, branching, MAX_TURNS, respond)
     return torch.tensor([sum(n * reward(c, t) for c, t, n in zip(r.completions, r.turns, r.counts)) / sum(r.counts)
                          for r in rollouts], dtype=torch.float64)
 
@@ -80,9 +83,8 @@ def test_episodes_fork_at_token_offsets_of_the_first_reply():
     """branch_at=tokens: [2, 2] forks the first reply after 2 tokens; later turns continue
     each episode once, so the paths have the first reply's branch points only."""
     model = tiny_model("llama", vocab=8, dtype=torch.float64, initializer_range=0.3)
-    rollouts = sample_episodes(model, [[2, 3], [4, 5, 3]] * 4, [2, 2], MAX_TURNS, 6, SamplingParams(temperature=1.0),
-                               EOS, lambda tree, path, turn: torch.Generator().manual_seed(
-                                   hash((tree, path, turn)) % 2**62), respond, segment_tokens=[2])
+    rollouts = sample_episodes(hf_turns(model, lambda tree, path, turn: torch.Generator().manual_seed(
+        hash((tree, path, turn)) % 2**62)), [[2, 3], [4, 5, 3]] * 4, [2, 2], MAX_TURNS, respond, segment_tokens=[2])
     for r in rollouts:
         assert sum(r.counts) == 4 and all(len(p) <= 2 for p in r.paths)
         for tokens, flags, turns in zip(r.completions, r.sampled, r.turns):

@@ -6,6 +6,7 @@ engine; a fresh one gives correct trees."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lsreplay.models.distribution import SamplingParams, token_logprobs
+from lsreplay.rollout.episodes import VLLMTurns, sample_episodes
 from lsreplay.rollout.vllm_engine import EngineError, EngineSpec, VLLMEngine
 from vllm_models import STOP, VLLM_PYTHON, needs_vllm, short_prompts, vllm_installed  # noqa: F401
 from vllm_models import vllm_tied_model_dir  # noqa: F401
@@ -114,6 +116,66 @@ def test_a_sequence_that_reaches_the_context_end_before_its_branch_point_is_a_le
     assert tree.paths == [[0], [1]] and tree.counts == [2, 2]
     for completion, finished in zip(tree.completions, tree.finished):
         assert finished == (completion[-1] in stops) and (finished or len(completion) == 3)
+
+
+# What the environment says after every reply: 28 tokens of a question (after which the tied
+# model often stops at once, so that episodes reach their third turn).
+ANSWER_TEXT = "Wrong, try again. Question 9: what is 9 times 21? And what is 4 times 2?"
+
+
+def reply_starts(flags: list[bool]) -> list[int]:
+    """Where an episode's replies after its first start: after each run of the environment's tokens."""
+    return [i for i in range(1, len(flags)) if flags[i] and not flags[i - 1]]
+
+
+def cache_floor(prompts, trees, branching: list[int], answer: int, turn: int) -> tuple[int, int]:
+    """The positions vLLM's prefix cache serves the requests of `turn` (from 1) at least, and
+    how many requests there were: per request, the full cache blocks of its history less the
+    environment's last answer (`answer` tokens), all of which the turn before computed (all
+    but its reply's last token)."""
+    floor, count = 0, 0
+    for prompt, tree in zip(prompts, trees):
+        requests = {tuple(c[:reply_starts(f)[turn - 1]]) for c, f, t in zip(tree.completions, tree.sampled, tree.turns)
+                    if t > turn}
+        fan_out = branching[turn] if turn < len(branching) else 1
+        floor += fan_out * sum(BLOCK * ((len(prompt) + len(r) - answer - 1) // BLOCK) for r in requests)
+        count += fan_out * len(requests)
+    return floor, count
+
+
+def test_episodes_branch_at_turns_sample_the_tempered_policy_and_reread_their_history_from_the_prefix_cache(
+        engine, model, vllm_tied_model_dir):
+    """Episodes on the engine (VLLMTurns), 3 turns branching [2, 2] at turns, the environment
+    answering every reply: the HF sampler's structure (counts, paths, the environment's tokens
+    flagged with logprob 0, turns); each sampled token's logprob is the tempered policy's,
+    teacher-forced through the whole episode; and each later turn's requests are served from
+    the prefix cache at least the full blocks of their history the turn before computed.
+    Prompts of 38-40 tokens: every second-turn request gets at least the prompt's block, and
+    every third-turn request (no siblings at that turn to share with) at least two, the second
+    holding the first reply and the environment's answer."""
+    short, eos = short_prompts(vllm_tied_model_dir, 18), model.generation_config.eos_token_id
+    prompts, branching = [a + b + c for a, b, c in zip(short[:6], short[6:12], short[12:])], [2, 2]
+    answer = AutoTokenizer.from_pretrained(vllm_tied_model_dir, local_files_only=True)(ANSWER_TEXT)["input_ids"]
+    turns = VLLMTurns(engine, 16, 0.8, 1.0, 0, eos)
+    trees = sample_episodes(turns, prompts, branching, 3, lambda tree, completion: answer)
+    sampling = SamplingParams(temperature=0.8)
+    for prompt, tree in zip(prompts, trees):
+        assert sum(tree.counts) == 4 and tree.paths == sorted(tree.paths)
+        for tokens, logprobs, flags, turn, path, count in zip(tree.completions, tree.logprobs, tree.sampled, tree.turns,
+                                                               tree.paths, tree.counts):
+            assert 1 <= turn <= 3 and len(path) == min(turn, 2) and count == math.prod(branching[len(path):])
+            starts = reply_starts(flags)
+            assert len(starts) == turn - 1 and all(tokens[s - len(answer):s] == answer for s in starts)
+            assert sum(not f for f in flags) == len(answer) * (turn - 1)
+            mask = torch.tensor(flags)
+            assert (torch.tensor(logprobs)[~mask] == 0).all()
+            assert torch.allclose(torch.tensor(logprobs)[mask], teacher_forced(model, prompt, tokens, sampling)[mask],
+                                  atol=1e-4)
+    assert max(t for tree in trees for t in tree.turns) == 3 and len(turns.figures) == 3
+    second, requests = cache_floor(prompts, trees, branching, len(answer), 1)
+    assert turns.figures[1]["cached_positions"] >= second >= requests * BLOCK > 0
+    third, requests = cache_floor(prompts, trees, branching, len(answer), 2)
+    assert turns.figures[2]["cached_positions"] >= third >= requests * 2 * BLOCK > 0
 
 
 def start_stalled_call(engine: VLLMEngine, prompts: list[list[int]]) -> tuple[threading.Thread, list]:

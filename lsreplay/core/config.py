@@ -218,6 +218,14 @@ def multi_turn(r: RolloutConfig) -> bool:
     return bool(r.tools or r.environment or r.max_turns > 1)
 
 
+def completion_tokens(r: RolloutConfig) -> int:
+    """The most tokens a rollout's completion holds: max_new_tokens; an episode's max_turns
+    replies and the environment's answers between them, max_environment_tokens each."""
+    if not multi_turn(r):
+        return r.max_new_tokens
+    return r.max_turns * r.max_new_tokens + (r.max_turns - 1) * r.max_environment_tokens
+
+
 ALGOS = ("grpo", "ppo", "dpo")
 ADVANTAGES = ("group", "gae")
 DPO_SOURCES = ("rollouts", "dataset")
@@ -934,10 +942,6 @@ def _validate_episodes(cfg: Config) -> None:
         # environment's tokens and every turn's reply.
         _check(cfg.algo.overlong != "penalty", "algo.overlong", "none or mask with multi-turn episodes: the soft "
                "overlong penalty measures a single answer's length against rollout.max_new_tokens", cfg.algo.overlong)
-        _check(r.engine == "hf", "rollout.engine", "hf with multi-turn episodes (rollout.tools, rollout.environment "
-               "or rollout.max_turns > 1): they are HF-engine only for now, as the vLLM engine's continuation "
-               "requests (the next turn served from its prefix cache) are not wired; set rollout.engine=hf",
-               r.engine)
 
 
 def _validate_learning(cfg: Config) -> None:

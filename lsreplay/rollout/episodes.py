@@ -1,25 +1,32 @@
 """Sample multi-turn episodes as trees: the model replies, the environment answers, again.
 
-An episode alternates the model's replies (sampled by the tree sampler, each up to
-`max_new_tokens`, ending at EOS) with the environment's answers (token ids `respond`
-returns, or None: the episode ends). The episodes of a prompt form one trie: at turn k every
-live episode is forked into `branching[k]` replies (1 past the last level), which share its
-whole history, the environment's answers included. Given `segment_tokens`, the episodes
-fork at token offsets instead, within the first reply, as single-turn trees do
-(tree_sampler.sample_trees' `branching` and `segment_tokens`), and every later turn
-continues each episode once. A reply cut at `max_new_tokens` ends its episode, as does the
-last turn.
+An episode alternates the model's replies (each up to `max_new_tokens`, ending at EOS) with
+the environment's answers (token ids `respond` returns, or None: the episode ends). The
+episodes of a prompt form one trie: at turn k every live episode is forked into
+`branching[k]` replies (1 past the last level), which share its whole history, the
+environment's answers included. Given `segment_tokens`, the episodes fork at token offsets
+instead, within the first reply, as single-turn trees do (tree_sampler.sample_trees'
+`branching` and `segment_tokens`), and every later turn continues each episode once. A reply
+cut at `max_new_tokens` ends its episode, as does the last turn.
 
 An episode that ended before a branch point stands for every continuation it would have
 been forked into (its `count`, as in the single-turn sampler), so the counts of a tree sum
 to prod(branching) and the tree estimator stays unbiased when episodes end at different
 turns.
 
-Bit-reproducible: each episode's reply draws from its own generator, `generator_for(tree,
-path, turn)`, whatever else shares the batch; `respond` must then be deterministic (a
-function of the prompt and the episode so far). `respond` gets the tree's index and the
-episode's completion so far (ending with the model's reply), so the environment needs no
-state of its own to fork.
+Each turn's replies come from a turn sampler (`SampleTurn`), one per engine:
+
+- `HFTurns` (rollout.engine=hf), lsreplay's tree sampler: bit-reproducible. Each episode's
+  reply draws from its own generator, `generator_for(tree, path, turn)`, whatever else shares
+  the batch; `respond` must then be deterministic (a function of the prompt and the episode
+  so far).
+- `VLLMTurns` (rollout.engine=vllm), the device's vLLM engine: a turn's requests are each
+  episode's prompt and history, whose K/V its prefix cache holds from the turn before (up to
+  the last full cache block of what it computed: the environment's tokens are new). Exact in
+  distribution, not reproducible: an interrupted stage samples its episodes again.
+
+`respond` gets the tree's index and the episode's completion so far (ending with the model's
+reply), so the environment needs no state of its own to fork.
 """
 
 from __future__ import annotations
@@ -35,6 +42,48 @@ from lsreplay.rollout.tree_sampler import TreeRollout, sample_trees
 
 # respond(tree index, completion so far) -> the environment's token ids, or None: the episode ends.
 Respond = Callable[[int, list[int]], list[int] | None]
+# An episode's place: (its tree, its path through the branch points so far, the turn).
+EpisodeKey = tuple[int, tuple[int, ...], int]
+# sample_turn(requests, fan_outs, segment_tokens, keys): one turn's replies, a TreeRollout per
+# request (an episode's prompt and history, its place keys[i]), forked as sample_trees forks.
+SampleTurn = Callable[[list[list[int]], list[int], list[int], list[EpisodeKey]], list[TreeRollout]]
+
+
+class HFTurns:
+    """Replies sampled by lsreplay's tree sampler (rollout.engine=hf), each episode's from its
+    own generator, generator_for(tree, path, turn): bit-reproducible."""
+
+    def __init__(self, model, max_new_tokens: int, params: SamplingParams, eos_token_id: int | list[int],
+                 generator_for: Callable[[int, tuple[int, ...], int], torch.Generator],
+                 progress: Callable[[int], None] | None = None):
+        self.model, self.max_new_tokens, self.params, self.eos = model, max_new_tokens, params, eos_token_id
+        self.generator_for, self.progress = generator_for, progress
+
+    @torch.inference_mode()
+    def __call__(self, requests: list[list[int]], fan_outs: list[int], segments: list[int],
+                 keys: list[EpisodeKey]) -> list[TreeRollout]:
+        trees, _ = sample_trees(self.model, requests, fan_outs, segments, self.max_new_tokens, self.params, self.eos,
+                                [self.generator_for(*key) for key in keys], self.progress)
+        return trees
+
+
+class VLLMTurns:
+    """Replies sampled by a vLLM engine (rollout.engine=vllm; VLLMEngine.sample_trees), served
+    from its prefix cache up to where the history is new. `figures`: the engine's of each turn
+    (positions it computed and was sent, cached positions, seconds, steps)."""
+
+    def __init__(self, engine, max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos: list[int],
+                 progress: Callable[[int], None] | None = None):
+        self.engine, self.max_new_tokens, self.eos, self.progress = engine, max_new_tokens, eos, progress
+        self.sampling = (temperature, top_p, top_k)
+        self.figures: list[dict] = []
+
+    def __call__(self, requests: list[list[int]], fan_outs: list[int], segments: list[int],
+                 keys: list[EpisodeKey]) -> list[TreeRollout]:
+        trees, figures = self.engine.sample_trees(requests, fan_outs, segments, self.max_new_tokens, *self.sampling,
+                                                  self.eos, self.progress)
+        self.figures.append(figures)
+        return trees
 
 
 @dataclass
@@ -67,13 +116,11 @@ class _Episode:
         self.sampled += [False] * len(tokens)
 
 
-@torch.inference_mode()
-def sample_episodes(model, prompts: list[list[int]], branching: list[int], max_turns: int, max_new_tokens: int,
-                    params: SamplingParams, eos_token_id: int | list[int],
-                    generator_for: Callable[[int, tuple[int, ...], int], torch.Generator],
+def sample_episodes(sample_turn: SampleTurn, prompts: list[list[int]], branching: list[int], max_turns: int,
                     respond: Respond, segment_tokens: list[int] | None = None) -> list[EpisodeRollout]:
-    """The episode trees of `prompts`, branching `branching[k]` ways at turn k, or at the
-    token offsets `segment_tokens` of the first reply (see the module)."""
+    """The episode trees of `prompts`, each turn's replies from `sample_turn`, branching
+    `branching[k]` ways at turn k, or at the token offsets `segment_tokens` of the first reply
+    (see the module)."""
     if segment_tokens is None and not 1 <= len(branching) <= max_turns:
         raise ValueError(f"need 1 to max_turns={max_turns} fan-outs (one per turn), got {branching}")
     live, ended, positions = [_Episode(i) for i in range(len(prompts))], [], [0] * len(prompts)
@@ -81,9 +128,8 @@ def sample_episodes(model, prompts: list[list[int]], branching: list[int], max_t
         if not live:
             break
         fan_outs, segments, forks = _turn_levels(branching, segment_tokens, turn)
-        generators = [generator_for(e.tree, e.path, turn) for e in live]
-        trees, _ = sample_trees(model, [prompts[e.tree] + e.tokens for e in live], fan_outs, segments, max_new_tokens,
-                                params, eos_token_id, generators)
+        trees = sample_turn([prompts[e.tree] + e.tokens for e in live], fan_outs, segments,
+                            [(e.tree, e.path, turn) for e in live])
         going = []
         for episode, tree in zip(live, trees):
             positions[episode.tree] += tree.forward_positions

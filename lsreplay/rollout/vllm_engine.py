@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from lsreplay.algos.critic import is_critic
-from lsreplay.core.config import ModelConfig
+from lsreplay.core.config import ModelConfig, completion_tokens
 from lsreplay.core.storage import Store
 from lsreplay.models.lora import checkpointed_state, write_adapter_folder
 from lsreplay.rollout.tree_sampler import TreeRollout
@@ -391,7 +391,7 @@ def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: s
     on_cuda = device.type == "cuda"
     return EngineSpec(
         python=r.vllm.python, model=model_dir, dtype=cfg.model.dtype, seed=seed,
-        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
+        max_model_len=cfg.data.max_prompt_tokens + completion_tokens(r),  # an episode's last turn's request too
         kv_cache_gb=r.vllm.kv_cache_gb if not on_cuda or r.vllm.kv_cache_gb else 0.0,
         gpu_memory_utilization=r.vllm.gpu_memory_utilization,
         enforce_eager=not on_cuda if r.vllm.enforce_eager is None else r.vllm.enforce_eager,

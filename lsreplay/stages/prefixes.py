@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lsreplay.algos.backward import activations_kv, scores_of
+from lsreplay.algos.model_tokens import sampled_flags
 from lsreplay.core import faults
 from lsreplay.core.run import Run
 from lsreplay.core.storage import StorageError
@@ -177,7 +178,7 @@ def cache_prefixes(run: Run, step: int, devices: list[int] | None = None) -> dic
         files += [*nodes.values(), *([entry] if entry else [])]
         cached += need.anything
         if need.gap:
-            gaps += logprob_gaps(tree, acts.entry_logprobs, record["logprobs"])
+            gaps += logprob_gaps(tree, acts.entry_logprobs, record["logprobs"], sampled_flags(record))
         if i == 0:
             faults.hook("prefixes", step, "mid")  # some of the step's K/V written, no done marker
     return run.finish(step, "prefixes", {
@@ -260,10 +261,13 @@ def scores_reference(cfg) -> bool:
     return cfg.algo.kl_coef > 0 or cfg.algo.name == "dpo"
 
 
-def logprob_gaps(tree, entry_logprobs: torch.Tensor, behaviour: list[list[float]]) -> list[torch.Tensor]:
-    """Per completion, |the rollout engine's logprob - the trainer's| of each token."""
-    return [(trainer - torch.tensor(engine, dtype=torch.float64)).abs()
-            for trainer, engine in zip(tree.completion_values(entry_logprobs), behaviour)]
+def logprob_gaps(tree, entry_logprobs: torch.Tensor, behaviour: list[list[float]],
+                 sampled: list[list[bool]]) -> list[torch.Tensor]:
+    """Per completion, |the rollout engine's logprob - the trainer's| of each token the model
+    sampled (`sampled`: the record's flags; an episode's environment tokens have no behaviour
+    logprob, stored as 0, and are left out)."""
+    return [(trainer - torch.tensor(engine, dtype=torch.float64)).abs()[torch.tensor(flags, dtype=torch.bool)]
+            for trainer, engine, flags in zip(tree.completion_values(entry_logprobs), behaviour, sampled)]
 
 
 def gap_stats(gaps: list[torch.Tensor]) -> dict:

@@ -22,7 +22,7 @@ from lsreplay.drafter.model import Drafter
 from lsreplay.metrics.records import episode_metrics, rollout_metrics
 from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.rollout.bandit import DraftLengthBandit
-from lsreplay.rollout.episodes import sample_episodes
+from lsreplay.rollout.episodes import HFTurns, VLLMTurns, sample_episodes
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, policy_before,
                                     records_in_prompt_order, sampled_as,
@@ -73,8 +73,9 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     # Episodes decode turn by turn, without the speculative tail (rollout.episodes).
     speculates = r.engine == "hf" and not multi_turn(r)
     speculation, drafter_step = adaptive_engine(run, step, shard, model) if speculates else (None, None)
-    with tqdm(total=len(indices) * math.prod(r.branching) * r.max_new_tokens, desc=f"step {step} rollouts",
-              unit="tok", leave=False) as bar:
+    # The token budget: every rollout's replies at their longest (the environment's tokens are not sampled).
+    budget = len(indices) * math.prod(r.branching) * r.max_turns * r.max_new_tokens
+    with tqdm(total=budget, desc=f"step {step} rollouts", unit="tok", leave=False) as bar:
 
         def advance(tokens: int) -> None:
             bar.update(tokens)
@@ -132,7 +133,7 @@ def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt]
     engine), the drafter's step, and for episodes each one's outcome (else None)."""
     cfg, r = run.cfg, run.cfg.rollout
     if multi_turn(r):
-        return _episode_round(run, step, device, model, tokenizer, prompts, slots, draw, advance)
+        return _episode_round(run, step, device, model, tokenizer, prompts, slots, draw, advance, clock)
     prompt_ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     if r.engine == "vllm":
         trees, figures, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
@@ -146,10 +147,11 @@ def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt]
 
 
 def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
-                   advance):
+                   advance, clock: StateClock):
     """One round of episodes (rollout.max_turns, tools, an environment: lsreplay.data.environments),
-    as _sample returns a round: the decode figures are the round's wall time (no decode trace,
-    no speculation), and each episode's outcome comes with its tree."""
+    as _sample returns a round: the decode figures are the round's wall time (the tools' and
+    the environment's included; no decode trace), plus on vLLM the engine's figures summed over
+    the turns and its speculation; each episode's outcome comes with its tree."""
     cfg, r = run.cfg, run.cfg.rollout
     eos = eos_ids(tokenizer, model)
     play = load_play(r)
@@ -159,18 +161,26 @@ def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[
     def generator_for(tree: int, path: tuple[int, ...], turn: int):
         # Turn 0 draws as a single-turn tree would; later turns per episode ("turn" keeps the keys apart).
         return run.generator(step, "trees", slots[tree], *draws, *(["turn", turn, *path] if turn else []),
-                             device=device)
+                            device=device)
 
+    drafter_step, engine = None, None
+    if r.engine == "vllm":
+        engine, drafter_step = device_engine(run, step, device, clock)
+        before = engine.spec_counters()
+        turns = VLLMTurns(engine, r.max_new_tokens, r.temperature, r.top_p, r.top_k, eos,
+                          engine_progress(step, engine, advance))
+    else:
+        turns = HFTurns(model, r.max_new_tokens, sampled_as(cfg), eos, generator_for, advance)
     start = time.perf_counter()
-    trees = sample_episodes(model, episodes.prompt_ids(), list(r.branching), r.max_turns, r.max_new_tokens,
-                            sampled_as(cfg), eos, generator_for, episodes.respond,
+    trees = sample_episodes(turns, episodes.prompt_ids(), list(r.branching), r.max_turns, episodes.respond,
                             list(r.segment_tokens) if r.branch_at == "tokens" else None)
-    advance(sum(sum(flags) for t in trees for flags in t.sampled))
     outcomes = [[episodes.outcome(i, c) for c in t.completions] for i, t in enumerate(trees)]
     figures = {**length_summary([len(c) for t in trees for c in t.completions]),
                "decode_seconds": time.perf_counter() - start, "decode_steps": 0, "tail_time_share": 0.0,
                "spec_rounds": 0, "spec_tokens": 0, "accept_len": 0.0, "spec_time_share": 0.0}
-    return trees, figures, [], None, outcomes
+    if engine is not None:  # the prefix cache's figures and the speculation, over every turn's requests
+        figures.update({k: sum(f[k] for f in turns.figures) for k in ENGINE_COUNTS}, **speculated(engine, before))
+    return trees, figures, [], drafter_step, outcomes
 
 
 def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices) -> dict:
@@ -207,13 +217,14 @@ def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation
     return Speculation(drafter, r.spec_threshold, bandit), source
 
 
-def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eos: list[int], advance,
-                    clock: StateClock) -> tuple[list, dict, int | None]:
-    """The shard's trees sampled by this device's vLLM engine (rollout.engine=vllm), which
-    holds the policy acting in `step` and speculates in the tail with the same drafter the
-    HF engine would use (`newest_drafter` up to step - 2). Returns the trees, the decode
-    summary (the HF engine's keys: the speculative figures from vLLM's counters, accept_len
-    tokens per sequence per verify) and the drafter's step."""
+# The vLLM engine's figures of a call that add up over calls (VLLMEngine.sample_trees).
+ENGINE_COUNTS = ("decode_steps", "prompt_positions", "cached_positions", "generated_positions")
+
+
+def device_engine(run: Run, step: int, device, clock: StateClock):
+    """This device's vLLM engine (rollout.engine=vllm), holding the policy acting in `step` and
+    speculating in the tail with the drafter the HF engine would use (`newest_drafter` up to
+    step - 2), and that drafter's step (None: none)."""
     r = run.cfg.rollout
     source = None
     if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled and step >= 2:
@@ -221,19 +232,38 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
     with contextlib.ExitStack() as copies:  # the engine has read the drafter's files when it returns
         drafter = None if source is None else \
             (source, copies.enter_context(run.store.local_folder(f"{run.checkpoint('drafter', source)}/hf")))
-        engine = clock(RESIDENT.engine, run, step, device, drafter)
+        return clock(RESIDENT.engine, run, step, device, drafter), source
+
+
+def engine_progress(step: int, engine, advance) -> Callable[[int], None]:
+    """The engine's progress messages: the bar advanced, and the injected engine faults' hook."""
     def progress(tokens: int) -> None:
         faults.engine_call("trees", step, engine.pid)
         advance(tokens)
 
-    before = engine.spec_counters()
-    trees, figures = engine.sample_trees(prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
-                                         r.temperature, r.top_p, r.top_k, eos, progress)
+    return progress
+
+
+def speculated(engine, before: dict) -> dict:
+    """The engine's speculative figures since its counters read `before` (the HF engine's keys;
+    accept_len: tokens per sequence per verify)."""
     after = engine.spec_counters()
     drafts, accepted = (after.get(k, 0) - before.get(k, 0) for k in ("drafts", "accepted_tokens"))
-    spec = {"spec_rounds": drafts, "spec_tokens": drafts + accepted,
+    return {"spec_rounds": drafts, "spec_tokens": drafts + accepted,
             "accept_len": (drafts + accepted) / drafts if drafts else 0.0, "spec_time_share": 0.0}
-    return trees, {**figures, **spec}, source
+
+
+def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eos: list[int], advance,
+                    clock: StateClock) -> tuple[list, dict, int | None]:
+    """The shard's trees sampled by this device's vLLM engine (device_engine). Returns the
+    trees, the decode summary (the HF engine's keys, the speculative figures from vLLM's
+    counters) and the drafter's step."""
+    r = run.cfg.rollout
+    engine, source = device_engine(run, step, device, clock)
+    before = engine.spec_counters()
+    trees, figures = engine.sample_trees(prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
+                                         r.temperature, r.top_p, r.top_k, eos, engine_progress(step, engine, advance))
+    return trees, {**figures, **speculated(engine, before)}, source
 
 
 def collect_trees(run: Run, step: int) -> dict:
