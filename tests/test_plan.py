@@ -72,6 +72,21 @@ def test_tree_shape_counts():
     assert TreeShape(10, ((1, 5), (3, 4))).radix() == (15, ((3, 4),))
 
 
+def test_episodes_are_sized_at_max_turns_replies_and_the_environments_answers_between(capsys):
+    """3 turns of up to 24 tokens and 2 answers of up to 256: 584 tokens; branching [4, 2] at
+    turns forks the second replies after the first reply and its answer (280 tokens)."""
+    episodes = ["rollout.max_turns=3", "rollout.environment=lsreplay.data.agentic.ArithmeticFeedback",
+                "rollout.max_new_tokens=24", "rollout.branching=[4,2]"]
+    turns = load_plan_config(None, [*episodes, "rollout.branch_at=turns", "rollout.segment_tokens=[]"])[0]
+    assert TreeShape.of_rollouts(100, turns.rollout) == TreeShape(100, ((4, 280), (2, 304)))
+    tokens = load_plan_config(None, [*episodes, "rollout.segment_tokens=[8]"])[0]
+    assert TreeShape.of_rollouts(100, tokens.rollout) == TreeShape(100, ((4, 8), (2, 576)))
+    single = load_plan_config(None, ["rollout.max_new_tokens=24"])[0]
+    assert TreeShape.of_rollouts(100, single.rollout) == TreeShape(100, ((4, 16), (2, 8)))
+    assert main([str(Path(PROD).with_name("agentic.yaml"))]) == 0  # the same episodes
+    assert "branching 4 (+280) x 2 (+304) -> G=8 rollouts of 584 tokens" in capsys.readouterr().out
+
+
 def _last_kv(out: str) -> dict:
     return dict(item.split("=", 1) for item in out.strip().splitlines()[-1].split())
 

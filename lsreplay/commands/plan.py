@@ -34,8 +34,11 @@ the reference, the drafter).
 
 Token positions per step are counted two ways: per-rollout (what a pipeline without
 replay computes and what replay stands in for: prompts x G x (P + completion)) and
-unique (what replay computes). Completions are taken at rollout.max_new_tokens and
-prompts at data.max_prompt_tokens: the worst case for memory.
+unique (what replay computes). Prompts are taken at data.max_prompt_tokens and completions
+at their longest: rollout.max_new_tokens, or for multi-turn episodes rollout.max_turns replies
+of max_new_tokens with rollout.max_environment_tokens of the environment's answer between
+every two (lsreplay.core.config.completion_tokens, the bound the episodes keep): the worst
+case for memory.
 
 The last printed line is key=value (positions_per_step=..., fits=...: the update and the
 rollouts both). A plan that does not fit exits non-zero with a message saying what to change.
@@ -52,6 +55,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lsreplay.core.config import RolloutConfig, completion_tokens, multi_turn
 from lsreplay.models.train_state import master_dtype
 from lsreplay.replay.attention_kernels import kernel_for
 from lsreplay.replay.memory import (
@@ -89,6 +93,17 @@ class TreeShape:
     def from_rollout(cls, prompt: int, branching, segment_tokens, max_new_tokens: int) -> TreeShape:
         segs = list(segment_tokens) + [max_new_tokens - sum(segment_tokens)]
         return cls(prompt, tuple(zip(branching, segs)))
+
+    @classmethod
+    def of_rollouts(cls, prompt: int, r: RolloutConfig) -> TreeShape:
+        """The trees rollout config `r` samples for prompts of `prompt` tokens, at their longest
+        (completion_tokens). Episodes branching at turns fork turn k's replies after the turns
+        before, each a reply and the environment's answer to it; at tokens, within the first reply."""
+        if multi_turn(r) and r.branch_at == "turns":
+            segments = [r.max_new_tokens + r.max_environment_tokens] * (len(r.branching) - 1)
+        else:
+            segments = list(r.segment_tokens)
+        return cls.from_rollout(prompt, r.branching, segments, completion_tokens(r))
 
     def radix(self) -> tuple[int, tuple[tuple[int, int], ...]]:
         """As the trie stores it: a level of fan-out 1 does not branch, so its tokens join
@@ -617,7 +632,7 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     dtype = getattr(torch, dtype_name)
     elt = ELT[dtype_name]
     r = cfg.rollout
-    shape = TreeShape.from_rollout(cfg.data.max_prompt_tokens, r.branching, r.segment_tokens, r.max_new_tokens)
+    shape = TreeShape.of_rollouts(cfg.data.max_prompt_tokens, r)
     ranks, fsdp = values["pool.devices_per_step"], values["replay.fsdp"]
     budget = cfg.replay.budget_mb * 2**20 or None
     # Leaves attend to their prefix in place where the pool's device kind has a kernel.
