@@ -1,6 +1,7 @@
 """Config loading: defaults, overrides, and errors that name the key and what is allowed."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,9 @@ def test_bad_values_name_the_key(override, message):
     (["rollout.engine=vllm", "rollout.top_k=20"], "vLLM 0.32's CPU sampler fails on a top-k cut alone"),
     (["rollout.max_environment_tokens=0"], "an integer >= 1 (the most tokens one answer of the environment"),
     (["rollout.tool_timeout_seconds=-1"], ">= 0 (seconds a call of a tool or of the environment may take; 0 = no"),
+    (["data.example_messages=[{role: system, content: Be terse.}]"],
+     "'data.example_messages[0]' = {'role': 'system', 'content': 'Be terse.'} is not allowed: a chat message {role: "
+     "user, assistant, tool, content: its text}"),
     (["rollout.max_turns=3", "rollout.branch_at=turns"], "[] with rollout.branch_at=turns"),
     (["rollout.branch_at=turns", "rollout.segment_tokens=[]"], "at most rollout.max_turns = 1 fan-outs"),
     (["rollout.branch_at=turn"], "tokens or turns"),
@@ -89,6 +93,11 @@ def test_a_decaying_schedule_makes_steps_part_of_the_result():
     assert result_hash(load_config(None, ["steps=2"])) == result_hash(load_config(None, ["steps=5"]))
     decaying = ["optim.schedule=cosine"]
     assert result_hash(load_config(None, [*decaying, "steps=2"])) != result_hash(load_config(None, [*decaying, "steps=5"]))
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")), ids=lambda p: p.name)
+def test_every_config_file_loads(path):
+    load_config(path)
 
 
 def test_defaults_file_and_overrides_merge():

@@ -92,6 +92,17 @@ def test_only_what_the_config_asks_is_added(tokenizer):
                                                                           "data.system_prompt=Be terse."]).data)
 
 
+def test_example_messages_come_between_the_system_message_and_the_prompts_own(tokenizer):
+    examples = ["data.example_messages=[{role: user, content: 'What is 1 + 1?'}, {role: assistant, content: '2'}]"]
+    data = load_config(None, [*examples, "data.system_prompt=Be terse.", "data.answer_instruction=' Be brief.'"]).data
+    text = tokenizer.decode(render_prompt(tokenizer, prompt("What is 2 + 3?"), data))
+    assert text == ("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n"
+                    "<|im_start|>assistant\n2<|im_end|>\n<|im_start|>user\nWhat is 2 + 3? Be brief.<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    with pytest.raises(DatasetError, match="data.example_messages is set, but string prompts go to the model as"):
+        render_prompt(tokenizer, prompt("The sky is"), load_config(None, ["data.path=t.jsonl", *examples]).data)
+
+
 def verl_rows(n: int = 6) -> list[dict]:
     """Rows as verl's data preparation writes them (docs: Prepare Data for Post-Training)."""
     return [{"data_source": "openai/gsm8k",

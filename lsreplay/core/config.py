@@ -121,6 +121,10 @@ class DataConfig:
     chat_template: bool | None = None
     system_prompt: str | None = None
     answer_instruction: str | None = None
+    # Chat messages ({role, content}) put before every prompt's own, after the system message:
+    # worked examples as earlier turns of the conversation (few-shot), e.g. a tool call, the
+    # tool's answer and the reply that reads it (configs/agentic-tool.yaml). In a template only.
+    example_messages: list[dict] = field(default_factory=list)
     # Keywords for the chat template (TRL's chat_template_kwargs, verl's
     # apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -801,6 +805,10 @@ def _validate_lora(cfg: Config) -> None:
            "to replicate on every rank (plain data parallel)", cfg.replay.fsdp)
 
 
+# The roles of data.example_messages: earlier turns of the conversation (the system message comes first).
+EXAMPLE_ROLES = ("user", "assistant", "tool")
+
+
 def _validate_data(cfg: Config) -> None:
     d, e = cfg.data, cfg.eval
     _check(d.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1", d.prompts_per_step)
@@ -812,6 +820,10 @@ def _validate_data(cfg: Config) -> None:
     _check(len(d.tasks) >= 1 or bool(d.path), "data.tasks", "at least one reasoning-gym task", d.tasks)
     for name in ("question", "answer", "task"):
         _check(bool(getattr(d.columns, name)), f"data.columns.{name}", "a column name", getattr(d.columns, name))
+    for i, message in enumerate(d.example_messages):
+        _check(isinstance(message, dict) and message.get("role") in EXAMPLE_ROLES
+               and isinstance(message.get("content"), str), f"data.example_messages[{i}]",
+               "a chat message {role: " + ", ".join(EXAMPLE_ROLES) + ", content: its text}", message)
     _check(e.every >= 0, "eval.every", "must be >= 0 (0 = no evaluation)", e.every)
     _check(e.size >= 1, "eval.size", "must be >= 1 held-out prompt", e.size)
     _check(e.samples >= 0, "eval.samples", "must be >= 0 (0 = greedy answers only)", e.samples)

@@ -7,9 +7,10 @@ prompt (`apply_chat_template(..., add_generation_prompt=True, tokenize=True)` wi
 `data.chat_template` (as the user's message), and is tokenized as it is otherwise, with the
 tokenizer's own special tokens (`tokenizer(text)`: BOS on Llama-family tokenizers, as TRL).
 Nothing is added but what `data` says: `system_prompt` (a system message put first, where
-the prompt has none) and `answer_instruction` (appended to the prompt, or to its last user
-message). Both are lsreplay's own for the prompts it generates and empty for `data.path`
-(lsreplay.core.config.settle).
+the prompt has none), `example_messages` (earlier turns put before the prompt's own, after
+its system message) and `answer_instruction` (appended to the prompt, or to its last user
+message). The first and last are lsreplay's own for the prompts it generates and empty for
+`data.path` (lsreplay.core.config.settle).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def prompt_messages(prompt: Prompt, data: DataConfig) -> list[dict] | None:
     that goes to the model as it is."""
     question = prompt.question
     if isinstance(question, str) and not data.chat_template:
-        if data.system_prompt:
-            raise DatasetError(f"prompt {prompt.index}: data.system_prompt is set, but string prompts go to the model "
-                               "as they are (data.chat_template=false), where there is no system message to put it "
-                               "in; set data.system_prompt='' or data.chat_template=true")
+        for key in ("system_prompt", "example_messages"):
+            if getattr(data, key):
+                raise DatasetError(f"prompt {prompt.index}: data.{key} is set, but string prompts go to the model as "
+                                   "they are (data.chat_template=false), where there is no conversation to put it in; "
+                                   f"empty data.{key} or set data.chat_template=true")
         return None
     messages = [{"role": "user", "content": question}] if isinstance(question, str) else [dict(m) for m in question]
     if data.answer_instruction:
@@ -39,6 +41,8 @@ def prompt_messages(prompt: Prompt, data: DataConfig) -> list[dict] | None:
         users[-1]["content"] += data.answer_instruction
     if data.system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": data.system_prompt})
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    messages[first:first] = [dict(m) for m in data.example_messages]
     return messages
 
 
