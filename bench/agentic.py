@@ -2,12 +2,15 @@
 
     .venv/bin/python bench/agentic.py [--steps 2] [--tasks environment,tool] [--out runs/agentic] [key=value ...]
 
-Two tasks of configs/agentic.yaml (docs/multi-turn.md) the default model plays:
+Two tasks the default model plays (docs/multi-turn.md), each a config:
 
-    environment  one-digit arithmetic; the environment (lsreplay.data.agentic.ArithmeticFeedback)
-                 answers "Wrong, try again." for up to 3 replies; episodes branch [4, 2] at turns
-    tool         the same questions with the calculator tool (lsreplay.data.agentic.calculator),
-                 up to 2 replies, scored by reasoning-gym's checker
+    environment  configs/agentic.yaml: one-digit arithmetic; the environment
+                 (lsreplay.data.agentic.ArithmeticFeedback) answers "Wrong, try again." for up
+                 to 3 replies; episodes branch [4, 2] at turns
+    tool         configs/agentic-tool.yaml: the same questions with the calculator tool
+                 (lsreplay.data.agentic.calculator), taught by worked examples as earlier
+                 turns; a reply that calls it, then one that answers; episodes branch [4, 2]
+                 at turns, scored by reasoning-gym's checker
 
 Per task two real `lsreplay train` flow runs, one after the other (bench/e2e.py's A and C):
 A, replay.mode=naive, every episode's full sequence forward and backward (the environment's
@@ -36,20 +39,15 @@ sys.path.insert(0, str(REPO))
 from e2e import give_rollouts, per_step, train, train_seconds  # noqa: E402
 from side_by_side import key_values  # noqa: E402
 
-CONFIG = str(REPO / "configs/agentic.yaml")
-TASKS = {
-    "environment": [],
-    "tool": ["rollout.environment=", "rollout.max_turns=2", "rollout.tools=[lsreplay.data.agentic.calculator]"],
-}
+TASKS = {"environment": str(REPO / "configs/agentic.yaml"), "tool": str(REPO / "configs/agentic-tool.yaml")}
 EPISODE_FIGURES = ("episode_turns_mean", "tool_calls_mean", "tool_error_share", "environment_token_share")
 
 
 def compare(task: str, out: Path, common: list[str]) -> dict:
     """A (per episode) and C (replay on A's episodes) of `task`; its figures."""
-    overrides = [*common, *TASKS[task]]
-    a = train(CONFIG, out / "A-per-episode", [*overrides, "replay.mode=naive"])
+    a = train(TASKS[task], out / "A-per-episode", [*common, "replay.mode=naive"])
     give_rollouts(out / "A-per-episode", out / "C-replay-on-A", len(a))
-    c = train(CONFIG, out / "C-replay-on-A", [*overrides, "replay.mode=replay"])
+    c = train(TASKS[task], out / "C-replay-on-A", [*common, "replay.mode=replay"])
     print(f"\n{task}: | step | per-episode s | replay s | per-episode positions | replay positions |")
     for ra, rc in zip(a, c):
         print(f"{task}: | {ra['step']} | {train_seconds([ra], state=False):.2f} | {train_seconds([rc], state=False):.2f} "
