@@ -206,7 +206,7 @@ class RolloutConfig:
     max_environment_tokens: int = 256
     # Seconds one call of a tool or of the environment (reset, respond, get_reward) may take: a
     # tool call past it answers as a tool error (as TRL returns errors), an environment's hook
-    # past it stops the shard naming it; either way the stall is logged. 0 = no limit.
+    # past it stops the run naming it; either way the stall is logged. 0 = no limit.
     tool_timeout_seconds: float = 60.0
     # Where a prompt's rollouts fork: "tokens", at the segment_tokens offsets of the first
     # reply (as single-turn rollouts), or "turns", branching[k] replies at turn k, each after

@@ -27,8 +27,8 @@ randomness, no outside service whose answers change).
 Every call of a tool or of the environment (its construction, reset, respond, get_reward)
 runs on a thread of its own, given `rollout.tool_timeout_seconds`: a tool call past it answers
 as a failed call (`{'error': ...}`, as TRL returns errors) and is not replayed later (its
-effect on the instance is unknown); an environment's hook past it stops the shard, naming
-it. A thread cannot be stopped: the one that hangs is left behind, and the stall is logged.
+effect on the instance is unknown); an environment's hook past it stops the run with an
+EpisodeError naming it (not retried, as a bad config is not). A thread cannot be stopped: the one that hangs is left behind, and the stall is logged.
 A call that times out makes the episodes depend on timing, not only on the draws.
 An environment's answer of more than `rollout.max_environment_tokens` tokens is not shown:
 the episode ends at the reply before it, as at its last turn (logged).

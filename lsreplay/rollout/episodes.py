@@ -80,6 +80,7 @@ class VLLMTurns:
 
     def __call__(self, requests: list[list[int]], fan_outs: list[int], segments: list[int],
                  keys: list[EpisodeKey]) -> list[TreeRollout]:
+        # No use for the episodes' places: vLLM draws from one engine-wide generator.
         trees, figures = self.engine.sample_trees(requests, fan_outs, segments, self.max_new_tokens, *self.sampling,
                                                   self.eos, self.progress)
         self.figures.append(figures)
