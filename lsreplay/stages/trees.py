@@ -70,7 +70,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     state = trainer_state(run, step)
     draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
     records, rounds, pending, logged, start = {}, [], indices, {}, time.perf_counter()
-    # Episodes decode turn by turn, without the speculative tail (rollout.episodes).
+    # The HF engine decodes episodes turn by turn, without its speculative tail (vLLM speculates in each turn's).
     speculates = r.engine == "hf" and not multi_turn(r)
     speculation, drafter_step = adaptive_engine(run, step, shard, model) if speculates else (None, None)
     # The token budget: every rollout's replies at their longest (the environment's tokens are not sampled).
@@ -161,7 +161,7 @@ def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[
     def generator_for(tree: int, path: tuple[int, ...], turn: int):
         # Turn 0 draws as a single-turn tree would; later turns per episode ("turn" keeps the keys apart).
         return run.generator(step, "trees", slots[tree], *draws, *(["turn", turn, *path] if turn else []),
-                            device=device)
+                             device=device)
 
     drafter_step, engine = None, None
     if r.engine == "vllm":
