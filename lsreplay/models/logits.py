@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.models.vocab_grads import accumulator
+from lsreplay.models.summed_grads import FULL_PRECISION, accumulator
 
-FULL_PRECISION = (torch.float32, torch.float64)
 # Vocabulary rows of a bf16 head cast to float32 at a time: the transient copy stays at
 # this many rows x hidden x 4 bytes (64 MiB for hidden 2048) instead of the whole head.
 CHUNK = 8192
@@ -21,7 +20,7 @@ CHUNK = 8192
 def float_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head over `hidden` (..., d), computed and returned in float32; float64 stays float64."""
     head = model.get_output_embeddings()
-    if torch.is_grad_enabled() and (acc := accumulator(head.weight)) is not None:  # see vocab_grads
+    if torch.is_grad_enabled() and (acc := accumulator(head.weight)) is not None:  # see summed_grads
         return _FloatHead.apply(hidden, head.weight.detach(), acc.anchor, head.bias, acc)
     if head.weight.dtype in FULL_PRECISION:
         return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
@@ -32,7 +31,7 @@ class _FloatHead(torch.autograd.Function):
     """hidden @ weight.T (+ bias) with products and output in float32 at least. What it saves
     for backward are its inputs as they are: no float32 copy of a lower-precision head is
     kept, and the casts run over vocabulary chunks. With an Accumulator (`acc`, see
-    vocab_grads; `weight` then detached, `anchor` carrying the graph) the weight's gradient
+    summed_grads; `weight` then detached, `anchor` carrying the graph) the weight's gradient
     is added into its buffer instead of returned."""
 
     @staticmethod

@@ -19,8 +19,8 @@ computed here without grad), runs its subtrees on them, then runs itself again w
 to inject the dK/dV: memory then holds one root-to-leaf path's K/V instead of its graphs.
 Either way memory holds one root-to-leaf path at a time, whatever the number of branches. Where the model allows it (see
 cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row. On CPU
-the embedding's and LM head's gradients are summed in one buffer over the walk's many
-autograd calls (lsreplay.models.vocab_grads), in both backwards.
+every weight's gradient is summed in one buffer over the walk's many autograd calls
+(lsreplay.models.summed_grads), in both backwards.
 The walk is over the tree's replay view (view.py), where branching nodes too short to be
 worth a run of their own are joined into their children.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.models.vocab_grads import summed_in_place
+from lsreplay.models.summed_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
 from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_budget, device_peak_bytes, kept_spans,
