@@ -17,6 +17,7 @@ import torch
 from lsreplay.core.layout import MODEL_FILE, CheckpointError
 from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 from lsreplay.models.lora import checkpointed_state
+from lsreplay.models.train_state import keep_implementation
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def load_optimizer(
         target = state[int(index)] if part == "state" else groups[int(index)]
         target[name] = tensor
     _restore_tuples(groups, optimizer.param_groups)
+    keep_implementation(groups, optimizer.param_groups)
     try:
         optimizer.load_state_dict({"state": dict(state), "param_groups": groups})
     except (ValueError, KeyError) as e:
