@@ -55,11 +55,9 @@ class _FloatHead(torch.autograd.Function):
             g = rows[:, start:start + w.shape[0]]
             grad_hidden.addmm_(g, w.to(ctx.dtype))
             if ctx.acc is not None:
-                ctx.acc.buffer[start:start + w.shape[0]].addmm_(g.T, h)
+                ctx.acc.zeroed()[start:start + w.shape[0]].addmm_(g.T, h)
             else:
                 grad_weight.append((g.T @ h).to(weight.dtype))
-        if ctx.acc is not None:
-            ctx.acc.used = True
         grad_bias = None if ctx.bias_dtype is None else rows.sum(0).to(ctx.bias_dtype)
         return (grad_hidden.to(hidden.dtype).reshape(hidden.shape), torch.cat(grad_weight) if grad_weight else None,
                 None, grad_bias, None)
