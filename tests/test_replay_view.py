@@ -95,6 +95,21 @@ def test_joined_view_reads_the_cached_kv_of_its_sources():
     assert max_rel_diff(g_self, g_cached) <= 1e-10  # a span's K/V computed in one piece or per node
 
 
+def test_the_caching_pass_forwards_only_the_nodes_whose_kv_the_joined_view_reads():
+    """Without scores or hidden states to keep, the pass visits the nodes whose K/V replay
+    reads and their ancestors, and keeps only theirs, bit for bit those of a full pass."""
+    model = tiny_model("qwen2")
+    tree = branchy_tree()
+    read = read_kv_nodes(replay_view(tree, 3))
+    full = capture_tree(model, tree, keep_hidden=False, heads={})
+    calls = count_forwards(model)
+    acts = capture_tree(model, tree, keep_hidden=False, heads={}, kv_nodes=read)
+    assert set(acts.prefix_kv) == read and len(calls) == len(set().union(*(tree.path(n) for n in read)))
+    assert len(calls) < len(full.prefix_kv)  # a joined middle node is not forwarded
+    for node in read:
+        assert all(torch.equal(a, b) for a, b in zip(acts.prefix_kv[node][0], full.prefix_kv[node][0]))
+
+
 def count_forwards(model) -> list[int]:
     calls = []
     model.model.register_forward_hook(lambda *_: calls.append(1))

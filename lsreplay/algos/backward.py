@@ -82,10 +82,7 @@ def capture_logprobs(model: PreTrainedModel, trees: list[RolloutTree], keep_kv: 
     heads = heads or LOGPROB_HEADS
     acts = []
     for tree in trees:
-        a = capture_tree(model, tree, keep_hidden=False, heads=heads)
-        if not keep_kv:
-            a.prefix_kv = {}
-        acts.append(a)
+        acts.append(capture_tree(model, tree, keep_hidden=False, heads=heads, kv_nodes=None if keep_kv else set()))
     return scores_of(trees, acts, heads), acts
 
 

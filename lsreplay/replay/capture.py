@@ -4,7 +4,10 @@ It visits every trie position once and records what the later stages need: the K
 every branching node (replayed by the backward), every entry's score by each head asked
 for (heads.py: the logprob under the sampling distribution for the KL term, PPO's old
 logprobs and DPO; a critic's old values) and the last hidden state of every position
-(drafter training). A pass that needs none of them visits only the branching nodes.
+(drafter training). A pass that needs none of them visits only the branching nodes, and
+given the nodes whose K/V are wanted (`kv_nodes`: those the backward reads) only those and
+their ancestors: the replay view joins short branching nodes into their children
+(view.py), whose K/V nothing reads.
 It computes each node exactly as the replay backward recomputes it, so the cached K/V
 are bit-identical to what the backward would produce itself.
 """
@@ -59,10 +62,14 @@ def _record_scores(acts: TreeActivations, heads: Heads, model, hidden: torch.Ten
 
 @torch.no_grad()
 def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = True,
-                 leaf_batch: int = 16, heads: Heads = LOGPROB_HEADS) -> TreeActivations:
+                 leaf_batch: int = 16, heads: Heads = LOGPROB_HEADS,
+                 kv_nodes: set[int] | None = None) -> TreeActivations:
     """heads: what every entry is scored by (heads.py; the logprob's scores go to
-    entry_logprobs; {} scores nothing); keep_hidden: every position's last hidden state."""
+    entry_logprobs; {} scores nothing); keep_hidden: every position's last hidden state;
+    kv_nodes: the branching nodes whose K/V are kept (None: all of them)."""
     acts = _new_activations(tree, heads)
+    scored = keep_hidden or bool(heads)
+    wanted = _with_ancestors(tree, kv_nodes) if kv_nodes is not None and not scored else None
 
     def record(nodes: list[Node], hidden: torch.Tensor) -> None:
         for row, n in enumerate(nodes):
@@ -78,20 +85,26 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
             return
         kv = tuple([t.clone() for t in half] for half in new_kv(cache, node.start))
         del cache  # the concatenated past is no longer needed
-        acts.prefix_kv[node.id] = kv
+        if kv_nodes is None or node.id in kv_nodes:
+            acts.prefix_kv[node.id] = kv
         below = ancestors + [kv]
-        scored = keep_hidden or bool(heads)
         leaves = [tree.nodes[c] for c in node.children if tree.nodes[c].is_leaf] if scored else []
         for i in range(0, len(leaves), leaf_batch):
             batch = leaves[i : i + leaf_batch]
             hidden, _ = forward_segments(model, [n.tokens for n in batch], batch[0].start, concat_kv(below))
             record(batch, hidden)
         for c in node.children:
-            if not tree.nodes[c].is_leaf:
+            if not tree.nodes[c].is_leaf and (wanted is None or c in wanted):
                 visit(tree.nodes[c], below)
 
-    visit(tree.root, [])
+    if wanted is None or tree.root.id in wanted:
+        visit(tree.root, [])
     return acts
+
+
+def _with_ancestors(tree: RolloutTree, nodes: set[int]) -> set[int]:
+    """`nodes` and every node on their paths from the root."""
+    return {a for n in nodes for a in tree.path(n)}
 
 
 @torch.no_grad()

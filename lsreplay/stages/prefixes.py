@@ -116,15 +116,16 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
-def _capture(run: Run, model, tree, heads: Heads, keep_hidden: bool) -> TreeActivations:
-    """Branch replay's pass over the tree, every entry scored by `heads`; the per-rollout
-    baseline (replay.mode=naive), as a per-rollout trainer does, scores every rollout's full
-    sequence (the drafter's hidden states, if it is on, still come from a tree pass)."""
+def _capture(run: Run, model, tree, heads: Heads, keep_hidden: bool, kv_nodes: set[int]) -> TreeActivations:
+    """Branch replay's pass over the tree, every entry scored by `heads`, the K/V of
+    `kv_nodes` kept; the per-rollout baseline (replay.mode=naive), as a per-rollout trainer
+    does, scores every rollout's full sequence (the drafter's hidden states, if it is on,
+    still come from a tree pass)."""
     if run.cfg.replay.mode == "replay":
-        return capture_tree(model, tree, keep_hidden=keep_hidden, heads=heads)
+        return capture_tree(model, tree, keep_hidden=keep_hidden, heads=heads, kv_nodes=kv_nodes)
     acts = capture_rollouts(model, tree, heads=heads) if heads else TreeActivations()
     if keep_hidden:
-        acts.hidden = capture_tree(model, tree, heads={}).hidden
+        acts.hidden = capture_tree(model, tree, heads={}, kv_nodes=set()).hidden
     return acts
 
 
@@ -132,11 +133,9 @@ def capture_now(run: Run, model, trees, heads: Heads):
     """The caching pass of the current weights over `trees`, kept in memory: (their scores,
     as a loss over `heads` takes them, and a prefix K/V source over them). PPO's later
     minibatches: the K/V replay reads wait in host memory (off a GPU, page-locked) until it does."""
-    acts = [_capture(run, model, tree, heads, False) for tree in trees]
-    for tree, a in zip(trees, acts):
-        read = kv_read(run, model, tree)
-        a.prefix_kv = {n: tuple([_host_copy(t) for t in half] for half in kv) for n, kv in a.prefix_kv.items()
-                       if n in read}
+    acts = [_capture(run, model, tree, heads, False, kv_read(run, model, tree)) for tree in trees]
+    for a in acts:
+        a.prefix_kv = {n: tuple([_host_copy(t) for t in half] for half in kv) for n, kv in a.prefix_kv.items()}
     scores = scores_of(trees, acts, heads)
     device = next(model.parameters()).device
 
@@ -224,11 +223,11 @@ def _cache_tree(run: Run, step: int, index: int, tree, model, reference,
     its activations file's entry (None when it scores and keeps nothing) and the activations."""
     if not need.anything:
         return {}, None, None
-    acts = _capture(run, model, tree, need.heads, need.hidden)
+    acts = _capture(run, model, tree, need.heads, need.hidden, set(need.kv))
     if reference is not None:
         with adapters_off(reference):
             acts.ref_entry_logprobs = _capture(run, reference, tree, logprob_heads(sampled_as(run.cfg)),
-                                               keep_hidden=False).entry_logprobs
+                                               keep_hidden=False, kv_nodes=set()).entry_logprobs
     nodes = {}
     for node_id in sorted(need.kv):
         kv = acts.prefix_kv[node_id]
