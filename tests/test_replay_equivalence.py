@@ -246,8 +246,9 @@ def test_replay_exact_without_float32_norm(exact_rmsnorm, kind, name):
     assert rel <= 1e-11, rel
 
 
-def kept_share(kind: str, dtype, trees, budget: int | None) -> list[tuple[int, int]]:
-    """Per tree: (branching spans whose graph replay keeps at `budget`, branching spans)."""
+def kept_shares(kind: str, dtype, trees, budget: int | None) -> list[tuple[dict[int, int], int]]:
+    """Per tree at `budget`: the branching spans replay keeps, with the layers each runs again
+    in the backward (memory.kept_spans), and the number of branching spans."""
     model = _model(kind, dtype)
     dims, elt = ModelDims.from_hf(model.config), torch.tensor([], dtype=dtype).element_size()
     out = []
@@ -256,30 +257,37 @@ def kept_share(kind: str, dtype, trees, budget: int | None) -> list[tuple[int, i
         longest = max(n.end for n in tree.nodes)
         kept = kept_spans(spans, dims, elt, budget or default_budget(dims, elt, longest, longest - tree.prompt_len),
                           cascade_applies(model))
-        out.append((len(kept), sum(not s.is_leaf for s in spans)))
+        out.append((kept, sum(not s.is_leaf for s in spans)))
     return out
 
 
-def mixed_budget(kind: str, dtype, trees) -> int:
-    """A budget at which some tree keeps some of its branching spans' graphs and recomputes others."""
-    for budget in (int(1.25**k) for k in range(40, 120)):
-        if any(0 < kept < branching for kept, branching in kept_share(kind, dtype, trees, budget)):
+# What each path of the backward looks like in a tree's kept spans (and its branching spans).
+PATHS = {
+    "kept": lambda kept, branching: len(kept) == branching and not any(kept.values()),
+    "layers-recomputed": lambda kept, branching: any(kept.values()),
+    "recompute": lambda kept, branching: not kept,
+    "mixed": lambda kept, branching: 0 < len(kept) < branching,
+}
+
+
+def budget_for(kind: str, dtype, trees, path: str) -> int:
+    """A budget at which some tree takes `path` (PATHS)."""
+    for budget in (2**40, 1, *(int(1.25**k) for k in range(40, 120))):
+        if any(PATHS[path](kept, branching) for kept, branching in kept_shares(kind, dtype, trees, budget)):
             return budget
-    raise AssertionError("no budget mixes the two paths")
+    raise AssertionError(f"no budget takes the {path} path")
 
 
-@pytest.mark.parametrize("path", ["kept", "recompute", "mixed"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", ["grpo-token-mean", "kl-k3", "dpo", "ppo-critic"])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_every_path_of_the_backward_is_exact(exact_rmsnorm, kind, name, path):
-    """Each branching node forwarded once with its graph kept (a budget where keeping it
-    costs no leaf micro-batch), recomputed after its subtree (a budget of one byte), or
-    both in one tree."""
+    """Each branching node forwarded once with its whole graph kept, kept with some of its
+    layers run again in its backward (recompute.py), recomputed after its subtree, or kept
+    and recomputed nodes in one tree."""
     trees = make_trees(3)
-    budget = {"kept": 2**40, "recompute": 1, "mixed": mixed_budget(kind, torch.float64, trees)}[path]
-    shares = kept_share(kind, torch.float64, trees, budget)
-    expected = {"kept": lambda k, b: k == b, "recompute": lambda k, b: k == 0, "mixed": lambda k, b: 0 < k < b}[path]
-    assert any(expected(k, b) for k, b in shares) and all(b > 0 for _, b in shares), shares
+    budget = budget_for(kind, torch.float64, trees, path)
+    assert all(branching > 0 for _, branching in kept_shares(kind, torch.float64, trees, budget))
     replay_loss, naive_loss, rel, *_ = compare(kind, torch.float64, 3, name, budget=budget)
     assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
     assert rel <= 1e-11, rel

@@ -61,6 +61,7 @@ from lsreplay.replay.attention_kernels import kernel_for
 from lsreplay.replay.memory import (
     ModelDims,
     default_budget,
+    kept_bytes,
     kept_spans,
     kv_bytes_per_position,
     leaf_rows,
@@ -201,7 +202,7 @@ def joined_levels(levels: tuple[tuple[int, int], ...], join_below: int) -> tuple
 
 
 def kept_view(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-              accelerator: bool = False, join_below: int = 0) -> tuple[list, set[int], int, bool]:
+              accelerator: bool = False, join_below: int = 0) -> tuple[list, dict[int, int], int, bool]:
     """The replay view of a tree of this shape, the branching spans whose graphs the
     backward keeps (replay.backward.replay_plan's rule), the budget, and whether runs after
     a prefix use cascade attention."""
@@ -230,8 +231,11 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
     for depth in itertools.count():  # down the first child: every path has the same shape
         name = "prompt" if depth == 0 else f"level-{depth} segment"
         own = _run(dims, elt, name, held, 1, len(span.tokens), span.start, len(span.entry_ids), cascade)
-        if span.id in kept:  # run once, its graph held below
-            runs.append(replace(own, what=f"{name}, graph kept"))
+        if span.id in kept:  # run once, its graph held below (but its layers run again in the backward)
+            own = replace(own, what=f"{name}, {_kept(kept[span.id], dims.layers)}",
+                          saved=kept_bytes(dims, elt, len(span.tokens), span.start, len(span.entry_ids), kept[span.id],
+                                           cascade))
+            runs.append(own)
             held += own.saved + kvpp * len(span.tokens)
         else:
             held += 2 * kvpp * len(span.tokens)
@@ -258,9 +262,14 @@ def replay_path(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
         if span.is_leaf:
             break
         name = "prompt" if depth == 0 else f"level-{depth} segment"
-        out.append(f"{name} {'forwarded once, graph kept' if span.id in kept else 'recomputed after its subtree'}")
+        out.append(f"{name} " + (f"forwarded once, {_kept(kept[span.id], dims.layers)}" if span.id in kept
+                                  else "recomputed after its subtree"))
         span = spans[span.children[0]]
     return "; ".join(out) or "a single chain"
+
+
+def _kept(recomputed: int, layers: int) -> str:
+    return "graph kept" + (f" ({recomputed} of {layers} layers run again in its backward)" if recomputed else "")
 
 
 # -- model state ----------------------------------------------------------------------------

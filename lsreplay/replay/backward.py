@@ -8,15 +8,17 @@ or, with `heads` (heads.py), of sum over heads h of weights[h][i][j][t] * head_h
 hidden state that predicts token t): any per-position loss on the last hidden states
 (a critic's value loss, a logprob loss, both at once) reduces to such weights.
 
-Replay walks each tree depth first. A branching node whose activations fit the budget
-(memory.kept_spans) runs forward once with grad and keeps its graph: its keys/values,
-as leaf tensors viewing them, feed every child subtree (so their dK/dV accumulates in the
-leaves' .grad), and the kept graph then backpropagates the accumulated dK/dV together
-with the node's own token losses, including the logits at its last position that predict
-each child's first token. Each position is then forwarded once for the update. A node
-that does not fit takes its keys/values as leaf tensors from the caching pass (or
-computed here without grad), runs its subtrees on them, then runs itself again with grad
-to inject the dK/dV: memory then holds one root-to-leaf path's K/V instead of its graphs.
+Replay walks each tree depth first. A branching node kept by memory.kept_spans runs
+forward once with grad and keeps its graph: its keys/values, as leaf tensors viewing them,
+feed every child subtree (so their dK/dV accumulates in the leaves' .grad), and the kept
+graph then backpropagates the accumulated dK/dV together with the node's own token
+losses, including the logits at its last position that predict each child's first token.
+Each position is then forwarded once for the update. Where the whole graph would leave too
+little of the budget to the node's leaves, its first layers keep only their input and run
+again in its backward (recompute.py). A node that does not fit even so takes its
+keys/values as leaf tensors from the caching pass (or computed here without grad), runs
+its subtrees on them, then runs itself again with grad to inject the dK/dV: memory then
+holds one root-to-leaf path's K/V instead of its graphs.
 Either way memory holds one root-to-leaf path at a time, whatever the number of branches. Where the model allows it (see
 cascade.py), a run attends to its ancestors' K/V in place instead of a copy per row. On CPU
 every weight's gradient is summed in one buffer over the walk's many autograd calls
@@ -44,6 +46,7 @@ from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
 from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_budget, device_peak_bytes, kept_spans,
                                     leaf_batch_rows, reset_device_peak)
+from lsreplay.replay.recompute import recomputed_layers
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
 from lsreplay.replay.view import Span, replay_view
 from lsreplay.tree import Node, RolloutTree
@@ -113,8 +116,11 @@ class _Replay:
     def kept_node(self, span: Span, ancestors: list[PrefixKV], children: list[Span]) -> None:
         """Forward the span once with grad and keep its graph while its subtree replays on
         its K/V (leaf tensors viewing them), then backward its own scores and the subtree's
-        dK/dV through that graph: no second forward (kept_spans chose it)."""
-        hidden, own_kv = self.forward([span], ancestors)
+        dK/dV through that graph: no second forward of the span (kept_spans chose it), only
+        of its layers that keep their input alone (recompute.py)."""
+        recomputed = self.kept[span.id]
+        with recomputed_layers(self.model, recomputed):
+            hidden, own_kv = self.forward([span], ancestors)
         objective = self.score([span], hidden)
         del hidden  # what backward needs of it, the graph holds
         kv = ([k.detach().requires_grad_() for k in own_kv[0]], [v.detach().requires_grad_() for v in own_kv[1]])
@@ -223,9 +229,10 @@ def _grads(kv: PrefixKV):
 
 
 def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0,
-                budget_bytes: int | None = None) -> tuple[list[Span], set[int], int]:
+                budget_bytes: int | None = None) -> tuple[list[Span], dict[int, int], int]:
     """How replay_backward walks `tree`: its replay view (view.py), the branching spans whose
-    graphs it keeps (memory.kept_spans) and the memory budget of one path, `budget_bytes` or
+    graphs it keeps with the number of their layers run again (memory.kept_spans) and the
+    memory budget of one path, `budget_bytes` or
     by default what the per-rollout backward needs for the tree's longest rollout, with its
     K/V (memory.default_budget). The caching pass asks it which K/V the backward will read."""
     dims, elt = ModelDims.from_hf(model.config), next(model.parameters()).element_size()

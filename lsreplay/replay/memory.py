@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -216,22 +216,38 @@ RUN_POSITIONS = 100
 NO_GRAD_SHARE = 1 / 3
 
 
-def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascade: bool = False) -> set[int]:
-    """The branching spans of a replay view (view.py) whose forward with grad replay keeps
-    while their subtree replays, so that each is forwarded once for the update: its K/V
-    feed the children and its graph takes their dK/dV afterwards. The others take their
-    K/V as leaf tensors (from the caching pass, or computed without grad) and run again
-    with grad after their subtree: the fallback that bounds memory. Kept: a span whose
-    saved activations and K/V gradient, next to what the path above it holds and one row of
-    its longest child, fit `budget`, and where that is cheaper: a kept graph saves the
-    span's forward without grad but leaves less of the budget to its leaf children, which
-    may then need more micro-batches (runs) than beside its K/V alone; each run costs
-    RUN_POSITIONS. (A [4, 2] tree of the default config at its default budget: its prompt's
-    kept graph left room for one leaf per run, 8 runs where its K/V leave room for all 8 in
-    one.) Decided from the view alone, so the caching pass knows which K/V the backward
-    will read."""
+def kept_bytes(dims: ModelDims, elt: int, width: int, start: int, entries: int, recomputed: int,
+               cascade: bool = False) -> int:
+    """What a kept span of `width` positions after `start` holds for its backward (as
+    ActivationMeter counts it): its forward's saved activations, less those of its first
+    `recomputed` decoder layers (recompute.py), which hold their input and their keys and
+    values alone (the children attend to those, and save them); with every layer
+    recomputed, no layer saves the rotary tables either."""
+    full = saved_bytes(dims, elt, 1, width, start, entries, cascade)
+    per_layer = (full - saved_bytes(replace(dims, layers=0), elt, 1, width, start, entries, cascade)) // dims.layers
+    held = width * (dims.hidden + 2 * dims.kv_dim) * elt
+    rotary = width * 2 * dims.head_dim * elt if recomputed == dims.layers else 0
+    return full - recomputed * (per_layer - held) - rotary
+
+
+def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascade: bool = False) -> dict[int, int]:
+    """The branching spans of a replay view (view.py) that replay forwards once with grad and
+    keeps while their subtree replays (their K/V feed the children, their graph takes the
+    children's dK/dV afterwards), each with the number of its decoder layers that keep only
+    their input and run again in the backward (recompute.py; 0: the whole graph kept). The
+    others take their K/V as leaf tensors (from the caching pass, or computed without grad)
+    and run again with grad after their subtree: the fallback that bounds memory.
+
+    Per span, top down, the cheapest choice whose held memory (next to what the path above
+    holds and one row of its longest child) fits `budget`, in positions' worth of compute:
+    a recomputed layer costs its share of the span's forward without grad (NO_GRAD_SHARE,
+    the fallback the whole of it), and the less the span holds the more of its leaf children
+    share a micro-batch, each run costing RUN_POSITIONS. (A [4, 2] tree of the default
+    config at its default budget: the prompt's whole graph left room for one leaf per run;
+    with about half its layers recomputed all its leaves share one run.) Decided from the
+    view alone, so the caching pass knows which K/V the backward will read."""
     kv = kv_bytes_per_position(dims, elt)
-    kept: set[int] = set()
+    kept: dict[int, int] = {}
 
     def leaf_runs(span: Span, held: int) -> int:
         widths = sorted((len(spans[c].tokens) for c in span.children if spans[c].is_leaf), reverse=True)
@@ -240,19 +256,22 @@ def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascad
     def visit(span: Span, held: int) -> None:
         if span.is_leaf:
             return
-        own = saved_bytes(dims, elt, 1, len(span.tokens), span.start, len(span.entry_ids), cascade)
-        width = max(len(spans[c].tokens) for c in span.children)
+        width, length = max(len(spans[c].tokens) for c in span.children), len(span.tokens)
         child = saved_bytes(dims, elt, 1, width, span.end, width - 1, cascade)
-        grads = kv * len(span.tokens)
-        kept_held, recompute_held = held + own + grads, held + 2 * grads  # the K/V as leaf tensors, and their gradient
-        extra_runs = leaf_runs(span, kept_held) - leaf_runs(span, recompute_held)
-        if kept_held + child <= budget and extra_runs * RUN_POSITIONS <= NO_GRAD_SHARE * len(span.tokens):
-            kept.add(span.id)
-            held = kept_held
-        else:
-            held = recompute_held
+        grads = kv * length
+        # (cost, recomputed layers or None for the fallback, what the path holds below it)
+        fallback_held = held + 2 * grads  # the K/V as leaf tensors, and their gradient
+        best = (NO_GRAD_SHARE * length + RUN_POSITIONS * leaf_runs(span, fallback_held), None, fallback_held)
+        for layers in range(dims.layers + 1):
+            kept_held = held + kept_bytes(dims, elt, length, span.start, len(span.entry_ids), layers, cascade) + grads
+            if kept_held + child <= budget:
+                cost = NO_GRAD_SHARE * length * layers / dims.layers + RUN_POSITIONS * leaf_runs(span, kept_held)
+                # On a tie the kept span (no K/V written and read back), with the fewest layers run again.
+                best = min(best, (cost, layers, kept_held), key=lambda option: (option[0], option[1] is None))
+        if best[1] is not None:
+            kept[span.id] = best[1]
         for c in span.children:
-            visit(spans[c], held)
+            visit(spans[c], best[2])
 
     visit(spans[0], 0)
     return kept

@@ -15,6 +15,7 @@ The root (the prompt) is never joined: that is what replay shares.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from lsreplay.tree import Node, RolloutTree
@@ -75,7 +76,7 @@ def _first_kept(nodes: list[Node], node: Node, joined: set[int]) -> int:
     return node.id
 
 
-def read_kv_nodes(spans: list[Span], kept: set[int] = frozenset()) -> set[int]:
+def read_kv_nodes(spans: list[Span], kept: Container[int] = frozenset()) -> set[int]:
     """The tree nodes whose cached K/V the replay of this view reads: its branching spans',
     but those whose graph it keeps (`kept`, memory.kept_spans), which make their own."""
     return {s for span in spans if not span.is_leaf and span.id not in kept for s in span.sources}
