@@ -200,12 +200,12 @@ def saved_bytes(dims: ModelDims, elt: int, rows: int, width: int, past: int, ent
 
 def default_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> int:
     """Replay's default budget (replay.budget_mb=0) for what one root-to-leaf path holds at
-    once: what the per-rollout backward saves for the tree's longest rollout, plus that
-    rollout's keys and values twice (replay holds a branching node's K/V and their gradient
-    beside the activations). A path whose branching nodes keep their graphs (kept_spans)
-    holds about one rollout's activations, so the prompt's forward is not run twice, and
-    batched sibling leaves never cost more than that."""
-    return saved_bytes(dims, elt, 1, longest, 0, completion) + 2 * longest * kv_bytes_per_position(dims, elt)
+    once: what the per-rollout backward saves for the tree's longest rollout, so that
+    replay's peak is never above the per-rollout backward's. Within it a path whose
+    branching nodes keep their graphs (kept_spans, some layers run again where the leaves
+    need the room) holds about one rollout's activations, and batched sibling leaves never
+    cost more than that."""
+    return saved_bytes(dims, elt, 1, longest, 0, completion)
 
 
 # What a replay run costs beyond its positions' forward and backward, in positions' worth:
