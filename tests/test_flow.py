@@ -53,7 +53,10 @@ def test_flow_runs_every_stage_and_resumes(prefect_server, tiny_model_dir, tmp_p
         for stage in STAGES:
             assert (run_dir / f"step_{step:04d}" / f"{stage}.done.json").is_file()
         prefixes = json.loads((run_dir / f"step_{step:04d}" / "prefixes.done.json").read_text())
-        assert prefixes["prefix_kv"] and all(prefixes["prefix_kv"])  # every tree cached its branch points
+        # Every tree's scores (the KL term reads them) and hidden states (the drafter's); no K/V:
+        # replay forwards every branching node once, its graph kept, and reads none.
+        assert len(prefixes["activations"]) == 2 and all(prefixes["activations"])
+        assert prefixes["prefix_kv"] == [{}, {}] and prefixes["kv_bytes"] == 0
         assert (run_dir / "checkpoints/policy" / f"step_{step:04d}" / "model.safetensors").is_file()
         # A spot session that found its rollouts over trained nothing and saved nothing.
         drafter = json.loads((run_dir / f"step_{step:04d}" / "drafter.done.json").read_text())
