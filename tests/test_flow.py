@@ -19,7 +19,11 @@ def overrides(run_dir, model_dir):
     return [f"run_dir={run_dir}", f"model.path={model_dir}", "steps=2", "data.size=8",
             "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
             "rollout.max_new_tokens=8", "drafter.steps=2", "drafter.batch_size=2", "optim.lr=1e-3",
-            "algo.kl_coef=0.05", "eval.every=1", "eval.size=3", "eval.samples=2", POOL]
+            "algo.kl_coef=0.05", "eval.every=1", "eval.size=3", "eval.samples=2", POOL,
+            # A budget too small to keep any branching node's graph: the caching pass writes the
+            # K/V of each, and the update reads them back from the store (the other flow tests
+            # keep every node's graph at the default budget, and write no K/V).
+            "replay.budget_mb=1"]
 
 
 def step_files(run_dir):
@@ -53,10 +57,7 @@ def test_flow_runs_every_stage_and_resumes(prefect_server, tiny_model_dir, tmp_p
         for stage in STAGES:
             assert (run_dir / f"step_{step:04d}" / f"{stage}.done.json").is_file()
         prefixes = json.loads((run_dir / f"step_{step:04d}" / "prefixes.done.json").read_text())
-        # Every tree's scores (the KL term reads them) and hidden states (the drafter's); no K/V:
-        # replay forwards every branching node once, its graph kept, and reads none.
-        assert len(prefixes["activations"]) == 2 and all(prefixes["activations"])
-        assert prefixes["prefix_kv"] == [{}, {}] and prefixes["kv_bytes"] == 0
+        assert prefixes["prefix_kv"] and all(prefixes["prefix_kv"])  # every tree cached its branch points
         assert (run_dir / "checkpoints/policy" / f"step_{step:04d}" / "model.safetensors").is_file()
         # A spot session that found its rollouts over trained nothing and saved nothing.
         drafter = json.loads((run_dir / f"step_{step:04d}" / "drafter.done.json").read_text())
