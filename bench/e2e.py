@@ -29,7 +29,10 @@ the same trees, A's and C's: same_trees_train_speedup (A's caching pass + update
 less each policy stage's state_seconds: C, whose steps have no rollouts between them, waits
 there for the previous step's background checkpoint write, which A's rollouts hide;
 same_trees_stage_speedup keeps it in) next to same_trees_ideal_ratio (the positions a per-rollout backward computes over those
-replay computes: the speedup if time were proportional to positions); `lsreplay report` of the three runs
+replay computes: the speedup if time were proportional to positions); then, unless
+--rounds 0, same_trees_backward_speedup (the backward alone on those trees, both modes
+side by side in this process: free of the noise between flow runs minutes apart) next to
+same_trees_flop_ideal (their FLOPs ratio). `lsreplay report` of the three runs
 (overlaid curves; C's wall time is its caching pass and update only) goes to --out/report.
 """
 
@@ -45,9 +48,19 @@ from statistics import mean
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 from lsreplay import cli  # noqa: E402
+from lsreplay.algos import loss_and_weights  # noqa: E402
 from lsreplay.commands.report import read_metrics, write_report  # noqa: E402
-from side_by_side import key_values  # noqa: E402
+from lsreplay.core.run import Run, open_run_config  # noqa: E402
+from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
+from lsreplay.replay.heads import per_head  # noqa: E402
+from lsreplay.stages.common import load_trees  # noqa: E402
+from lsreplay.stages.objectives import objective  # noqa: E402
+from lsreplay.state.resident import policy_model, policy_train_state  # noqa: E402
+from replay import forward_flops  # noqa: E402
+from side_by_side import alternating, key_values  # noqa: E402
 
 RUNS = {
     "A-baseline": ["replay.mode=naive", "rollout.spec_threshold=0", "drafter.enabled=false"],
@@ -96,6 +109,49 @@ def train_seconds(rows: list[dict], state: bool = True) -> float:
                 for r in rows)
 
 
+def backwards_side_by_side(run_dir: Path, steps: int, rounds: int) -> dict:
+    """The update's backward alone on C's trees (A's), per-rollout and replay, side by side
+    in this process (side_by_side.alternating: the order reversed every round, after a
+    warm-up round), so that the machine's noise between the flow runs, which ran minutes
+    apart, does not enter the ratio: each mode's seconds over all steps that train
+    something, the minimum over `rounds`. Next to it the ratio of their FLOPs
+    (bench/replay.py's forward_flops: unlike the positions it charges every completion
+    token its LM head and its attention over the prompt, which replay does not save)."""
+    run = Run(open_run_config(str(run_dir))).with_pinned_threads()
+    cfg = run.cfg
+    torch.set_num_threads(cfg.threads)
+    train = policy_train_state(cfg, policy_model(cfg, "cpu"))
+    batches, flops = [], {"naive": 0.0, "replay": 0.0}
+    for step in range(steps):
+        records, trees = load_trees(run, step)
+        goal = objective(run, step, records, trees, run.manifest(step, "prefixes"))
+        weights, heads = per_head(loss_and_weights(goal.loss_for(goal.orders[0][0]), goal.old)[1], goal.heads)
+        carry = [i for i in range(len(trees)) if any(torch.as_tensor(w[i][j]).ne(0).any()
+                                                       for w in weights.values() for j in range(len(w[i])))]
+        if carry:
+            batches.append((trees, weights, heads))
+        for mode in flops:
+            flops[mode] += sum(forward_flops(train.model.config, trees[i], mode == "replay") for i in carry)
+
+    def backward(mode: str):
+        def run_all():
+            for trees, weights, heads in batches:
+                if mode == "naive":
+                    naive_backward(train.model, trees, weights, heads=heads)
+                else:
+                    replay_backward(train.model, trees, weights, budget_bytes=cfg.replay.budget_mb * 2**20 or None,
+                                    join_below=cfg.replay.join_below, heads=heads)
+                train.zero_grad()
+        return run_all
+
+    seconds = alternating({mode: backward(mode) for mode in flops}, rounds, torch.device("cpu"))
+    best = {mode: min(s) for mode, s in seconds.items()}
+    print(f"same trees, backward alone, {rounds} rounds alternating (s): "
+          + "; ".join(f"{mode} {', '.join(f'{x:.1f}' for x in s)}" for mode, s in seconds.items()))
+    return {"same_trees_backward_speedup": best["naive"] / best["replay"],
+            "same_trees_flop_ideal": flops["naive"] / flops["replay"]}
+
+
 def table(runs: dict[str, list[dict]]) -> list[str]:
     cols = [("step_seconds", "step s", ".1f"), ("trees_seconds", "rollouts s", ".1f"),
             ("prefixes_seconds", "prefix cache s", ".1f"), ("policy_seconds", "policy s", ".1f"),
@@ -116,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(REPO / "configs/default.yaml"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "runs/e2e"))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the backward side by side on C's trees (0: none)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to all three runs")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -148,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "same_trees_ideal_ratio": sum(per_step(c, "per_rollout_positions")) / sum(per_step(c, "positions")),
         "steps": args.steps,
     }
+    if args.rounds:
+        results.update(backwards_side_by_side(out / "C-replay-on-A", args.steps, args.rounds))
     print(key_values(results))
     return 0
 
