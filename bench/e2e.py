@@ -115,8 +115,8 @@ def backwards_side_by_side(run_dir: Path, steps: int, rounds: int) -> dict:
     warm-up round), so that the machine's noise between the flow runs, which ran minutes
     apart, does not enter the ratio: each mode's seconds over all steps that train
     something, the minimum over `rounds`. Next to it the ratio of their FLOPs
-    (bench/replay.py's forward_flops: unlike the positions it charges every completion
-    token its LM head and its attention over the prompt, which replay does not save)."""
+    (bench/replay.py's forward_flops: unlike the positions it charges every position its
+    attention over those before it, and every completion token its LM head)."""
     run = Run(open_run_config(str(run_dir))).with_pinned_threads()
     cfg = run.cfg
     torch.set_num_threads(cfg.threads)
