@@ -55,8 +55,7 @@ from lsreplay.algos import loss_and_weights  # noqa: E402
 from lsreplay.commands.report import read_metrics, write_report  # noqa: E402
 from lsreplay.core.run import Run, open_run_config  # noqa: E402
 from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
-from lsreplay.replay.heads import per_head  # noqa: E402
-from lsreplay.stages.common import load_trees  # noqa: E402
+from lsreplay.stages.common import load_trees, trains_nothing  # noqa: E402
 from lsreplay.stages.objectives import objective  # noqa: E402
 from lsreplay.state.resident import policy_model, policy_train_state  # noqa: E402
 from replay import forward_flops  # noqa: E402
@@ -125,26 +124,27 @@ def backwards_side_by_side(run_dir: Path, steps: int, rounds: int) -> dict:
     for step in range(steps):
         records, trees = load_trees(run, step)
         goal = objective(run, step, records, trees, run.manifest(step, "prefixes"))
-        weights, heads = per_head(loss_and_weights(goal.loss_for(goal.orders[0][0]), goal.old)[1], goal.heads)
-        carry = [i for i in range(len(trees)) if any(torch.as_tensor(w[i][j]).ne(0).any()
-                                                       for w in weights.values() for j in range(len(w[i])))]
+        weights = loss_and_weights(goal.loss_for(goal.orders[0][0]), goal.old)[1]
+        carry = [i for i, record in enumerate(records) if not trains_nothing(cfg, record)]
         if carry:
-            batches.append((trees, weights, heads))
+            batches.append((trees, weights, goal.heads))
         for mode in flops:
             flops[mode] += sum(forward_flops(train.model.config, trees[i], mode == "replay") for i in carry)
+    budget = cfg.replay.budget_mb * 2**20 or None
+    backwards = {
+        "naive": lambda trees, weights, heads: naive_backward(train.model, trees, weights, heads=heads),
+        "replay": lambda trees, weights, heads: replay_backward(train.model, trees, weights, budget_bytes=budget,
+                                                                join_below=cfg.replay.join_below, heads=heads),
+    }
 
-    def backward(mode: str):
-        def run_all():
-            for trees, weights, heads in batches:
-                if mode == "naive":
-                    naive_backward(train.model, trees, weights, heads=heads)
-                else:
-                    replay_backward(train.model, trees, weights, budget_bytes=cfg.replay.budget_mb * 2**20 or None,
-                                    join_below=cfg.replay.join_below, heads=heads)
+    def every_step(backward):
+        def run():
+            for batch in batches:
+                backward(*batch)
                 train.zero_grad()
-        return run_all
+        return run
 
-    seconds = alternating({mode: backward(mode) for mode in flops}, rounds, torch.device("cpu"))
+    seconds = alternating({mode: every_step(fn) for mode, fn in backwards.items()}, rounds, torch.device("cpu"))
     best = {mode: min(s) for mode, s in seconds.items()}
     print(f"same trees, backward alone, {rounds} rounds alternating (s): "
           + "; ".join(f"{mode} {', '.join(f'{x:.1f}' for x in s)}" for mode, s in seconds.items()))
