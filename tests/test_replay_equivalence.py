@@ -32,7 +32,7 @@ from lsreplay.models.lora import add_adapters, is_adapter
 from lsreplay.models.distribution import RAW, SamplingParams
 from lsreplay.replay.cascade import cascade_applies
 from lsreplay.replay.heads import logprob_heads
-from lsreplay.replay.memory import ModelDims, default_budget, kept_spans
+from lsreplay.replay.memory import KeptLayers, ModelDims, default_budget, kept_spans
 from lsreplay.replay.view import replay_view
 from lsreplay.tree import RolloutTree
 
@@ -246,9 +246,9 @@ def test_replay_exact_without_float32_norm(exact_rmsnorm, kind, name):
     assert rel <= 1e-11, rel
 
 
-def kept_shares(kind: str, dtype, trees, budget: int | None) -> list[tuple[dict[int, int], int]]:
-    """Per tree at `budget`: the branching spans replay keeps, with the layers each runs again
-    in the backward (memory.kept_spans), and the number of branching spans."""
+def kept_shares(kind: str, dtype, trees, budget: int | None) -> list[tuple[dict[int, KeptLayers], int]]:
+    """Per tree at `budget`: the branching spans replay keeps, with what their layers keep
+    (memory.kept_spans), and the number of branching spans."""
     model = _model(kind, dtype)
     dims, elt = ModelDims.from_hf(model.config), torch.tensor([], dtype=dtype).element_size()
     out = []
@@ -263,8 +263,9 @@ def kept_shares(kind: str, dtype, trees, budget: int | None) -> list[tuple[dict[
 
 # What each path of the backward looks like in a tree's kept spans (and its branching spans).
 PATHS = {
-    "kept": lambda kept, branching: len(kept) == branching and not any(kept.values()),
-    "layers-recomputed": lambda kept, branching: any(kept.values()),
+    "kept": lambda kept, branching: len(kept) == branching and all(k == KeptLayers() for k in kept.values()),
+    "lean-layers": lambda kept, branching: any(k.lean and not k.rerun for k in kept.values()),
+    "layers-run-again": lambda kept, branching: any(k.rerun for k in kept.values()),
     "recompute": lambda kept, branching: not kept,
     "mixed": lambda kept, branching: 0 < len(kept) < branching,
 }
@@ -283,8 +284,8 @@ def budget_for(kind: str, dtype, trees, path: str) -> int:
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_every_path_of_the_backward_is_exact(exact_rmsnorm, kind, name, path):
     """Each branching node forwarded once with its whole graph kept, kept with some of its
-    layers run again in its backward (recompute.py), recomputed after its subtree, or kept
-    and recomputed nodes in one tree."""
+    layers lean or run again whole in its backward (recompute.py), recomputed after its
+    subtree, or kept and recomputed nodes in one tree."""
     trees = make_trees(3)
     budget = budget_for(kind, torch.float64, trees, path)
     assert all(branching > 0 for _, branching in kept_shares(kind, torch.float64, trees, budget))

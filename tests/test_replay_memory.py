@@ -19,7 +19,8 @@ from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.backward import replay_plan
 from lsreplay.replay.capture import capture_tree
 from lsreplay.replay.cascade import forward_cascade
-from lsreplay.replay.memory import ModelDims, saved_bytes
+from lsreplay.replay.memory import KeptLayers, ModelDims, kept_bytes, saved_bytes
+from lsreplay.replay.recompute import recomputed_layers
 from lsreplay.replay.segments import concat_kv, forward_segments, new_kv, target_logprobs
 from lsreplay.tree import RolloutTree
 
@@ -192,3 +193,52 @@ def test_cascade_run_saves_what_the_byte_model_counts(dtype, lengths):
     elt = torch.tensor([], dtype=dtype).element_size()
     expected = saved_bytes(ModelDims.from_hf(config), elt, len(lengths), max(lengths), start, entries, cascade=True)
     assert saved == expected  # byte for byte
+
+
+# -- what a kept span holds (memory.kept_bytes), its layers whole, lean or run again ----------
+
+@pytest.mark.parametrize("layers", [KeptLayers(), KeptLayers(0, 2), KeptLayers(0, 1), KeptLayers(2, 0), KeptLayers(1, 1)],
+                         ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("ancestors", [0, 1], ids=["prompt", "after-prompt"])
+def test_kept_span_holds_what_the_byte_model_counts(dtype, ancestors, layers):
+    """A branching span forwarded with grad as kept_node does it (recompute.py's layers),
+    with a child run on its K/V as leaf tensors: what the meter counts is the span's
+    kept_bytes and the child's saved_bytes, byte for byte; the backward then gives every
+    weight the gradient of the span's whole graph kept."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    rng = random.Random(0)
+    prompt, span, child = ([rng.randrange(VOCAB) for _ in range(n)] for n in (30, 12, 7))
+    prefix = []
+    if ancestors:
+        with torch.no_grad():
+            _, cache = forward_segments(model, [prompt], 0, None)
+        prefix = [tuple([t.clone().requires_grad_() for t in half] for half in new_kv(cache, 0))]
+    start = len(prompt) if ancestors else 0
+    grads = {}
+    for kept in (KeptLayers(), layers):
+        meter = ActivationMeter(model)
+        with meter.hold(0, tensors=[t for kv in prefix for half in kv for t in half]), meter.measure():
+            base = meter.current
+            with recomputed_layers(model, kept, meter):
+                hidden, cache = (forward_cascade(model, [span], start, prefix) if prefix
+                                 else forward_segments(model, [span], 0, None))
+            own = new_kv(cache, 0)
+            objective = hidden.sum()  # saves nothing
+            kv = tuple([t.detach().requires_grad_() for t in half] for half in own)
+            below, _ = forward_cascade(model, [child], start + len(span), [*prefix, kv])
+            child_objective = target_logprobs(model, below[0], range(len(child) - 1), child[1:]).sum()
+            held = meter.current - base
+            child_objective.backward()
+            torch.autograd.backward([objective, *own[0], *own[1]],
+                                    [torch.ones_like(objective), *(t.grad for half in kv for t in half)])
+        grads[kept] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        dims, elt = ModelDims.from_hf(config), torch.tensor([], dtype=dtype).element_size()
+        assert held == (kept_bytes(dims, elt, len(span), start, 0, kept, cascade=bool(prefix), ancestors=ancestors)
+                        + saved_bytes(dims, elt, 1, len(child), start + len(span), len(child) - 1, cascade=True))
+    whole, less = grads[KeptLayers()], grads[layers]
+    assert all(torch.equal(whole[n], less[n]) for n in whole)

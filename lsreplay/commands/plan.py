@@ -59,6 +59,7 @@ from lsreplay.core.config import RolloutConfig, completion_tokens, multi_turn
 from lsreplay.models.train_state import master_dtype
 from lsreplay.replay.attention_kernels import kernel_for
 from lsreplay.replay.memory import (
+    KeptLayers,
     ModelDims,
     default_budget,
     kept_bytes,
@@ -202,7 +203,7 @@ def joined_levels(levels: tuple[tuple[int, int], ...], join_below: int) -> tuple
 
 
 def kept_view(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-              accelerator: bool = False, join_below: int = 0) -> tuple[list, dict[int, int], int, bool]:
+              accelerator: bool = False, join_below: int = 0) -> tuple[list, dict[int, KeptLayers], int, bool]:
     """The replay view of a tree of this shape, the branching spans whose graphs the
     backward keeps (replay.backward.replay_plan's rule), the budget, and whether runs after
     a prefix use cascade attention."""
@@ -232,9 +233,9 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
         name = "prompt" if depth == 0 else f"level-{depth} segment"
         own = _run(dims, elt, name, held, 1, len(span.tokens), span.start, len(span.entry_ids), cascade)
         if span.id in kept:  # run once, its graph held below (but its layers run again in the backward)
-            own = replace(own, what=f"{name}, {_kept(kept[span.id], dims.layers)}",
+            own = replace(own, what=f"{name}, {kept[span.id].describe(dims.layers)}",
                           saved=kept_bytes(dims, elt, len(span.tokens), span.start, len(span.entry_ids), kept[span.id],
-                                           cascade))
+                                           cascade, depth))
             runs.append(own)
             held += own.saved + kvpp * len(span.tokens)
         else:
@@ -262,14 +263,10 @@ def replay_path(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
         if span.is_leaf:
             break
         name = "prompt" if depth == 0 else f"level-{depth} segment"
-        out.append(f"{name} " + (f"forwarded once, {_kept(kept[span.id], dims.layers)}" if span.id in kept
+        out.append(f"{name} " + (f"forwarded once, {kept[span.id].describe(dims.layers)}" if span.id in kept
                                   else "recomputed after its subtree"))
         span = spans[span.children[0]]
     return "; ".join(out) or "a single chain"
-
-
-def _kept(recomputed: int, layers: int) -> str:
-    return "graph kept" + (f" ({recomputed} of {layers} layers run again in its backward)" if recomputed else "")
 
 
 # -- model state ----------------------------------------------------------------------------

@@ -14,8 +14,9 @@ feed every child subtree (so their dK/dV accumulates in the leaves' .grad), and 
 graph then backpropagates the accumulated dK/dV together with the node's own token
 losses, including the logits at its last position that predict each child's first token.
 Each position is then forwarded once for the update. Where the whole graph would leave too
-little of the budget to the node's leaves, its first layers keep only their input and run
-again in its backward (recompute.py). A node that does not fit even so takes its
+little of the budget to the node's leaves, its first layers keep less and run again in its
+backward: lean (the outputs of their products and attention kept, their elementwise ops run
+again) or whole (recompute.py). A node that does not fit even so takes its
 keys/values as leaf tensors from the caching pass (or computed here without grad), runs
 its subtrees on them, then runs itself again with grad to inject the dK/dV: memory then
 holds one root-to-leaf path's K/V instead of its graphs.
@@ -44,8 +45,8 @@ from transformers import PreTrainedModel
 from lsreplay.models.summed_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
-from lsreplay.replay.memory import (ActivationMeter, ModelDims, default_budget, device_peak_bytes, kept_spans,
-                                    leaf_batch_rows, reset_device_peak)
+from lsreplay.replay.memory import (ActivationMeter, KeptLayers, ModelDims, default_budget, device_peak_bytes,
+                                    kept_spans, leaf_batch_rows, reset_device_peak)
 from lsreplay.replay.recompute import recomputed_layers
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
 from lsreplay.replay.view import Span, replay_view
@@ -117,9 +118,8 @@ class _Replay:
         """Forward the span once with grad and keep its graph while its subtree replays on
         its K/V (leaf tensors viewing them), then backward its own scores and the subtree's
         dK/dV through that graph: no second forward of the span (kept_spans chose it), only
-        of its layers that keep their input alone (recompute.py)."""
-        recomputed = self.kept[span.id]
-        with recomputed_layers(self.model, recomputed):
+        of its layers that keep less (recompute.py)."""
+        with recomputed_layers(self.model, self.kept[span.id], self.meter):
             hidden, own_kv = self.forward([span], ancestors)
         objective = self.score([span], hidden)
         del hidden  # what backward needs of it, the graph holds
@@ -229,9 +229,9 @@ def _grads(kv: PrefixKV):
 
 
 def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0,
-                budget_bytes: int | None = None) -> tuple[list[Span], dict[int, int], int]:
+                budget_bytes: int | None = None) -> tuple[list[Span], dict[int, KeptLayers], int]:
     """How replay_backward walks `tree`: its replay view (view.py), the branching spans whose
-    graphs it keeps with the number of their layers run again (memory.kept_spans) and the
+    graphs it keeps with what their layers keep (memory.kept_spans) and the
     memory budget of one path, `budget_bytes` or
     by default what the per-rollout backward needs for the tree's longest rollout, with its
     K/V (memory.default_budget). The caching pass asks it which K/V the backward will read."""

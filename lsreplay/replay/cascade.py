@@ -83,9 +83,10 @@ class _CascadeAttention(torch.autograd.Function):
             part_out, part_lse = kernel.forward(folded, k, v, False, scale)
             parts.append((_unfold(part_out, rows, heads, width), _unfold(part_lse, rows, heads, width)))
         merged_lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
-        # Merged in the log-sum-exp's dtype (float32 for bfloat16), in place, so the result
-        # keeps the layout of the own part's output.
-        out = out.to(merged_lse.dtype).mul_((lse - merged_lse).exp().unsqueeze(-1))
+        # Merged in the log-sum-exp's dtype (float32 for bfloat16), into a tensor of the own
+        # part's layout (a product keeps its first input's), so the caller's transpose is free;
+        # not in place, since a lean layer (recompute.py) keeps the kernel's outputs as they were.
+        out = out.to(merged_lse.dtype) * (lse - merged_lse).exp().unsqueeze(-1)
         for part_out, part_lse in parts[1:]:
             out.addcmul_(part_out, (part_lse - merged_lse).exp().unsqueeze(-1))
         out = out.to(query.dtype)

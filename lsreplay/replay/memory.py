@@ -69,6 +69,13 @@ class ActivationMeter:
     def _unpack(x):
         return x.tensor if isinstance(x, _Saved) else x
 
+    def keep(self, t: torch.Tensor):
+        """Count `t` as saved for backward until the returned handle is dropped (for what
+        autograd does not save itself: a lean layer's kept outputs, recompute.py)."""
+        return self._pack(t)
+
+    kept = _unpack  # the tensor back from `keep`'s handle
+
     @contextmanager
     def measure(self):
         """Count tensors saved for backward inside the block."""
@@ -214,66 +221,120 @@ def default_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> 
 # costs per position, as a share of one with grad and its backward (one matmul of three).
 RUN_POSITIONS = 100
 NO_GRAD_SHARE = 1 / 3
+# What running a lean layer again (its norms, rotary embedding, activation, residual adds;
+# recompute.py) costs, as a share of running it again whole. Measured on a 670-token
+# SmolLM2-135M prompt's forward and backward on two CPU threads, every layer lean or run
+# again whole: 0.17-0.35 s and 1.2 s more than with its whole graph kept (3.75-4.2 s).
+LEAN_SHARE = 1 / 4
 
 
-def kept_bytes(dims: ModelDims, elt: int, width: int, start: int, entries: int, recomputed: int,
-               cascade: bool = False) -> int:
-    """What a kept span of `width` positions after `start` holds for its backward (as
-    ActivationMeter counts it): its forward's saved activations, less those of its first
-    `recomputed` decoder layers (recompute.py), which hold their input and their keys and
-    values alone (the children attend to those, and save them); with every layer
-    recomputed, no layer saves the rotary tables either."""
+@dataclass(frozen=True)
+class KeptLayers:
+    """What the decoder layers of a kept span keep for its backward (recompute.py): the first
+    `rerun` their input alone, and run again whole in the backward; the next `lean` their
+    input and the outputs of their matrix products and attention, and run again only the
+    elementwise ops between those; the others their whole graph."""
+
+    rerun: int = 0
+    lean: int = 0
+
+    @property
+    def cost_layers(self) -> float:
+        """What running them again costs, in layers' forward."""
+        return self.rerun + LEAN_SHARE * self.lean
+
+    def describe(self, layers: int) -> str:
+        if self.lean and self.rerun:
+            return f"graph kept ({self.lean} of {layers} layers lean, {self.rerun} run again whole in its backward)"
+        if self.lean:
+            return f"graph kept ({self.lean} of {layers} layers lean: their elementwise ops run again in its backward)"
+        return "graph kept" + (f" ({self.rerun} of {layers} layers run again in its backward)" if self.rerun else "")
+
+
+def layer_choices(layers: int) -> list[KeptLayers]:
+    """Every way a kept span's layers may keep less, each holding less than the one before:
+    lean layers first (a fraction of a layer's forward run again, for about half its
+    bytes), then layers run again whole in place of lean ones."""
+    return [KeptLayers(0, n) for n in range(layers + 1)] + [KeptLayers(n, layers - n) for n in range(1, layers + 1)]
+
+
+def lean_layer_bytes(dims: ModelDims, elt: int, attention_calls: int = 1) -> int:
+    """What a lean decoder layer (recompute.py) holds per position: its input, the outputs of
+    its seven projections (queries, keys, values, attention output, gate, up, down), the
+    output and log-sum-exp of each of its attention kernel's calls (cascade attention calls
+    it once more per ancestor), and the keys and values its children attend to (the cache's
+    copies, the keys rotated)."""
+    h, e = dims.hidden, elt
+    products = dims.q_dim + 2 * dims.kv_dim + 2 * h + 2 * dims.intermediate
+    attention = attention_calls * (dims.q_dim * e + max(4, e) * dims.heads)
+    return (h + products + 2 * dims.kv_dim) * e + attention
+
+
+def kept_bytes(dims: ModelDims, elt: int, width: int, start: int, entries: int, layers: KeptLayers,
+               cascade: bool = False, ancestors: int = 0) -> int:
+    """What a kept span of `width` positions after `start` (and `ancestors` spans) holds for
+    its backward (as ActivationMeter counts it): its forward's saved activations, less what
+    its lean and rerun layers (`layers`, recompute.py) do not keep. A rerun layer holds its
+    input and its keys and values alone (the children attend to those, and save them), a
+    lean one lean_layer_bytes; with no layer keeping its whole graph, none saves the rotary
+    tables either."""
     full = saved_bytes(dims, elt, 1, width, start, entries, cascade)
     per_layer = (full - saved_bytes(replace(dims, layers=0), elt, 1, width, start, entries, cascade)) // dims.layers
-    held = width * (dims.hidden + 2 * dims.kv_dim) * elt
-    rotary = width * 2 * dims.head_dim * elt if recomputed == dims.layers else 0
-    return full - recomputed * (per_layer - held) - rotary
+    rerun_held = width * (dims.hidden + 2 * dims.kv_dim) * elt
+    lean_held = width * lean_layer_bytes(dims, elt, 1 + ancestors if cascade and start else 1)
+    rotary = width * 2 * dims.head_dim * elt if layers.rerun + layers.lean == dims.layers else 0
+    return full - layers.rerun * (per_layer - rerun_held) - layers.lean * (per_layer - lean_held) - rotary
 
 
-def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascade: bool = False) -> dict[int, int]:
+def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int,
+               cascade: bool = False) -> dict[int, KeptLayers]:
     """The branching spans of a replay view (view.py) that replay forwards once with grad and
     keeps while their subtree replays (their K/V feed the children, their graph takes the
-    children's dK/dV afterwards), each with the number of its decoder layers that keep only
-    their input and run again in the backward (recompute.py; 0: the whole graph kept). The
-    others take their K/V as leaf tensors (from the caching pass, or computed without grad)
-    and run again with grad after their subtree: the fallback that bounds memory.
+    children's dK/dV afterwards), each with what its decoder layers keep (KeptLayers: some
+    may keep less and run again in the backward, recompute.py). The others take their K/V
+    as leaf tensors (from the caching pass, or computed without grad) and run again with
+    grad after their subtree: the fallback that bounds memory.
 
     Per span, top down, the cheapest choice whose held memory (next to what the path above
     holds and one row of its longest child) fits `budget`, in positions' worth of compute:
-    a recomputed layer costs its share of the span's forward without grad (NO_GRAD_SHARE,
-    the fallback the whole of it), and the less the span holds the more of its leaf children
-    share a micro-batch, each run costing RUN_POSITIONS. (A [4, 2] tree of the default
-    config at its default budget: the prompt's whole graph left room for one leaf per run;
-    with about half its layers recomputed all its leaves share one run.) Decided from the
-    view alone, so the caching pass knows which K/V the backward will read."""
+    layers run again cost their share of the span's forward without grad (NO_GRAD_SHARE,
+    the fallback the whole of it; a lean layer LEAN_SHARE of a layer's), and the less the
+    span holds the more of its leaf children share a micro-batch, each run costing
+    RUN_POSITIONS. (A [4, 2] tree of the default config at its default budget: the prompt's
+    whole graph left room for one leaf per run; with its layers lean all its leaves share
+    one run.) Decided from the view alone, so the caching pass knows which K/V the backward
+    will read."""
     kv = kv_bytes_per_position(dims, elt)
-    kept: dict[int, int] = {}
+    choices = layer_choices(dims.layers)
+    kept: dict[int, KeptLayers] = {}
 
     def leaf_runs(span: Span, held: int) -> int:
         widths = sorted((len(spans[c].tokens) for c in span.children if spans[c].is_leaf), reverse=True)
         return len(leaf_batch_rows(dims, elt, widths, span.end, budget - held, cascade))
 
-    def visit(span: Span, held: int) -> None:
+    def visit(span: Span, held: int, depth: int) -> None:
         if span.is_leaf:
             return
         width, length = max(len(spans[c].tokens) for c in span.children), len(span.tokens)
         child = saved_bytes(dims, elt, 1, width, span.end, width - 1, cascade)
         grads = kv * length
-        # (cost, recomputed layers or None for the fallback, what the path holds below it)
+        # (cost, what the layers keep or None for the fallback, what the path holds below it)
         fallback_held = held + 2 * grads  # the K/V as leaf tensors, and their gradient
         best = (NO_GRAD_SHARE * length + RUN_POSITIONS * leaf_runs(span, fallback_held), None, fallback_held)
-        for layers in range(dims.layers + 1):
-            kept_held = held + kept_bytes(dims, elt, length, span.start, len(span.entry_ids), layers, cascade) + grads
+        for layers in choices:
+            kept_held = held + grads + kept_bytes(dims, elt, length, span.start, len(span.entry_ids), layers,
+                                                  cascade, depth)
             if kept_held + child <= budget:
-                cost = NO_GRAD_SHARE * length * layers / dims.layers + RUN_POSITIONS * leaf_runs(span, kept_held)
-                # On a tie the kept span (no K/V written and read back), with the fewest layers run again.
+                cost = (NO_GRAD_SHARE * length * layers.cost_layers / dims.layers
+                        + RUN_POSITIONS * leaf_runs(span, kept_held))
+                # On a tie the kept span (no K/V written and read back), keeping the most.
                 best = min(best, (cost, layers, kept_held), key=lambda option: (option[0], option[1] is None))
         if best[1] is not None:
             kept[span.id] = best[1]
         for c in span.children:
-            visit(spans[c], best[2])
+            visit(spans[c], best[2], depth + 1)
 
-    visit(spans[0], 0)
+    visit(spans[0], 0, 0)
     return kept
 
 
