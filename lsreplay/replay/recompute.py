@@ -62,7 +62,7 @@ def recomputed_layers(model: torch.nn.Module, layers: KeptLayers, meter: Activat
     if clash := [i for i, layer in enumerate(chosen) if "forward" in layer.__dict__]:
         raise RuntimeError(f"decoder layers {clash} have their forward replaced already (a hook library's?)")
     for i, layer in enumerate(chosen):  # an instance attribute shadows the class's forward until deleted
-        layer.forward = _Recomputed(layer, meter if i >= layers.rerun else None, lean=i >= layers.rerun)
+        layer.forward = _Recomputed(layer, meter, lean=i >= layers.rerun)
     try:
         yield
     finally:
