@@ -29,15 +29,20 @@ PROMPT, SUFFIX = 256, 32
 LEAVES = (8, 16, 32)
 
 
-@pytest.fixture(scope="module")
-def model():
+def _llama(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """The tests' 2-layer Llama (4 query heads, 2 K/V heads), seeded."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config).float().eval()
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _llama()
 
 
 def _tree(leaves: int, seed: int = 0) -> RolloutTree:
@@ -167,10 +172,8 @@ def test_meter_counts_a_held_tensor_once_when_autograd_saves_it():
 def test_cascade_run_saves_what_the_byte_model_counts(dtype, lengths):
     """What autograd keeps for a run on two ancestors' K/V held by replay (a branching node
     recomputed, or a micro-batch of right-padded leaves), scored on every real position."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(dtype).eval()
+    model = _llama(dtype)
+    config = model.config
     rng = random.Random(0)
     ancestors = [[rng.randrange(VOCAB) for _ in range(n)] for n in (40, 24)]
     prefix, start = [], 0
@@ -206,10 +209,8 @@ def test_kept_span_holds_what_the_byte_model_counts(dtype, ancestors, layers):
     with a child run on its K/V as leaf tensors: what the meter counts is the span's
     kept_bytes and the child's saved_bytes, byte for byte; the backward then gives every
     weight the gradient of the span's whole graph kept."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(dtype).eval()
+    model = _llama(dtype)
+    config = model.config
     rng = random.Random(0)
     prompt, span, child = ([rng.randrange(VOCAB) for _ in range(n)] for n in (30, 12, 7))
     prefix = []
