@@ -7,6 +7,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from lsreplay.replay.memory import RUN_POSITIONS
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("speedup", "ideal", "efficiency", "mem_ratio")
 # What the GPU machine lacks and bench/gpu_smoke.py does not carry (the device tool's KINDS.md).
@@ -55,6 +57,21 @@ def test_replay_bench_smoke():
     assert float(pairs["efficiency"]) == min(float(pairs[f"efficiency_{s}"]) for s in shapes)
     assert float(pairs["mem_ratio"]) == max(float(pairs[f"mem_ratio_{s}"]) for s in shapes)
     assert float(pairs["grad_rel_diff"]) <= 1e-4
+
+
+def test_run_cost_bench_smoke(tiny_model_dir):
+    """bench/run_cost.py times runs of each length and fits their fixed cost, next to the
+    constant the replay planner uses."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run_cost.py"), "--lengths", "4,8,16", "--rounds", "1",
+                           f"model.path={tiny_model_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2].startswith("run of L positions (s): L=4 ")
+    pairs = dict(item.split("=", 1) for item in lines[-1].split())
+    assert list(pairs) == ["fixed_seconds", "per_position_ms", "fixed_positions", "run_positions", "threads"]
+    assert all(math.isfinite(float(v)) for v in pairs.values())
+    assert int(pairs["run_positions"]) == RUN_POSITIONS
 
 
 def test_dpo_bench_smoke():

@@ -7,9 +7,9 @@ fills a fresh weight-sized tensor, which is then added into `.grad` (three more 
 over it); the embedding scatters into a zeroed vocab x hidden tensor, the head's product
 fills another, and the two are summed when tied. On CPU, where a pass over memory costs
 about what a short run's matmuls do, that is a fixed cost per run whatever its length:
-for SmolLM2-135M on two cores about as much as 100 positions' forward and backward
-(replay/view.py), which replay, with many short runs, pays more often than the
-per-rollout backward does.
+for SmolLM2-135M on two cores about as much as 100 positions' forward and backward, which
+replay, with many short runs, pays more often than the per-rollout backward does. (With
+the buffers below a run still costs about 35 positions' worth: bench/run_cost.py.)
 
 Here each product goes straight into one buffer per weight (`addmm_` with the buffer as
 its accumulator: a linear layer's in `_LinearInPlace`, the head's in

@@ -216,10 +216,11 @@ def default_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> 
 
 
 # What a replay run costs beyond its positions' forward and backward, in positions' worth:
-# every run computes and accumulates every weight's gradient once, whatever its length
-# (~0.4 s for SmolLM2-135M on two CPU cores, see view.py). And what a forward without grad
+# every run adds every weight's gradient into its buffer once (models/summed_grads.py),
+# whatever its length. bench/run_cost.py, SmolLM2-135M on two CPU cores: 0.20-0.21 s, 34-35
+# positions' worth (it was ~100 before the summed buffers). And what a forward without grad
 # costs per position, as a share of one with grad and its backward (one matmul of three).
-RUN_POSITIONS = 100
+RUN_POSITIONS = 35
 NO_GRAD_SHARE = 1 / 3
 # What running a lean layer again (its norms, rotary embedding, activation, residual adds;
 # recompute.py) costs, as a share of running it again whole. Measured on a 670-token
@@ -301,9 +302,9 @@ def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int,
     the fallback the whole of it; a lean layer LEAN_SHARE of a layer's), and the less the
     span holds the more of its leaf children share a micro-batch, each run costing
     RUN_POSITIONS. (A [4, 2] tree of the default config at its default budget: the prompt's
-    whole graph left room for one leaf per run; with 29 of its 30 layers lean and one run
-    again whole, all its leaves share one run.) Decided from the view alone, so the caching
-    pass knows which K/V the backward will read."""
+    whole graph leaves room for one leaf per run; with 15 of its 30 layers lean, four leaves
+    share a run.) Decided from the view alone, so the caching pass knows which K/V the
+    backward will read."""
     kv = kv_bytes_per_position(dims, elt)
     choices = layer_choices(dims.layers)
     kept: dict[int, KeptLayers] = {}

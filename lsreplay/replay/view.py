@@ -1,10 +1,10 @@
 """The replay's view of a tree: short branching segments joined into their children.
 
-Every replay run costs a fixed amount on top of its positions: each run computes and
-accumulates every weight's gradient once, whatever its length (for SmolLM2-135M on two
-CPU cores, ~0.4 s, about 100 positions' worth). A branching node with k children costs a
-run of its own; joined into its children, its positions are run k times instead, inside
-their runs. Joining pays when (k - 1) x its length < replay.join_below, and saves a run
+Every replay run costs a fixed amount on top of its positions: each run adds every
+weight's gradient into its buffer once, whatever its length (for SmolLM2-135M on two CPU
+cores ~0.2 s, about 35 positions' worth: bench/run_cost.py, memory.RUN_POSITIONS). A
+branching node with k children costs a run of its own; joined into its children, its
+positions are run k times instead, inside their runs. Joining pays when (k - 1) x its length < replay.join_below, and saves a run
 per joined node and all the micro-batches its leaves would have had alone.
 
 Exactness does not depend on the choice: a joined node's positions compute the same
