@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from lsreplay.core.config import load_config  # noqa: E402
 from lsreplay.models.summed_grads import summed_in_place  # noqa: E402
-from lsreplay.replay.heads import LOGPROB_HEADS, LOGPROB  # noqa: E402
+from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS  # noqa: E402
 from lsreplay.replay.memory import RUN_POSITIONS  # noqa: E402
 from lsreplay.replay.segments import forward_segments  # noqa: E402
 from lsreplay.state.resident import policy_model  # noqa: E402
@@ -41,7 +41,8 @@ from side_by_side import key_values  # noqa: E402
 
 
 def leaf_run(model, tokens: list[int]) -> None:
-    """One run as replay runs a leaf of len(tokens) positions: each predicts the next."""
+    """One run as replay runs a leaf of len(tokens) positions, each but the last scored on
+    the token after it."""
     hidden, _ = forward_segments(model, [tokens], 0, None)
     at = list(range(len(tokens) - 1))
     LOGPROB_HEADS[LOGPROB](model, hidden[0], at, tokens[1:]).sum().backward()
@@ -56,7 +57,7 @@ def run_seconds(model, lengths: list[int], rounds: int, seed: int) -> dict[int, 
     with summed_in_place(model):
         for round_ in range(rounds + 1):
             for n in lengths if round_ % 2 else lengths[::-1]:
-                tokens = torch.randint(0, vocab, (n + 1,), generator=generator).tolist()
+                tokens = torch.randint(0, vocab, (n,), generator=generator).tolist()
                 start = time.perf_counter()
                 leaf_run(model, tokens)
                 if round_:

@@ -217,7 +217,7 @@ def default_budget(dims: ModelDims, elt: int, longest: int, completion: int) -> 
 
 # What a replay run costs beyond its positions' forward and backward, in positions' worth:
 # every run adds every weight's gradient into its buffer once (models/summed_grads.py),
-# whatever its length. bench/run_cost.py, SmolLM2-135M on two CPU cores: 0.20-0.21 s, 34-35
+# whatever its length. bench/run_cost.py, SmolLM2-135M on two CPU cores: 0.20-0.21 s, 34-38
 # positions' worth (it was ~100 before the summed buffers). And what a forward without grad
 # costs per position, as a share of one with grad and its backward (one matmul of three).
 RUN_POSITIONS = 35
