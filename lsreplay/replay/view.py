@@ -4,8 +4,9 @@ Every replay run costs a fixed amount on top of its positions: each run adds eve
 weight's gradient into its buffer once, whatever its length (for SmolLM2-135M on two CPU
 cores ~0.2 s, about 35 positions' worth: bench/run_cost.py, memory.RUN_POSITIONS). A
 branching node with k children costs a run of its own; joined into its children, its
-positions are run k times instead, inside their runs. Joining pays when (k - 1) x its length < replay.join_below, and saves a run
-per joined node and all the micro-batches its leaves would have had alone.
+positions are run k times instead, inside their runs. Joining pays when (k - 1) x its
+length < replay.join_below, and saves a run per joined node and all the micro-batches its
+leaves would have had alone.
 
 Exactness does not depend on the choice: a joined node's positions compute the same
 activations in every row that carries them, and its entries are scored in one row only
