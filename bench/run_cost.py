@@ -10,7 +10,7 @@ sequence of each length as replay runs a leaf: forward_segments with grad, every
 scored by the logprob head, the backward into the weights' summed buffers
 (models/summed_grads.py, entered once around all runs as replay_backward does), on the
 config's policy at its thread count. The lengths alternate in order over --rounds after a
-warm-up round; the minimum per length is fitted by least squares:
+warm-up round (side_by_side.alternating); the minimum per length is fitted by least squares:
 
     seconds(L) = fixed_seconds + L * per_position_seconds
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +36,7 @@ from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS  # noqa: E402
 from lsreplay.replay.memory import RUN_POSITIONS  # noqa: E402
 from lsreplay.replay.segments import forward_segments  # noqa: E402
 from lsreplay.state.resident import policy_model  # noqa: E402
-from side_by_side import key_values  # noqa: E402
+from side_by_side import alternating, key_values  # noqa: E402
 
 
 def leaf_run(model, tokens: list[int]) -> None:
@@ -49,20 +48,14 @@ def leaf_run(model, tokens: list[int]) -> None:
 
 
 def run_seconds(model, lengths: list[int], rounds: int, seed: int) -> dict[int, float]:
-    """The fastest run of each length over `rounds`, the order reversed every round, after a
-    warm-up round."""
+    """The fastest run of each length over `rounds` (side_by_side.alternating: the order
+    reversed every round, after a warm-up round), all in one summed_in_place as in replay."""
     generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    best = {n: float("inf") for n in lengths}
+    tokens = {n: torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths}
     with summed_in_place(model):
-        for round_ in range(rounds + 1):
-            for n in lengths if round_ % 2 else lengths[::-1]:
-                tokens = torch.randint(0, vocab, (n,), generator=generator).tolist()
-                start = time.perf_counter()
-                leaf_run(model, tokens)
-                if round_:
-                    best[n] = min(best[n], time.perf_counter() - start)
-    return best
+        seconds = alternating({n: lambda n=n: leaf_run(model, tokens[n]) for n in lengths}, rounds,
+                              torch.device("cpu"))
+    return {n: min(s) for n, s in seconds.items()}
 
 
 def fit(seconds: dict[int, float]) -> tuple[float, float]:
