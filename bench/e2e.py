@@ -1,7 +1,8 @@
 """End to end: the per-rollout baseline, lsreplay in full, and replay on the baseline's own
 rollouts, N RL steps each of one config, run one after another in one invocation.
 
-    .venv/bin/python bench/e2e.py [--config configs/default.yaml] [--steps 3] [--out runs/e2e] [key=value ...]
+    .venv/bin/python bench/e2e.py [--config configs/default.yaml] [--steps 3] [--rounds 1] [--flow-rounds 2]
+                                  [--out runs/e2e] [key=value ...]
 
     A  baseline   replay.mode=naive (every rollout's full sequence forward and backward),
                   plain decoding, no drafter
@@ -26,12 +27,14 @@ depends on the rewards only; what the backward computed shows in the gradient's 
 The last line is key=value pairs: step_speedup (A over B, mean step_seconds),
 train_speedup (prefix cache + policy update), rollout_speedup (the trees stage),
 max_loss_gap, max_grad_norm_gap, positions_ratio (A's trained positions over B's), and on
-the same trees, A's and C's: same_trees_train_speedup (A's caching pass + update over C's,
-less each policy stage's state_seconds: C, whose steps have no rollouts between them, writes
-its checkpoints there, where A's rollouts hide A's background writes;
-same_trees_stage_speedup keeps them in) next to same_trees_ideal_ratio (the positions a
-per-rollout backward computes over those replay computes: the speedup if time were
-proportional to positions); then, unless
+the same trees, A's: same_trees_train_speedup (the per-rollout caching pass + update over
+replay's, less each policy stage's state_seconds: a run on A's trees, whose steps have no
+rollouts between them, writes its checkpoints there, where A's rollouts hide A's background
+writes), measured side by side in flow runs: --flow-rounds rounds, the first A's and C's own
+runs, each further one a fresh flow of each mode on A's rollouts, the order reversed every
+round, each mode's fastest round; same_trees_stage_speedup (A's over C's, the state kept in)
+next to same_trees_ideal_ratio (the positions a per-rollout backward computes over those
+replay computes: the speedup if time were proportional to positions); then, unless
 --rounds 0, same_trees_backward_speedup (the backward alone on those trees, both modes
 side by side in this process: free of the noise between flow runs minutes apart) next to
 same_trees_flop_ideal (their FLOPs ratio). `lsreplay report` of the three runs
@@ -63,14 +66,15 @@ from lsreplay.state.resident import policy_model, policy_train_state  # noqa: E4
 from replay import forward_flops  # noqa: E402
 from side_by_side import alternating, key_values  # noqa: E402
 
+# A run on A's trees has no rollouts between its steps: a checkpoint written in the
+# background would share the cores with the next step's backward, where A's rollouts hide
+# A's writes. So it writes each in its policy stage, in the state seconds that
+# same_trees_train_speedup leaves out.
+ON_A_TREES = ["rollout.spec_threshold=0", "drafter.enabled=false", "checkpoint.background=false"]
 RUNS = {
     "A-baseline": ["replay.mode=naive", "rollout.spec_threshold=0", "drafter.enabled=false"],
     "B-lsreplay": [],
-    # C's steps have no rollouts between them: a checkpoint written in the background would
-    # share the cores with the next step's backward, where A's rollouts hide A's writes. So
-    # C writes each in its policy stage, in the state seconds same_trees_train_speedup leaves out.
-    "C-replay-on-A": ["replay.mode=replay", "rollout.spec_threshold=0", "drafter.enabled=false",
-                      "checkpoint.background=false"],
+    "C-replay-on-A": ["replay.mode=replay", *ON_A_TREES],
 }
 # What C takes over from A, step by step: the sampled prompts and the rollout trees.
 ROLLOUT_FILES = ("prompts.json", "prompts.done.json", "trees.done.json", "trees")
@@ -112,6 +116,26 @@ def train_seconds(rows: list[dict], state: bool = True) -> float:
     snapshotting a checkpoint and waiting for the previous one's background write)."""
     return mean(r["prefixes_seconds"] + r["policy_seconds"] - (0 if state else r.get("policy_state_seconds", 0.0))
                 for r in rows)
+
+
+def same_trees_flows(config: str, out: Path, common: list[str], a: list[dict], c: list[dict],
+                     rounds: int) -> dict[str, list[float]]:
+    """Seconds a step of training (caching pass and update, state left out) in flow runs on
+    A's trees, per-rollout ("naive") and replay, over `rounds` alternating rounds: the first
+    is A's and C's own runs (A ran first), each further one a fresh run of each mode on A's
+    rollouts (C's settings but for the mode), the order reversed every round. Their run
+    directories are removed once read (3 GB each, of checkpoints)."""
+    seconds = {"naive": [train_seconds(a, state=False)], "replay": [train_seconds(c, state=False)]}
+    for round_ in range(1, rounds):
+        for mode in list(seconds) if round_ % 2 == 0 else list(seconds)[::-1]:
+            run_dir = out / f"same-trees-{mode}-{round_}"
+            give_rollouts(out / "A-baseline", run_dir, len(a))
+            seconds[mode].append(train_seconds(train(config, run_dir, [*common, f"replay.mode={mode}", *ON_A_TREES]),
+                                               state=False))
+            shutil.rmtree(run_dir)
+    print(f"same trees, caching pass + update a step in flow runs, {rounds} rounds alternating (s): "
+          + "; ".join(f"{mode} {', '.join(f'{x:.1f}' for x in s)}" for mode, s in seconds.items()))
+    return seconds
 
 
 def backwards_side_by_side(run_dir: Path, steps: int, rounds: int) -> dict:
@@ -180,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "runs/e2e"))
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of the backward side by side on C's trees (0: none)")
+    parser.add_argument("--flow-rounds", type=int, default=2,
+                        help="rounds of flow runs on A's trees, per-rollout and replay alternately "
+                             "(the first is A's and C's own)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to all three runs")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -197,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{drafter['steps_done']} steps")
     write_report([out / name for name in metrics], out / "report")
     scale = max(abs(x) for x in per_step(a, "loss")) or 1.0
+    same_trees = same_trees_flows(args.config, out, common, a, c, args.flow_rounds)
     results = {
         "step_speedup": mean(per_step(a, "step_seconds")) / mean(per_step(b, "step_seconds")),
         "train_speedup": train_seconds(a) / train_seconds(b),
@@ -204,10 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_loss_gap": max(abs(x - y) for x, y in zip(per_step(a, "loss"), per_step(c, "loss"))) / scale,
         "max_grad_norm_gap": max(abs(x - y) / x for x, y in zip(per_step(a, "grad_norm"), per_step(c, "grad_norm")) if x),
         "positions_ratio": sum(per_step(a, "positions")) / sum(per_step(b, "positions")),
-        # On the same trees (A's, which C trains on): what replay saves against what it could.
-        # C's steps follow each other with no rollouts between them to hide the background
-        # checkpoint write, which A's rollouts do: compared on compute, the state left out.
-        "same_trees_train_speedup": train_seconds(a, state=False) / train_seconds(c, state=False),
+        # On the same trees (A's, which C trains on): what replay saves against what it could,
+        # compared on compute (the state left out), each mode's fastest of the alternating flows.
+        "same_trees_train_speedup": min(same_trees["naive"]) / min(same_trees["replay"]),
         "same_trees_stage_speedup": train_seconds(a) / train_seconds(c),
         "same_trees_ideal_ratio": sum(per_step(c, "per_rollout_positions")) / sum(per_step(c, "positions")),
         "steps": args.steps,
