@@ -66,13 +66,14 @@ from lsreplay.state.resident import policy_model, policy_train_state  # noqa: E4
 from replay import forward_flops  # noqa: E402
 from side_by_side import alternating, key_values  # noqa: E402
 
+PLAIN_DECODING = ["rollout.spec_threshold=0", "drafter.enabled=false"]
 # A run on A's trees has no rollouts between its steps: a checkpoint written in the
 # background would share the cores with the next step's backward, where A's rollouts hide
 # A's writes. So it writes each in its policy stage, in the state seconds that
 # same_trees_train_speedup leaves out.
-ON_A_TREES = ["rollout.spec_threshold=0", "drafter.enabled=false", "checkpoint.background=false"]
+ON_A_TREES = [*PLAIN_DECODING, "checkpoint.background=false"]
 RUNS = {
-    "A-baseline": ["replay.mode=naive", "rollout.spec_threshold=0", "drafter.enabled=false"],
+    "A-baseline": ["replay.mode=naive", *PLAIN_DECODING],
     "B-lsreplay": [],
     "C-replay-on-A": ["replay.mode=replay", *ON_A_TREES],
 }
@@ -118,6 +119,11 @@ def train_seconds(rows: list[dict], state: bool = True) -> float:
                 for r in rows)
 
 
+def per_round(seconds: dict[str, list[float]]) -> str:
+    """Each mode's seconds round by round, for the bench's log: "naive 1.0, 1.1; replay 0.2, 0.3"."""
+    return "; ".join(f"{mode} {', '.join(f'{x:.1f}' for x in s)}" for mode, s in seconds.items())
+
+
 def same_trees_flows(config: str, out: Path, common: list[str], a: list[dict], c: list[dict],
                      rounds: int) -> dict[str, list[float]]:
     """Seconds a step of training (caching pass and update, state left out) in flow runs on
@@ -134,7 +140,7 @@ def same_trees_flows(config: str, out: Path, common: list[str], a: list[dict], c
                                                state=False))
             shutil.rmtree(run_dir)
     print(f"same trees, caching pass + update a step in flow runs, {rounds} rounds alternating (s): "
-          + "; ".join(f"{mode} {', '.join(f'{x:.1f}' for x in s)}" for mode, s in seconds.items()))
+          + per_round(seconds))
     return seconds
 
 
@@ -177,7 +183,7 @@ def backwards_side_by_side(run_dir: Path, steps: int, rounds: int) -> dict:
     seconds = alternating({mode: every_step(fn) for mode, fn in backwards.items()}, rounds, torch.device("cpu"))
     best = {mode: min(s) for mode, s in seconds.items()}
     print(f"same trees, backward alone, {rounds} rounds alternating (s): "
-          + "; ".join(f"{mode} {', '.join(f'{x:.1f}' for x in s)}" for mode, s in seconds.items()))
+          + per_round(seconds))
     return {"same_trees_backward_speedup": best["naive"] / best["replay"],
             "same_trees_flop_ideal": flops["naive"] / flops["replay"]}
 
