@@ -208,6 +208,12 @@ class RolloutConfig:
     # tool call past it answers as a tool error (as TRL returns errors), an environment's hook
     # past it stops the run naming it; either way the stall is logged. 0 = no limit.
     tool_timeout_seconds: float = 60.0
+    # The tools of rollout.tools are code you did not write (or trust): each call runs in a
+    # child process of its own with sandbox's CPU and memory limits, killed past
+    # tool_timeout_seconds, instead of in this process, where a tool that holds the
+    # interpreter (a huge power) would stall the run. It gets the call's JSON arguments and
+    # answers str(result). The environment (rollout.environment) always runs in this process.
+    untrusted_tools: bool = False
     # Where a prompt's rollouts fork: "tokens", at the segment_tokens offsets of the first
     # reply (as single-turn rollouts), or "turns", branching[k] replies at turn k, each after
     # the environment's answer to the turn before.
@@ -345,6 +351,11 @@ class RewardConfig:
     # Seconds the reward functions may take to score one batch (a rollout shard's completions,
     # or the held-out answers of an evaluation); longer stops the run naming them. 0 = no limit.
     timeout_seconds: float = 600.0
+    # The reward functions are code you did not write (or trust): they run in a child process
+    # with sandbox's CPU and memory limits, killed past timeout_seconds, instead of in this
+    # one. They get JSON values (a TRL-style function's trainer_state as a TrainerState again;
+    # its log_metric and log_extra calls are replayed here); reward models always run here.
+    untrusted: bool = False
 
 
 @dataclass
@@ -492,6 +503,37 @@ class TrackingConfig:
 
 
 @dataclass
+class LimitsConfig:
+    # Sizes refused before any work, naming the key and the figure: a zero too many would
+    # otherwise end hours later out of memory, or in a rewind that walks every step. Raise
+    # one for a run that truly needs more.
+    # The most steps a run may have.
+    steps: int = 100_000
+    # The most rollouts (leaves) one prompt's tree may have: the product of rollout.branching.
+    rollouts_per_prompt: int = 1024
+    # The most rollouts one step samples: data.prompts_per_step x the product of
+    # rollout.branching (x algo.dynamic_sampling_draws with dynamic sampling).
+    rollouts_per_step: int = 65_536
+    # The most model turns an episode may take (rollout.max_turns).
+    turns: int = 256
+
+
+@dataclass
+class SandboxConfig:
+    # Computation on what others wrote runs in a child process this one kills
+    # (lsreplay.core.sandbox): reasoning-gym's checkers that evaluate model text (always), the
+    # reward functions with reward.untrusted and the tools with rollout.untrusted_tools.
+    # Each call's CPU seconds (the kernel stops the child past them).
+    cpu_seconds: float = 60.0
+    # The child's address space, MiB (a call that allocates more fails with MemoryError).
+    memory_mb: int = 4096
+    # Wall seconds one reasoning-gym checker may take on one answer; past it the child is
+    # killed and the answer scores 0 (logged). Reward functions and tools have their own
+    # (reward.timeout_seconds, rollout.tool_timeout_seconds).
+    checker_seconds: float = 30.0
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -519,6 +561,8 @@ class Config:
     # "none".
     report_to: list[str] = field(default_factory=list)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 SECRET_KEYS = ("storage.key", "storage.secret")
@@ -781,6 +825,7 @@ def validate(cfg: Config) -> None:
     _validate_state(cfg)
     _validate_pool(cfg)
     _validate_tracking(cfg)
+    _validate_limits(cfg)
     _check(cfg.storage.bandwidth_gbps > 0, "storage.bandwidth_gbps", "a number > 0", cfg.storage.bandwidth_gbps)
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
@@ -1089,6 +1134,33 @@ def _validate_pool(cfg: Config) -> None:
         _check(value >= 0, key, "must be >= 0 (0 = no limit)", value)
     _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",
            p.devices_per_step)
+
+
+def _validate_limits(cfg: Config) -> None:
+    """Sizes beyond limits.* are refused with the figure, the key and the limit to raise."""
+    lim, r = cfg.limits, cfg.rollout
+    for key in ("steps", "rollouts_per_prompt", "rollouts_per_step", "turns"):
+        _check(getattr(lim, key) >= 1, f"limits.{key}", "an integer >= 1", getattr(lim, key))
+    raise_it = "; raise {} if the run truly needs more"
+    _check(cfg.steps <= lim.steps, "steps", f"at most limits.steps = {lim.steps}" + raise_it.format("limits.steps"),
+           cfg.steps)
+    per_prompt = math.prod(r.branching)
+    _check(per_prompt <= lim.rollouts_per_prompt, "rollout.branching", f"{per_prompt} rollouts per prompt (the "
+           f"product of the fan-outs), more than limits.rollouts_per_prompt = {lim.rollouts_per_prompt}"
+           + raise_it.format("limits.rollouts_per_prompt"), r.branching)
+    draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
+    per_step = cfg.data.prompts_per_step * per_prompt * draws
+    _check(per_step <= lim.rollouts_per_step, "data.prompts_per_step", f"{per_step} rollouts a step (data."
+           f"prompts_per_step x {per_prompt} rollouts per prompt{f' x {draws} draws' if draws > 1 else ''}), more "
+           f"than limits.rollouts_per_step = {lim.rollouts_per_step}" + raise_it.format("limits.rollouts_per_step"),
+           cfg.data.prompts_per_step)
+    _check(r.max_turns <= lim.turns, "rollout.max_turns", f"at most limits.turns = {lim.turns} turns an episode"
+           + raise_it.format("limits.turns"), r.max_turns)
+    sb = cfg.sandbox
+    for key in ("cpu_seconds", "checker_seconds"):
+        _check(0 < getattr(sb, key) < math.inf, f"sandbox.{key}", "a finite number of seconds > 0", getattr(sb, key))
+    _check(sb.memory_mb >= 256, "sandbox.memory_mb", "at least 256 (MiB of address space for the child process, "
+           "whose Python and imports need some)", sb.memory_mb)
 
 
 def to_dict(cfg: Config, redact: bool = True) -> dict:

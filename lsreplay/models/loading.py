@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from lsreplay.core.config import SMOLLM2, ModelConfig
+from lsreplay.core.config import SMOLLM2, Config, ConfigError, ModelConfig, completion_tokens, multi_turn
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,23 @@ def check_weights(folder: Path) -> None:
                      "writes model.safetensors")
 
 
+def check_positions(cfg: Config) -> None:
+    """A prompt of data.max_prompt_tokens and a completion at its longest fit the model's
+    positions (max_position_embeddings); ConfigError naming both figures otherwise."""
+    if cfg.model.arch:
+        config = arch_config(cfg.model)
+    else:
+        config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model), local_files_only=True)
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    need = cfg.data.max_prompt_tokens + completion_tokens(cfg.rollout)
+    if positions is not None and need > positions:
+        longest = ("rollout.max_new_tokens" if not multi_turn(cfg.rollout) else
+                   "rollout.max_turns x rollout.max_new_tokens + (max_turns - 1) x rollout.max_environment_tokens")
+        raise ConfigError(f"data.max_prompt_tokens = {cfg.data.max_prompt_tokens} and a completion of "
+                          f"{completion_tokens(cfg.rollout)} tokens ({longest}) need {need} positions, beyond the "
+                          f"model's {positions} (max_position_embeddings of {cfg.model.path}); lower them")
+
+
 def _hub_cache_folder(model_id: str) -> Path | None:
     """The snapshot folder of `model_id` in the local Hugging Face cache (HF_HUB_CACHE), offline."""
     from huggingface_hub import snapshot_download
@@ -114,14 +131,19 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
 
 
+def arch_config(cfg: ModelConfig):
+    """The HF config model.arch gives (a model_type and that model's config keys)."""
+    arch = dict(cfg.arch)
+    try:
+        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+    except (KeyError, ValueError) as e:
+        raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
+
+
 def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised model of the shape `cfg.arch` gives (HF config kwargs with a
     model_type): for planning and benchmarks at production sizes without the weights."""
-    arch = dict(cfg.arch)
-    try:
-        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
-    except (KeyError, ValueError) as e:
-        raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
+    config = arch_config(cfg)
     config._attn_implementation = cfg.attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -17,7 +17,7 @@ from lsreplay.data.rewards import Reward
 from lsreplay.drafter.export import exported_format
 from lsreplay.drafter.model import FORMAT
 from lsreplay.metrics.trackers import check_trackers
-from lsreplay.models.loading import check_weights, load_tokenizer, resolve_model_dir
+from lsreplay.models.loading import check_positions, check_weights, load_tokenizer, resolve_model_dir
 from lsreplay.models.lora import check_lora
 from lsreplay.rollout.vllm_engine import check_engine
 
@@ -37,6 +37,7 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     model_dir = resolve_model_dir(cfg.model)
     if not cfg.model.arch:  # a random model of that shape otherwise, no weights
         check_weights(model_dir)
+    check_positions(cfg)
     check_lora(cfg.model)
     if cfg.rollout.engine == "vllm":
         check_engine(cfg, model_dir)
