@@ -570,13 +570,43 @@ SECRET_KEYS = ("storage.key", "storage.secret")
 # with those parts as REDACTED (redact_url).
 CREDENTIAL_URL_KEYS = ("storage.endpoint_url", "tracking.mlflow_uri")
 REDACTED = "***"
-# Keys naming code a run executes (reward functions, the vLLM interpreter) or weights it
-# loads: a resume takes them from its own command line, not from the stored config, which
-# whoever can write the store can change (lsreplay.core.run.open_run_config).
-EXECUTABLE_KEYS = ("reward.functions", "reward.function", "rollout.vllm.python", "model.path")
+# What each key that holds text names, for a resume (lsreplay.core.run.open_run_config): a
+# stored config.json is what whoever can write the store wrote (the result_hash beside it
+# they can recompute), so a key that names code, an interpreter, a cluster, a model, its
+# weights, data or where the run writes and sends comes from the resume's own command where
+# the store is not this user's alone. Numbers and booleans name nothing; every key holding
+# text (or a list or dict of it) is classified here or in PLAIN_TEXT_KEYS, and
+# tests/test_trust.py fails on one that is not.
+COMMAND_KEYS = {
+    "code": ("reward.functions", "reward.function", "rollout.tools", "rollout.environment",
+             # transformers loads an attention kernel a name like kernels-community/... names
+             "model.attn_implementation"),
+    "interpreter": ("rollout.vllm.python",),
+    "cluster": ("pool.ray_address",),  # the driver unpickles what that cluster's actors return
+    "model": ("model.path", "model.arch"),
+    "weights": ("model.cache_dir",),  # where the default model's converted weights and tokenizer lie
+    "data": ("data.path", "eval.path", "data.tasks", "data.task_args"),
+    # Where the run writes, and where it sends its credentials and metrics.
+    "destination": ("run_dir", "storage.uri", "storage.endpoint_url", "tracking.dir", "tracking.mlflow_uri"),
+}
+# Keys holding text that names none of those: a choice among fixed values (validated), a
+# column's or split's name, text the model reads, a name for the trackers, keywords.
+PLAIN_TEXT_KEYS = (
+    "model.dtype", "model.lora.target_modules", "data.columns.prompt", "data.columns.question", "data.columns.answer",
+    "data.columns.task", "data.split", "data.system_prompt", "data.answer_instruction", "data.example_messages",
+    "data.chat_template_kwargs", "data.reward_fn_key", "rollout.engine", "rollout.branch_at", "algo.name",
+    "algo.loss_agg", "algo.scale_rewards", "algo.tree_baseline", "algo.kl_estimator", "algo.advantage",
+    "algo.dpo_source", "algo.dynamic_sampling_metric", "algo.overlong", "optim.schedule", "reward.styles",
+    "reward.kwargs", "eval.split", "replay.mode", "replay.kv_offload", "pool.name", "pool.accelerator",
+    "pool.task_runner", "report_to", "tracking.project", "tracking.run_name")
 # Keys that do not change what a run computes: allowed to differ on resume.
 NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking",
-                   "reward.timeout_seconds")
+                   "reward.timeout_seconds", "reward.untrusted", "rollout.untrusted_tools", "limits", "sandbox")
+
+
+def command_keys() -> tuple[str, ...]:
+    """Every key a resume takes from its own command where the store is not this user's alone."""
+    return tuple(key for keys in COMMAND_KEYS.values() for key in keys)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -701,7 +731,8 @@ def _unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
     for name, value in layer.items():
         key = f"{prefix}{name}"
         if name not in known:
-            out += [f"{key}.{leaf}" for leaf in _leaves(value)] if isinstance(value, dict) and value else [key]
+            out += [f"{key}.{leaf}" for leaf in dotted_leaves(value)] if isinstance(value, dict) and value \
+                else [key]
             continue
         default = _default_of(known[name])
         if is_dataclass(default) and isinstance(value, dict):
@@ -709,11 +740,11 @@ def _unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
     return out
 
 
-def _leaves(d: dict) -> list[str]:
+def dotted_leaves(d: dict) -> list[str]:
     """The dotted keys of a nested dict's values."""
     out = []
     for k, v in d.items():
-        out += [f"{k}.{leaf}" for leaf in _leaves(v)] if isinstance(v, dict) and v else [str(k)]
+        out += [f"{k}.{leaf}" for leaf in dotted_leaves(v)] if isinstance(v, dict) and v else [str(k)]
     return out
 
 
