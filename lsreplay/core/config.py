@@ -1209,8 +1209,8 @@ def to_dict(cfg: Config, redact: bool = True) -> dict:
     return d
 
 
-# Query parameters of a URL whose values are credentials.
-_SECRET_PARAMETER = re.compile(r"token|secret|password|passwd|key|signature|credential|auth", re.IGNORECASE)
+# Names of what holds a credential: a URL's query parameters, environment variables.
+SECRET_NAME = re.compile(r"token|secret|password|passwd|key|signature|credential|auth", re.IGNORECASE)
 
 
 def has_credentials(url: str) -> bool:
@@ -1224,7 +1224,7 @@ def redact_url(url: str) -> str:
     netloc = parts.netloc
     if "@" in netloc:
         netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
-    query = "&".join(f"{name}={REDACTED}" if _SECRET_PARAMETER.search(name) else f"{name}={value}" if sep else name
+    query = "&".join(f"{name}={REDACTED}" if SECRET_NAME.search(name) else f"{name}={value}" if sep else name
                      for name, sep, value in (p.partition("=") for p in parts.query.split("&") if p))
     if (netloc, query) == (parts.netloc, parts.query):
         return url
