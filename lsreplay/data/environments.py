@@ -48,11 +48,13 @@ from dataclasses import dataclass, field
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from lsreplay.core.config import ConfigError, DataConfig, RolloutConfig
+from lsreplay.core.config import ConfigError, DataConfig, RolloutConfig, SandboxConfig
+from lsreplay.core.sandbox import limits_of
 from lsreplay.data.rendering import prompt_messages, render_messages
 from lsreplay.data.reward_functions import callable_name, load_function
 from lsreplay.data.rewards import Overdue, await_all, within
 from lsreplay.data.sources import DatasetError, Prompt
+from lsreplay.data.untrusted import UntrustedFunction, untrusted_function
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,8 @@ class EpisodeError(ConfigError):
 
 def tool_schema(function: Callable, what: str) -> dict:
     """The function's JSON schema, as the chat template's `tools=` takes it."""
-    try:
-        return get_json_schema(function)
+    try:  # an untrusted tool's, as its child process read it
+        return getattr(function, "json_schema", None) or get_json_schema(function)
     except (DocstringParsingException, TypeHintParsingException) as e:
         raise EpisodeError(f"{what}: {e} A tool needs a type hint on every parameter and a Google-style docstring "
                            "(a description, then an Args: section with a line per parameter), from which "
@@ -113,11 +115,14 @@ class Play:
         return {**self.functions, **{name: getattr(instance, name) for name in self.methods}}
 
 
-def load_play(r: RolloutConfig) -> Play:
-    """The configured tools and environment, their schemas checked."""
+def load_play(r: RolloutConfig, sandbox: SandboxConfig | None = None) -> Play:
+    """The configured tools and environment, their schemas checked; with
+    rollout.untrusted_tools the tools run in a child process with `sandbox`'s limits."""
     play = Play({}, timeout=r.tool_timeout_seconds, max_answer_tokens=r.max_environment_tokens)
     for i, spec in enumerate(r.tools):
-        function = load_function(spec, f"tool rollout.tools[{i}] =")
+        what = f"tool rollout.tools[{i}] ="
+        function = untrusted_function(spec, what, limits_of(sandbox or SandboxConfig()), r.tool_timeout_seconds,
+                                      tool=True) if r.untrusted_tools else load_function(spec, what)
         name = callable_name(function)
         if name in play.functions:
             raise EpisodeError(f"rollout.tools[{i}] = {spec!r}: a tool named {name!r} is listed already; the model "
@@ -179,6 +184,8 @@ def call_tool(tools: dict[str, Callable], call: dict, timeout: float = 0.0) -> T
             raise ValueError(call["error"])
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
+        if isinstance(tools[name], UntrustedFunction):  # its child process's start-up is not the call's time
+            tools[name].start()
         return ToolAnswer(_tool_message(name, _run(timeout, tools[name], **function.get("arguments", {}))), False)
     except Overdue:
         log.warning("tool %s did not answer within rollout.tool_timeout_seconds=%g s: answered as a failed call "

@@ -58,7 +58,7 @@ def prompt_renderer(cfg: Config, tokenizer):
     checks they import and have schemas."""
     if not multi_turn(cfg.rollout):
         return lambda prompt: render_prompt(tokenizer, prompt, cfg.data)
-    play = load_play(cfg.rollout)
+    play = load_play(cfg.rollout, cfg.sandbox)
     chat = Chat(tokenizer, play, cfg.data, [tokenizer.eos_token_id])  # the end-of-turn matters for later turns only
     return lambda prompt: Episodes(play, chat, [prompt]).prompt_ids()[0]
 

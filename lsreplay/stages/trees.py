@@ -154,7 +154,7 @@ def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[
     the turns and its speculation; each episode's outcome comes with its tree."""
     cfg, r = run.cfg, run.cfg.rollout
     eos = eos_ids(tokenizer, model)
-    play = load_play(r)
+    play = load_play(r, cfg.sandbox)
     episodes = Episodes(play, Chat(tokenizer, play, cfg.data, eos), prompts)
     draws = [draw] if draw else []
 
