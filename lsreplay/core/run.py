@@ -164,7 +164,7 @@ class Run:
         self.check_config(force)
         self.store.write_bytes("config.yaml", config_mod.to_yaml(self.cfg).encode())
         self.store.write_json("config.json", {"result_hash": self.config_hash,
-                                              "config": config_mod.to_dict(self.cfg)})
+                                              "config": config_mod.to_dict(self.cfg)}, commit=True)
 
     # -- stage completion -------------------------------------------------------------------
     def done(self, step: int, stage: str) -> dict | None:
@@ -201,7 +201,8 @@ class Run:
         if manifest is not None and name not in manifest.get("released", []):
             kept = [e for e in manifest["files"] if not e["key"].startswith(folder + "/")]
             self.store.write_json(self.key(step, f"{stage}.done.json"),
-                                  {**manifest, "files": kept, "released": [*manifest.get("released", []), name]})
+                                  {**manifest, "files": kept, "released": [*manifest.get("released", []), name]},
+                                  commit=True)
         self.store.delete_prefix(folder)
 
     def manifest(self, step: int, stage: str) -> dict:
@@ -271,7 +272,7 @@ class Run:
         `begin`, unless given) and `ended` times, so overlapping stages can be told apart."""
         times = {"started": getattr(self, "_started", None), "ended": time.time()}
         manifest = {"step": step, "stage": stage, "config_hash": self.config_hash, **times, **manifest}
-        self.store.write_json(self.key(step, f"{stage}.done.json"), manifest)
+        self.store.write_json(self.key(step, f"{stage}.done.json"), manifest, commit=True)
         return manifest
 
     def append_metrics(self, record: dict) -> None:
@@ -281,7 +282,7 @@ class Run:
         earlier = next((r for r in rows if r.get("step") == record["step"]), {})
         rows = [r for r in rows if r.get("step") != record["step"]] + [{**earlier, **record}]
         rows.sort(key=lambda r: r["step"])
-        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode(), commit=True)
 
     def keep_metrics_until(self, step: int) -> None:
         """Drop metrics.jsonl's lines after `step`, but the held-out figures of step + 1 (the
@@ -292,7 +293,7 @@ class Run:
                 row = {k: v for k, v in row.items() if k == "step" or k.startswith("eval_")}
             if row["step"] <= step or len(row) > 1:
                 rows.append(row)
-        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode(), commit=True)
 
     def metrics(self) -> list[dict]:
         """metrics.jsonl's lines; MalformedEntry naming the line that is not a step's record."""

@@ -110,7 +110,7 @@ def write(run: Run, snap: Snapshot) -> dict:
     record = {"step": snap.step, "config_hash": run.config_hash, "snapshot_seconds": snap.seconds,
               "write_seconds": time.perf_counter() - start,
               "files": {name: {k: e[k] for k in ("key", "bytes", "sha256")} for name, e in files.items()}}
-    run.store.write_json(f"{prefix}/{COMPLETE}", record)
+    run.store.write_json(f"{prefix}/{COMPLETE}", record, commit=True)
     return record
 
 
