@@ -91,7 +91,7 @@ from lsreplay.metrics.records import step_record  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
-from lsreplay.replay.attention_kernels import kernel_for  # noqa: E402
+from lsreplay.replay.attention.kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
 from lsreplay.rollout.sampling import draw  # noqa: E402
