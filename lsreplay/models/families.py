@@ -45,6 +45,18 @@ def _logits_scaling(config, logits: torch.Tensor) -> torch.Tensor:
     return logits / config.logits_scaling
 
 
+def _no_kv_sharing(config) -> str | None:
+    if getattr(config, "num_kv_shared_layers", 0):
+        return (f"its last {config.num_kv_shared_layers} layers reuse earlier layers' keys and values "
+                "(num_kv_shared_layers); replay does not yet hand shared keys and values across branch points "
+                "(docs/models.md)")
+    return None
+
+
+def _nothing_refused(config) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """One model_type replay is tested exact on.
@@ -53,13 +65,15 @@ class Family:
     (replay/cascade.py); False where the family's attention module reads the cache for more
     than its keys and values (Llama 4's temperature tuning takes positions from the cache's
     length, which cascade's cache does not hold), so replay runs it on HF's own attention.
-    logits: what the family's causal LM does to the LM head's output."""
+    logits: what the family's causal LM does to the LM head's output.
+    refuses: why a config of the family is refused all the same (None: it is not)."""
 
     model_type: str
     name: str
     cascade: bool = True
     logits: Logits = _raw
     note: str = ""
+    refuses: Callable[[object], str | None] = _nothing_refused
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -82,6 +96,9 @@ FAMILIES = {f.model_type: f for f in (
            note="attention and final logit softcapping; sliding window on alternate layers"),
     Family("gemma3_text", "Gemma 3 (text)", logits=_final_softcap,
            note="sliding window on five of six layers, their own rotary base; query/key norms"),
+    Family("gemma4_text", "Gemma 4 (text)", logits=_final_softcap,
+           note="sliding window on five of six layers; wider heads on the global layers; per-layer inputs",
+           refuses=_no_kv_sharing),
     Family("gpt_oss", "GPT-OSS", note="attention sinks; sliding window on alternate layers; mixture of experts"),
     Family("cohere", "Cohere (Command R)", logits=_logit_scale, note="logits times logit_scale"),
     Family("cohere2", "Cohere 2 (Command R7B)", logits=_logit_scale,
@@ -123,8 +140,6 @@ REFUSED = {
     "gemma3": "Gemma 3's multimodal model: load its text model (Gemma3ForCausalLM, model_type gemma3_text)",
     "llama4": "Llama 4's multimodal model: load its text model (Llama4ForCausalLM, model_type llama4_text)",
     "gemma4": "Gemma 4's multimodal model: load its text model (model_type gemma4_text)",
-    "gemma4_text": "Gemma 4: some layers reuse other layers' keys and values (num_kv_shared_layers) and take "
-                   "per-layer inputs; replay does not yet hand those across branch points (docs/models.md)",
 }
 
 
@@ -133,7 +148,10 @@ def family(config) -> Family:
     not be exact on it."""
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILIES:
-        return FAMILIES[model_type]
+        known = FAMILIES[model_type]
+        if (why := known.refuses(config)) is None:
+            return known
+        raise ModelError(f"{known.name} is supported, but not this model of it: {why}")
     why = REFUSED.get(model_type) or (
         f"{model_type!r} is not among the families replay is tested exact on (tests/test_families.py), so it is "
         "refused rather than trained on a gradient nobody checked")
