@@ -805,7 +805,6 @@ def advice(p: Plan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from lsreplay.core.config import ConfigError
-    from lsreplay.models.families import family
     from lsreplay.models.loading import ModelError
 
     ap = argparse.ArgumentParser(prog="lsreplay plan", description=__doc__.split("\n\n")[0])

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from lsreplay.models.loading import ModelError
 
@@ -163,3 +164,11 @@ def lm_logits(config, logits: torch.Tensor) -> torch.Tensor:
     """What the family's causal LM makes of the LM head's output `logits`."""
     f = FAMILIES.get(getattr(config, "model_type", None))
     return logits if f is None else f.logits(config, logits)
+
+
+def windowed_layers(config) -> list[int]:
+    """The decoder layers that see only a window or a chunk of the earlier positions."""
+    layer_types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [i for i, (kind, kw) in enumerate(zip(layer_types, kwargs))
+            if kind in ("sliding_attention", "chunked_attention") and kw.get("sliding_window")]
+

@@ -7,12 +7,19 @@ cache stays empty and decoding recomputes nothing it should reuse, with no error
 call that hands transformers a cache names it through `with_cache`.
 
 The decoder stack (`decoder`): where a causal LM keeps it differs between families.
+
+A cache that keeps every position (`full_cache`): transformers' own cache for a
+sliding-window or chunked layer keeps only the last window's keys, enough to decode one
+token after another, not to hand a branch point's keys to replay nor to crop rejected
+drafts (a dropped key cannot come back).
 """
 
 from __future__ import annotations
 
 import transformers
 from packaging.version import Version
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 CACHE_KEYWORD = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
@@ -36,3 +43,11 @@ def decoder(model):
 def decoder_layers(model) -> list:
     """The decoder layers of a causal LM, in order (empty if it has none it names `layers`)."""
     return list(getattr(decoder(model), "layers", []))
+
+
+def full_cache(model) -> DynamicCache:
+    """A cache of the model's layer structure that keeps every position of every attention
+    layer: sliding-window and chunked layers' too."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    return cache

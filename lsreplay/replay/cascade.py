@@ -39,12 +39,12 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from lsreplay.models.families import FAMILIES
-from lsreplay.models.hf_compat import decoder, decoder_layers, with_cache
+from lsreplay.models.hf_compat import decoder, decoder_layers, full_cache, with_cache
 from lsreplay.replay.attention.kernels import AttentionKernel, kernel_for, runs_on
 from lsreplay.replay.attention.latent import common_head_dim, decompressed, padded
 from lsreplay.replay.attention.sinks import merged_lse, sink_grad
 from lsreplay.replay.attention.windows import Visibility, layer_visibility, own_mask, part_mask
-from lsreplay.replay.segments import PrefixKV, full_cache, padded_batch
+from lsreplay.replay.segments import PrefixKV, padded_batch
 
 IMPLEMENTATION = "lsreplay_cascade"
 # Keyword arguments a family's attention module hands the attention function that do not

@@ -6,7 +6,7 @@ of their ancestors' keys/values, and read the logprobs of chosen targets at chos
 positions. Only those positions go through the LM head.
 
 The keys and values a run hands on are those of every position it ran, whatever the layer:
-`full_cache` keeps them all where transformers' own cache for a sliding-window or chunked
+`hf_compat.full_cache` keeps them all where transformers' own cache for a sliding-window or chunked
 layer keeps only the last window's (enough to decode, not to replay a branch on). What
 such a layer may see is then the family's own mask's business, as in its plain forward.
 """
@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from lsreplay.models.distribution import RAW, SamplingParams, token_logprobs
-from lsreplay.models.hf_compat import decoder, with_cache
+from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
 
 # Per-layer keys and values of a run of positions: ([k_0, ..., k_L-1], [v_0, ..., v_L-1]),
@@ -69,13 +68,6 @@ def forward_segments(model: PreTrainedModel, segments: list[list[int]], start: i
     out = decoder(model)(input_ids=ids, position_ids=positions, use_cache=True, **with_cache(cache))
     return out.last_hidden_state, cache
 
-
-def full_cache(model: PreTrainedModel) -> DynamicCache:
-    """A cache of the model's layer structure that keeps every position of every attention
-    layer: sliding-window and chunked layers' too (see the module docstring)."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
-    return cache
 
 
 def new_kv(cache: DynamicCache, past_len: int, row: int = 0) -> PrefixKV:

@@ -44,7 +44,10 @@ class Visibility:
 
     def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """(len(queries), len(keys)) booleans: which key positions each query position sees."""
-        q, k = queries[:, None], keys[None, :]
+        return self.sees(queries[:, None], keys[None, :])
+
+    def sees(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Whether query positions `q` see key positions `k` (broadcast against each other)."""
         seen = k <= q
         if self.window is not None:
             seen &= q - k < self.window
@@ -55,12 +58,18 @@ class Visibility:
 
 def layer_visibility(config) -> list[Visibility]:
     """Each decoder layer's Visibility, as transformers' cache and masks read the config."""
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [visibility for _, visibility in typed_visibility(config)]
+
+
+def typed_visibility(config) -> list[tuple[str, Visibility]]:
+    """Each decoder layer's type as the config names it (the key of its mask where a family
+    builds one per type) and its Visibility."""
+    kinds, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     out = []
-    for kind, kwargs in zip(layer_types, layer_kwargs):
+    for kind, kwargs in zip(kinds, layer_kwargs):
         size = kwargs.get("sliding_window")
-        out.append(Visibility(window=size if kind == "sliding_attention" else None,
-                              chunk=size if kind == "chunked_attention" else None))
+        out.append((kind, Visibility(window=size if kind == "sliding_attention" else None,
+                                     chunk=size if kind == "chunked_attention" else None)))
     return out
 
 
