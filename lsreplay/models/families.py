@@ -113,6 +113,12 @@ FAMILIES = {f.model_type: f for f in (
                                               "query/key heads); mixture of experts with grouped routing"),
 )}
 
+# Families whose rollouts the vLLM engine (rollout.engine=vllm) is tested to serve as the policy
+# computes them, weights synced after each update: a Llama (tests/test_vllm.py, the flow), a
+# tied Qwen3 with its query/key norms (test_vllm_engine.py), a Qwen2 with its biases and LoRA
+# adapters (test_vllm_lora.py). The others run on the HF engine until a test covers them.
+VLLM_TESTED = ("llama", "qwen2", "qwen3")
+
 # Families transformers ships that replay refuses, with why (the others: not yet in the matrix).
 HYBRID = ("their linear-attention or state-space layers carry a fixed-size state from one position to the next; "
           "replay would have to hand that state (and its gradient) across each branch point as it hands keys "
