@@ -1,23 +1,32 @@
 """The rest of the pipeline on every family replay supports (tests/families.py): the HF tree
 sampler and speculative decoding give the family's own greedy tokens (windows shorter
 than what is decoded, prompts of different lengths left-padded in one batch), the drafter
-builds for it, and `lsreplay plan` reads a model folder of it.
+builds for it, `lsreplay plan` reads a model folder of it, and LoRA adapts its projections.
 
 In float32, the dtype rollouts run in: transformers' eager attention (Gemma 2, GPT-OSS)
 gives a left-padded row NaN in float64 (its masks' lowest float64 value becomes -inf in its
 float32 softmax), which is transformers' business, not the plain decoding these compare with.
 """
 
+import copy
+
 import pytest
 import torch
 from families import MATRIX, tiny
+from peft.tuners.lora import LoraLayer
 
 from lsreplay.commands import plan
+from lsreplay.core.config import LoraConfig
 from lsreplay.drafter import Drafter
+from lsreplay.models.hf_compat import decoder_layers
+from lsreplay.models.loading import ModelError
+from lsreplay.models.lora import add_adapters
 from lsreplay.models.distribution import SamplingParams
 from lsreplay.rollout.position_masks import PositionMasks
 from lsreplay.rollout.speculative import SpecStats, greedy_generate, speculative_generate
+from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.rollout.tree_sampler import sample_trees
+from lsreplay.tree import RolloutTree
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 NEW = 16  # tokens decoded: four windows' worth
@@ -80,3 +89,42 @@ def test_plan_reads_a_model_folder_of_the_family(model, tmp_path, capsys):
     assert made.dims.params() == sum(p.numel() for p in model.parameters())
     assert plan.main(["configs/default.yaml", f"model.path={tmp_path / 'model'}", "data.max_prompt_tokens=64"]) == 0
     assert f"{model.config.num_hidden_layers} layers" in capsys.readouterr().out
+
+
+def test_lora_takes_the_default_projections_or_names_the_familys_own(model):
+    """model.lora's default targets (q/k/v/o, gate/up/down projections) on the family: adapters
+    on each of them, or a refusal listing the family's own linear layers (Phi-3 fuses qkv and
+    gate/up; GPT-OSS's experts are no linear layers; DeepSeek-V3 compresses its queries)."""
+    lora = LoraConfig(enabled=True)
+    model = copy.deepcopy(model)
+    linear = {name.rpartition(".")[2] for layer in decoder_layers(model) for name, m in layer.named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    if set(lora.target_modules) <= linear:
+        add_adapters(model, lora, seed=0)
+        wrapped = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+        assert wrapped == set(lora.target_modules)
+    else:
+        with pytest.raises(ModelError, match=r"does not have; its decoder layers' linear layers are"):
+            add_adapters(model, lora, seed=0)
+
+
+@pytest.mark.parametrize("model_type, targets", [
+    ("gemma2", ["q_proj", "v_proj", "down_proj"]), ("gpt_oss", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ("deepseek_v3", ["q_a_proj", "kv_b_proj", "o_proj"])])
+def test_replay_trains_the_familys_adapters_exactly(model_type, targets):
+    """LoRA adapters on family-specific projections: replay's gradient of every adapter equals
+    the per-rollout backward's, in float64."""
+    model = add_adapters(copy.deepcopy(tiny(model_type)), LoraConfig(enabled=True, target_modules=targets), seed=0)
+    with torch.no_grad():  # adapters away from their zero start, so that their B matrices carry gradient too
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.1)
+    tree = RolloutTree.from_sequences(PROMPTS[0], [[40, 41, 42, 43], [40, 41, 44, 45, 46, 47], [48, 49]])
+    weights = [[torch.linspace(-1, 1, len(c), dtype=torch.float64) for c in tree.completions]]
+    naive_backward(model, [tree], weights)
+    want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    replay_backward(model, [tree], weights)
+    got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert want.keys() == got.keys() and want and all("lora_" in name for name in want)
+    assert max(float((got[n] - w).abs().max() / w.abs().max()) for n, w in want.items()) <= 1e-6
