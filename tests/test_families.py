@@ -11,6 +11,7 @@ family's causal LM itself: `model(ids).logits`, per completion, forward and back
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +131,8 @@ def test_a_family_without_sdpa_attention_loads_with_eager():
     (the default) loads it with eager attention rather than failing."""
     model = load_model(ModelConfig(arch=arch("gemma2"), dtype="float64"), trainable=False)
     assert model.config._attn_implementation == "eager"
+
+
+def test_the_docs_name_every_supported_family():
+    page = (Path(__file__).resolve().parents[1] / "docs/models.md").read_text()
+    assert [t for t in FAMILIES if f"(`{t}`)" not in page] == []
