@@ -25,6 +25,8 @@ from lsreplay.models.distribution import SamplingParams
 from lsreplay.rollout.position_masks import PositionMasks
 from lsreplay.rollout.speculative import SpecStats, greedy_generate, speculative_generate
 from lsreplay.replay import naive_backward, replay_backward
+from lsreplay.replay.memory import ModelDims, kv_bytes_per_position
+from lsreplay.replay.segments import forward_segments, kv_bytes, new_kv
 from lsreplay.rollout.tree_sampler import sample_trees
 from lsreplay.tree import RolloutTree
 
@@ -128,3 +130,19 @@ def test_replay_trains_the_familys_adapters_exactly(model_type, targets):
     got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     assert want.keys() == got.keys() and want and all("lora_" in name for name in want)
     assert max(float((got[n] - w).abs().max() / w.abs().max()) for n, w in want.items()) <= 1e-6
+
+
+def test_the_memory_model_counts_latents_experts_and_per_layer_heads():
+    """What the plan's memory model reads of a family: latent attention caches kv_lora_rank +
+    qk_rope_head_dim per position and layer (not the decompressed heads), a mixture of experts
+    runs its active experts' MLPs (and a shared one's), Gemma 4's wider global heads count."""
+    deepseek = ModelDims.from_hf(tiny("deepseek_v3").config)
+    assert deepseek.cached_kv == 16 + 4 and deepseek.head_dim == 8 + 4
+    qwen2_moe = ModelDims.from_hf(tiny("qwen2_moe").config)
+    assert qwen2_moe.intermediate == 2 * 16 + 16
+    gemma4 = ModelDims.from_hf(tiny("gemma4_text").config)  # 2 sliding layers of head_dim 8, 2 global of 16
+    assert gemma4.head_dim == 12 and gemma4.cached_kv == 2 * 2 * 12
+    with torch.no_grad():  # the K/V the caching pass hands on: what the memory model says, byte for byte
+        _, full = forward_segments(tiny("deepseek_v3"), [list(range(10))], 0, None)
+    held = kv_bytes(new_kv(full, 0))
+    assert held == 10 * kv_bytes_per_position(deepseek, 8)
