@@ -368,6 +368,11 @@ def check_engine(cfg, model_dir: Path) -> None:
         raise ConfigError(f"rollout.engine=vllm is tested on {', '.join(VLLM_TESTED)} models; {model_dir} is a "
                           f"{model_config.get('model_type')!r} model, whose weight sync and logprobs under vLLM "
                           "nothing checks: use rollout.engine=hf (docs/models.md)")
+    if model_config.get("model_type") != "llama" and cfg.drafter.enabled and cfg.rollout.spec_threshold:
+        raise ConfigError(f"vLLM speculates with lsreplay's drafter (vLLM's EAGLE-1 Llama draft) only for Llama "
+                          f"targets, the ones tests/test_vllm.py checks; {model_dir} is a "
+                          f"{model_config.get('model_type')!r} model: set rollout.spec_threshold=0 (the drafter still "
+                          "trains) or drafter.enabled=false, or use rollout.engine=hf")
     architectures = model_config.get("architectures") or []
     if found["text_generation"] and not set(architectures) & set(found["text_generation"]):
         raise ConfigError(f"vLLM {found['version']} cannot run {model_dir} (architectures {architectures}); use "
