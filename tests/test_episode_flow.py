@@ -141,9 +141,11 @@ def test_an_environment_that_answers_trains_branching_per_turn_and_resumes(talka
             assert all(lp == 0.0 for lp, f in zip(record["logprobs"][leaf], record["sampled"][leaf]) if not f)
         assert record["reward_functions"]["environment"] and "code_parity" in record["reward_functions"]
     assert max(t for r in records for t in r["turns"]) >= 2  # some episodes were told to try again
-    assert 1 < metrics["episode_turns_mean"] <= 3 and 0 < metrics["environment_token_share"] < 1
-    assert metrics["tool_calls_mean"] == 0 and metrics["tool_error_share"] == 0
+    assert 1 < metrics["episodes/turns_mean"] <= 3 and 0 < metrics["episodes/environment_token_share"] < 1
+    assert metrics["episodes/tool_calls_mean"] == 0 and metrics["episodes/tool_error_share"] == 0
     assert metrics["grad_norm"] > 0 and "rewards/environment/mean" in metrics
+    # Each episode's KV kept between turns: the engine read each turn's new tokens, not its history again.
+    assert 0 < metrics["episodes/prefill_positions"] < metrics["episodes/history_positions"]
 
     # Cut off after the shard's records were written, before its done marker: sampled again, the same.
     (tmp_path / "run/step_0000/trees-shard0.done.json").unlink()
@@ -158,7 +160,10 @@ def test_a_model_calling_the_calculator_trains_on_its_calls_and_their_errors(too
     cfg = load_config(None, [*overrides(tmp_path / "run", tool_calling_model_dir), "rollout.branching=[3,2]",
                              "rollout.branch_at=turns", "rollout.segment_tokens=[]", "rollout.max_turns=3",
                              "rollout.tools=[test_episode_flow.calculator]", "rollout.turn_barrier=true",
-                             "reward.function=test_episode_flow:crashing_tool_failures"])
+                             "reward.function=test_episode_flow:crashing_tool_failures",
+                             # Dr. GRPO: its normaliser is the episode's budget of model tokens (3 x 8), which the
+                             # 12 the model writes over 3 turns pass max_new_tokens (8) but not
+                             "algo.loss_agg=seq-mean-token-sum-norm", "algo.scale_rewards=none"])
     CALCULATIONS.clear()
     CRASH["once"] = True
     run = preflight(cfg)
@@ -183,7 +188,9 @@ def test_a_model_calling_the_calculator_trains_on_its_calls_and_their_errors(too
             assert environment_segments(tokenizer, record, leaf) == [
                 f"\n<|im_start|>tool\n{results[o]}<|im_end|>\n<|im_start|>assistant\n" for o in operands[:2]]
             assert record["tool_errors"][leaf] == operands[:2].count("x")
-    assert metrics["episode_turns_mean"] == 3 and metrics["tool_calls_mean"] == 2
-    assert 0 < metrics["tool_error_share"] < 1 and 0 < metrics["environment_token_share"] < 1
+    assert metrics["episodes/turns_mean"] == 3 and metrics["episodes/tool_calls_mean"] == 2
+    # Lengths count the model's tokens: 4 per reply (the call's head, its operand, its tail, end-of-turn).
+    assert metrics["completions/max_length"] == 12 < min(len(c) for r in records for c in r["completions"])
+    assert 0 < metrics["episodes/tool_error_share"] < 1 and 0 < metrics["episodes/environment_token_share"] < 1
     assert metrics["grad_norm"] > 0
     assert json.dumps(records)  # the records stay JSON

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from lsreplay.algos.model_tokens import sampled_flags
 from lsreplay.core import faults
 from lsreplay.core.config import multi_turn
 from lsreplay.core.run import Run
@@ -105,7 +106,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
                 logged.setdefault(name, []).extend(values)
             rounds.append({"figures": figures, "decisions": decisions, "prompts": len(pending),
                            "forward_positions": sum(t.forward_positions for t in trees),
-                           "lengths": [len(c) for t in trees for c in t.completions]})
+                           "lengths": model_lengths(trees)})
             pending = [i for i in pending if all_alike(filter_values(cfg, records[i]))]
             if not pending:
                 break
@@ -222,7 +223,7 @@ def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[
         for tree in range(len(prompts)):  # the sampler closes what it holds; not the roots it never took
             episodes.close(episodes.root(tree))
         raise
-    figures = {**length_summary([len(c) for t in trees for c in t.completions]),
+    figures = {**length_summary(model_lengths(trees)),
                "decode_seconds": time.perf_counter() - start, "decode_steps": counters.get("decode_steps", 0),
                "tail_time_share": 0.0, "spec_rounds": 0, "spec_tokens": 0, "accept_len": 0.0, "spec_time_share": 0.0,
                "episode_counters": counters}
@@ -256,15 +257,20 @@ def journal_folder(run: Run, step: int, shard: int) -> str:
     return run.key(step, "trees", f"journal_{shard:02d}")
 
 
+# The episodes' engine counters a shard's manifest holds (summed by collect_trees): the
+# positions the HF engine prefilled (prompts, then each turn's new tokens; 0 on vLLM, whose
+# prefix cache the trees' cached_positions count) and those re-reading each turn's history
+# (prompt and episode so far) would have prefilled.
+EPISODE_COUNTERS = ("prefill_positions", "history_positions")
+
+
 def episode_figures(rounds: list[dict]) -> dict:
-    """The episodes' engine counters of a shard, summed over its rounds: the positions the HF
-    engine prefilled (prompts, and each turn's new tokens) and those re-reading each turn's
-    history would have; nothing for single-turn rollouts."""
+    """A shard's EPISODE_COUNTERS summed over its rounds, as episodes/NAME; none for
+    single-turn rollouts."""
     counters = [rnd["figures"].get("episode_counters") for rnd in rounds]
     if not any(counters):
         return {}
-    return {f"episodes_{k}": sum(c.get(k, 0) for c in counters if c) for k in ("prefill_positions",
-                                                                                 "history_positions")}
+    return {f"episodes/{k}": sum(c.get(k, 0) for c in counters if c) for k in EPISODE_COUNTERS}
 
 
 def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices) -> dict:
@@ -350,6 +356,12 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
     return trees, {**figures, **speculated(engine, before)}, source
 
 
+def model_lengths(trees) -> list[int]:
+    """Each rollout's tokens the model sampled (an episode's replies; not the environment's)."""
+    return [sum(flags) for t in trees for flags in getattr(t, "sampled", None) or [[True] * len(c)
+                                                                                  for c in t.completions]]
+
+
 def collect_trees(run: Run, step: int) -> dict:
     """The step's trees are its finished shards' (the stage's output): the manifest lists
     their files, which later stages read in prompt order (stages.common.load_trees). Each
@@ -359,7 +371,7 @@ def collect_trees(run: Run, step: int) -> dict:
     shards = [run.manifest(step, shard_name(k)) for k in range(run.cfg.rollout.shards)]
     files = [manifest["files"][0] for manifest in shards]
     records = records_in_prompt_order(run, step, [(f, shard_name(m["shard"])) for f, m in zip(files, shards)])
-    lengths = [len(c) for rec in records for c in rec["completions"]]
+    lengths = [sum(flags) for rec in records for flags in sampled_flags(rec)]  # the model's tokens
     # Shards run side by side: the stage took from the first start to the last end.
     seconds = max(m["ended"] for m in shards) - min(m["started"] for m in shards)
     # Shards sampled before dynamic sampling drew one prompt per tree.
@@ -378,6 +390,8 @@ def collect_trees(run: Run, step: int) -> dict:
         "tokens_per_s": sum(m["completion_tokens"] for m in shards) / max(seconds, 1e-9), "started": min(m["started"] for m in shards),
         "ended": max(m["ended"] for m in shards), **combine_traces(shards, lengths),
         "state_seconds": sum(m.get("state_seconds", 0.0) for m in shards),
+        **{f"episodes/{k}": sum(m[f"episodes/{k}"] for m in shards) for k in EPISODE_COUNTERS
+           if all(f"episodes/{k}" in m for m in shards)},
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
