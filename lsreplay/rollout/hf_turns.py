@@ -215,11 +215,12 @@ class HFTurns:
             self.rows, self.cache, self.mask, self.logits = [], None, None, None
             return
         index = torch.tensor([i for i, _ in keep], device=self.mask.device)
-        mask = self.mask[index]
-        lead = int((mask.cumsum(-1) == 0).sum(-1).min())  # columns every row pads
-        self.mask = mask[:, lead:]
-        self.cache = _cache(self.model, [l.keys[index][:, :, lead:] for l in self.cache.layers],
-                            [l.values[index][:, :, lead:] for l in self.cache.layers])
+        if len(rows) != len(self.rows) or any(fork is not None for _, fork in keep):  # rows left or forked
+            mask = self.mask[index]
+            lead = int((mask.cumsum(-1) == 0).sum(-1).min())  # columns every row pads
+            self.mask = mask[:, lead:]
+            self.cache = _cache(self.model, [l.keys[index][:, :, lead:] for l in self.cache.layers],
+                                [l.values[index][:, :, lead:] for l in self.cache.layers])
         self.rows = rows
         for row in rows:
             self.requests[row.request].positions += 1
