@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
