@@ -76,7 +76,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     state = trainer_state(run, step)
     draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
     records, rounds, pending, logged, start = {}, [], indices, {}, time.perf_counter()
-    # The HF engine decodes episodes turn by turn, without its speculative tail (vLLM speculates in each turn's).
+    # The HF engine decodes episodes without its speculative tail (vLLM speculates in each turn's).
     speculates = r.engine == "hf" and not multi_turn(r)
     speculation, drafter_step = adaptive_engine(run, step, shard, model) if speculates else (None, None)
     # The token budget: every rollout's replies at their longest (the environment's tokens are not sampled).
