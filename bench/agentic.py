@@ -116,7 +116,7 @@ def compare(task: str, out: Path, common: list[str]) -> dict:
         f"{task}_positions_ratio": sum(per_step(c, "per_rollout_positions")) / sum(per_step(c, "positions")),
         f"{task}_max_grad_norm_gap": max(abs(x - y) / x for x, y in zip(per_step(a, "grad_norm"),
                                                                        per_step(c, "grad_norm")) if x),
-        **{f"{task}_{k}": mean(per_step(a, k)) for k in EPISODE_FIGURES},
+        **{f"{task}_{k.removeprefix('episodes/')}": mean(per_step(a, k)) for k in EPISODE_FIGURES},
     }
 
 
