@@ -178,17 +178,6 @@ def fork_of(instance):
                            "with the same state), or make its state deep-copyable") from e
 
 
-def close_instance(instance) -> None:
-    """The instance's close(), where it has one; a failure is logged (the episode is over)."""
-    close = getattr(instance, "close", None)
-    if instance is None or not callable(close):
-        return
-    try:
-        close()
-    except Exception:  # noqa: BLE001 - a failing close must not hide the episode's outcome or another error
-        log.warning("environment %s: close() raised", type(instance).__name__, exc_info=True)
-
-
 # ---------------------------------------------------------------- where calls run
 
 
@@ -459,10 +448,17 @@ class Episodes:
         return float(value)
 
     def close(self, episode: Episode) -> None:
-        """The episode's instance closed, once."""
-        if episode.instance is not None and id(episode.instance) not in self._closed:
-            self._closed[id(episode.instance)] = episode.instance
-            close_instance(episode.instance)
+        """The episode's instance closed (its close(), sync or async, where it has one), once; a
+        failure is logged (the episode is over; it must not hide another error)."""
+        instance = episode.instance
+        if instance is None or id(instance) in self._closed:
+            return
+        self._closed[id(instance)] = instance
+        if callable(close := getattr(instance, "close", None)):
+            try:
+                self.calls.run(close)
+            except Exception:  # noqa: BLE001
+                log.warning("environment %s: close() raised", self.play.name, exc_info=True)
 
     def _hook(self, tree: int, hook: str, function: Callable, *args, **kwargs):
         """A call of the environment (`hook`: its construction, reset, respond, get_reward) for
