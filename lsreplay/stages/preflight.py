@@ -4,6 +4,7 @@ message that says what to do, not after the first steps."""
 
 from __future__ import annotations
 
+import math
 import posixpath
 
 from lsreplay.core.config import Config, ConfigError, multi_turn
@@ -64,8 +65,9 @@ def prompt_renderer(cfg: Config, tokenizer):
     def render(prompt):
         with Calls(play.timeout, 1) as calls:
             episodes = Episodes(play, chat, [prompt], calls)
-            try:  # a reset instance forks (or the error names fork()), as episodes do where they branch
-                episodes.close(episodes.branch(episodes.root(0), last=False))
+            try:  # a reset instance forks (or the error names fork()), where the episodes branch
+                if math.prod(cfg.rollout.branching) > 1:
+                    episodes.close(episodes.branch(episodes.root(0), last=False))
                 return episodes.prompt_ids()[0]
             finally:
                 episodes.close(episodes.root(0))
