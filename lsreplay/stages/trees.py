@@ -138,7 +138,8 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         "forward_positions": sum(rnd["forward_positions"] for rnd in rounds), "completion_tokens": sum(lengths),
         "prompts_drawn": sum(rnd["prompts"] for rnd in rounds), "seconds": seconds, "state_seconds": clock.seconds,
         "logged": logged, **summary, **cache, **episode_figures(rounds)})
-    run.store.delete_prefix(journal_folder(run, step, shard))  # the shard's episodes stand: their answers are in
+    if multi_turn(r):  # the shard's episodes stand: their answers are in
+        run.store.delete_prefix(journal_folder(run, step, shard))
     return done
 
 
