@@ -5,9 +5,10 @@ them (`reward.styles`, else told by their parameters):
   completions=, completion_ids=, trainer_state=, log_extra=, log_metric=, **columns)`, every
   dataset column but the prompt's (and but `completion` and `completion_ids`, as TRL) a
   keyword holding one value per completion; with an environment (rollout.environment) also
-  `environments=`, each completion's episode's instance (TRL's environment_factory). It returns one float (or None: it does not
-  apply) per completion. `log_metric(name, value)` logs a scalar, `log_extra(column,
-  values)` a column of the completions table (one value per completion).
+  `environments=`, each completion's episode's instance (TRL's environment_factory). It
+  returns one float (or None: it does not apply) per completion. `log_metric(name, value)`
+  logs a scalar, `log_extra(column, values)` a column of the completions table (one value
+  per completion).
 - verl's (its naive reward manager and single-turn agent loop): once per completion,
   `compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`, returning a float
   or a dict with "score" whose other keys are logged per completion.
