@@ -117,7 +117,8 @@ def _hermes(text: str, reasoning: str | None = None) -> dict:
             calls.append(_malformed("the tool call has no closing </tool_call>; write <tool_call>{\"name\": <the "
                                     "tool>, \"arguments\": {...}}</tool_call>", body))
         else:
-            calls.append(_json_call(body, "arguments", '<tool_call>{"name": <the tool>, "arguments": {...}}</tool_call>'))
+            calls.append(_json_call(body, "arguments",
+                                    '<tool_call>{"name": <the tool>, "arguments": {...}}</tool_call>'))
     return _assistant(HERMES_CALL.sub("", text).strip(), calls, reasoning)
 
 

@@ -259,7 +259,8 @@ def call_tool(tools: dict[str, Callable], call: dict, calls: Calls) -> ToolAnswe
 
 
 def _tool_message(name: str, result, call: dict) -> dict:
-    return {"role": "tool", "name": name, "content": str(result), **({"tool_call_id": call["id"]} if "id" in call else {})}
+    return {"role": "tool", "name": name, "content": str(result),
+            **({"tool_call_id": call["id"]} if "id" in call else {})}  # Mistral's template pairs them by id
 
 
 # ---------------------------------------------------------------- episodes
@@ -424,8 +425,8 @@ class Episodes:
             if len(ids) <= limit:
                 return ids
             log.warning("the environment's answer to an episode of prompt %d is %d tokens, more than "
-                        "rollout.max_environment_tokens=%d: its longest message is cut", self.prompts[episode.tree].index,
-                        len(ids), limit)
+                        "rollout.max_environment_tokens=%d: its longest message is cut",
+                        self.prompts[episode.tree].index, len(ids), limit)
             longest = max(range(len(answers)), key=lambda i: len(answers[i]["content"]))
             content = tokenizer.encode(answers[longest]["content"], add_special_tokens=False)
             kept = content[:max(0, len(content) - (len(ids) - limit) - 2)]  # 2: the ellipsis, and a token's drift

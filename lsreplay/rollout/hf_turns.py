@@ -109,7 +109,7 @@ class HFTurns:
         kept: KeptKV | None = turn.state
         start = 0 if kept is None else kept.length
         new = turn.tokens[start:]
-        cache = _cache(self.model, kept.keys, kept.values) if kept is not None else DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config) if kept is None else _cache(self.model, kept.keys, kept.values)
         device = self.model.device
         ids = torch.tensor([new], device=device)
         hidden = self.model.base_model(input_ids=ids, attention_mask=torch.ones(1, start + len(new), dtype=torch.long,
@@ -144,8 +144,8 @@ class HFTurns:
         width = max(mask.shape[1] for _, _, mask in batch)
         pad = [width - mask.shape[1] for _, _, mask in batch]
         layers = range(len(batch[0][0]))
-        self.cache = _cache(self.model, [torch.cat([F.pad(k[i], (0, 0, p, 0)) for (k, _, _), p in zip(batch, pad)])
-                                         for i in layers],
+        self.cache = _cache(self.model,
+                            [torch.cat([F.pad(k[i], (0, 0, p, 0)) for (k, _, _), p in zip(batch, pad)]) for i in layers],
                             [torch.cat([F.pad(v[i], (0, 0, p, 0)) for (_, v, _), p in zip(batch, pad)]) for i in layers])
         self.mask = torch.cat([F.pad(m, (p, 0)) for (_, _, m), p in zip(batch, pad)])
         self.logits = torch.cat(([self.logits] if self.rows else []) + [p[2] for p in parts])
