@@ -143,10 +143,11 @@ class HFTurns:
                                                    device=keys[0].device)))
         width = max(mask.shape[1] for _, _, mask in batch)
         pad = [width - mask.shape[1] for _, _, mask in batch]
-        layers = range(len(batch[0][0]))
-        self.cache = _cache(self.model,
-                            [torch.cat([F.pad(k[i], (0, 0, p, 0)) for (k, _, _), p in zip(batch, pad)]) for i in layers],
-                            [torch.cat([F.pad(v[i], (0, 0, p, 0)) for (_, v, _), p in zip(batch, pad)]) for i in layers])
+        def padded(part: int) -> list[torch.Tensor]:  # part 0: keys, 1: values; each layer's, left-padded
+            return [torch.cat([F.pad(piece[part][i], (0, 0, p, 0)) for piece, p in zip(batch, pad)])
+                    for i in range(len(batch[0][part]))]
+
+        self.cache = _cache(self.model, padded(0), padded(1))
         self.mask = torch.cat([F.pad(m, (p, 0)) for (_, _, m), p in zip(batch, pad)])
         self.logits = torch.cat(([self.logits] if self.rows else []) + [p[2] for p in parts])
         self.rows += [row for p in parts for row in p[3]]
