@@ -108,7 +108,7 @@ def test_episodes_reproduce_bit_for_bit_under_the_barrier():
 
 
 def test_a_slow_answer_holds_up_only_its_own_episodes():
-    """Tree 0's environment answers after 0.5 s, the others' at once: without the barrier the
+    """Tree 0's environment answers after 1 s, the others' at once: without the barrier the
     other trees' episodes are answered at their second turn before tree 0's first answer;
     with it, no episode's second turn starts before every first answer is in."""
     answered = []
@@ -127,7 +127,7 @@ def test_a_slow_answer_holds_up_only_its_own_episodes():
 
     for barrier in (False, True):
         answered.clear()
-        sample(environment=Timed(lambda tree: 0.5 if tree == 0 else 0.0), barrier=barrier, prompts=[[2, 3]] * 4,
+        sample(environment=Timed(lambda tree: 1.0 if tree == 0 else 0.0), barrier=barrier, prompts=[[2, 3]] * 4,
                branching=[2, 2], max_new_tokens=20)
         slow_first = min(t for (tree, _), t in answered if tree == 0)
         early = [(tree, turn) for (tree, turn), t in answered if tree != 0 and turn >= 2 and t < slow_first]
