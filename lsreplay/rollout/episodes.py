@@ -180,7 +180,8 @@ class _Scheduler:
             episode = self.queue[0]
             fan_outs, segments, _ = self._levels(episode.turns)
             slots = math.prod(fan_outs)
-            if admitted and self.max_concurrent and self._in_flight() + slots > self.max_concurrent:
+            # Within the bound; a request larger than the bound goes alone, when nothing else is in flight.
+            if self.max_concurrent and self._in_flight() and self._in_flight() + slots > self.max_concurrent:
                 break
             self.queue.pop(0)
             self.ids += 1
@@ -190,7 +191,8 @@ class _Scheduler:
             admitted.append(TurnRequest(self.ids, (episode.tree, episode.path, episode.turns), tokens, episode.state,
                                         fan_outs, segments, episode.turns + 1 == self.max_turns))
             episode.state = None
-        self.engine.submit(admitted)
+        if admitted:
+            self.engine.submit(admitted)
 
     def _levels(self, turn: int) -> tuple[list[int], list[int], bool]:
         """The fan-outs and segment lengths of turn `turn`'s replies, and whether they fork."""
