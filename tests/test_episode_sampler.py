@@ -8,8 +8,10 @@ import math
 import threading
 import time
 
+import pytest
 import torch
 from conftest import tiny_model
+from transformers import MistralConfig, MistralForCausalLM
 
 from lsreplay.algos.model_tokens import sampled_masks
 from lsreplay.models.distribution import SamplingParams, token_logprobs
@@ -47,8 +49,15 @@ class Answering:
         self.closed += 1
 
 
-def model():
-    return tiny_model("llama", vocab=8, dtype=torch.float64, initializer_range=0.3)
+def model(window: int | None = None):
+    """A tiny Llama, or with `window` the same weights in a Mistral whose layers see only that
+    many positions."""
+    llama = tiny_model("llama", vocab=8, dtype=torch.float64, initializer_range=0.3)
+    if window is None:
+        return llama
+    mistral = MistralForCausalLM(MistralConfig(**llama.config.to_dict(), sliding_window=window))
+    mistral.load_state_dict(llama.state_dict())
+    return mistral.double().eval()
 
 
 def turns(m, seed: int = 0, max_new_tokens: int = 6) -> HFTurns:
@@ -58,8 +67,8 @@ def turns(m, seed: int = 0, max_new_tokens: int = 6) -> HFTurns:
 
 
 def sample(seed: int = 0, barrier: bool = True, environment=None, prompts=PROMPTS, branching=BRANCHING,
-           max_new_tokens: int = 6, **kw):
-    m = model()
+           max_new_tokens: int = 6, window: int | None = None, **kw):
+    m = model(window)
     with turns(m, seed, max_new_tokens) as engine:
         trees, figures = sample_episodes(engine, prompts, branching, MAX_TURNS, environment or Answering(),
                                          barrier=barrier, **kw)
@@ -80,11 +89,14 @@ def test_episodes_branch_at_turns_and_flag_the_environment_tokens():
     assert sampled_masks([r.sampled for r in rollouts]) is not None
 
 
-def test_kept_kv_gives_the_models_logprobs_and_reads_nothing_twice():
-    """Every sampled token's logprob equals the model's over the whole episode, teacher-forced;
-    the engine prefilled each prompt once and then only the tokens each turn added (the
-    reply's last token and the answer), far fewer than re-reading every turn's history."""
-    rollouts, figures, m = sample()
+@pytest.mark.parametrize("window, seed", [(None, 0), (4, 1)], ids=["llama", "mistral-window4"])
+def test_kept_kv_gives_the_models_logprobs_and_reads_nothing_twice(window, seed):
+    """Every sampled token's logprob equals the model's over the whole episode, teacher-forced
+    (also where its layers see only a window of 4 positions, of episodes up to 16: the kept K/V holds every
+    position, the window is the model's mask); the engine prefilled each prompt once and then
+    only the tokens each turn added (the reply's last token and the answer), far fewer than
+    re-reading every turn's history."""
+    rollouts, figures, m = sample(seed, window=window)
     for r in rollouts:
         for tokens, logprobs, flags in zip(r.completions, r.logprobs, r.sampled):
             with torch.no_grad():

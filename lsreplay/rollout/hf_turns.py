@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from lsreplay.models.distribution import SamplingParams
-from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
 from lsreplay.rollout.episodes import TurnReply, TurnRequest
 from lsreplay.rollout.sampling import sample_next
@@ -109,14 +108,13 @@ class HFTurns:
         kept: KeptKV | None = turn.state
         start = 0 if kept is None else kept.length
         new = turn.tokens[start:]
-        cache = DynamicCache(config=self.model.config) if kept is None else _cache(self.model, kept.keys, kept.values)
+        cache = full_cache(self.model) if kept is None else _cache(self.model, kept.keys, kept.values)
         device = self.model.device
         ids = torch.tensor([new], device=device)
-        hidden = self.model.base_model(input_ids=ids, attention_mask=torch.ones(1, start + len(new), dtype=torch.long,
-                                                                                  device=device),
-                                       position_ids=torch.arange(start, start + len(new), device=device)[None],
-                                       use_cache=True, **with_cache(cache)).last_hidden_state
-        self._check_layers(cache)
+        hidden = decoder(self.model)(input_ids=ids, attention_mask=torch.ones(1, start + len(new), dtype=torch.long,
+                                                                                device=device),
+                                     position_ids=torch.arange(start, start + len(new), device=device)[None],
+                                     use_cache=True, **with_cache(cache)).last_hidden_state
         fan = turn.fan_outs[0]
         ends = [min(sum(turn.segments[:i + 1]), self.max_new_tokens) for i in range(len(turn.segments))]
         request = _Request(turn, self.generator_for(*turn.key), ends + [self.max_new_tokens], fan, len(new))
@@ -126,13 +124,6 @@ class HFTurns:
         values = [layer.values.repeat(fan, 1, 1, 1) for layer in cache.layers]
         rows = [_Row(turn.id, (j,)) for j in range(fan)]
         return keys, values, float_logits(self.model, hidden[:, -1]).repeat(fan, 1), rows
-
-    @staticmethod
-    def _check_layers(cache: DynamicCache) -> None:
-        if not all(type(layer) is DynamicLayer for layer in cache.layers):
-            kinds = sorted({type(layer).__name__ for layer in cache.layers})
-            raise ValueError(f"the HF engine keeps each episode's keys and values between turns, which needs full "
-                             f"attention in every layer; this model's cache has {kinds}: use rollout.engine=vllm")
 
     def _join(self, parts: list[tuple]) -> None:
         """The batch and the new requests' rows as one left-padded batch."""
@@ -231,14 +222,16 @@ class HFTurns:
     def _encode(self, tokens: torch.Tensor) -> None:
         positions = self.mask.sum(-1, keepdim=True)
         self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=-1)
-        hidden = self.model.base_model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions,
-                                       use_cache=True, **with_cache(self.cache)).last_hidden_state
+        hidden = decoder(self.model)(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions,
+                                     use_cache=True, **with_cache(self.cache)).last_hidden_state
         self.logits = float_logits(self.model, hidden[:, -1])
 
 
 def _cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
-    """A cache holding these tensors as its layers' keys and values (not copied)."""
-    cache = DynamicCache(config=model.config)
+    """A cache holding these tensors as its layers' keys and values (not copied); every layer
+    keeps every position (hf_compat.full_cache: an episode's rows join and leave the batch
+    by columns, which a sliding-window layer's cache would not keep)."""
+    cache = full_cache(model)
     for layer, k, v in zip(cache.layers, keys, values):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
