@@ -15,7 +15,7 @@ from transformers import TrainerState
 from lsreplay.core.config import load_config
 from lsreplay.core.sandbox import Child, Limits, Overrun, SandboxError, close_children
 from lsreplay.data.agentic import calculator
-from lsreplay.data.environments import call_tool, load_play
+from lsreplay.data.environments import Calls, call_tool, load_play
 from lsreplay.data.expressions import TooLarge, arithmetic, check_symbolic
 from lsreplay.data.rewards import Reward, RewardError
 from lsreplay.data.sources import Prompt
@@ -145,8 +145,10 @@ def test_untrusted_tools_run_in_a_child_and_the_stalling_one_ends_at_its_timeout
                                                                                "description": "the base"}
 
     def call(name: str, **arguments) -> tuple[str, float]:
+        play.functions[name].start()  # a killed child starts again before the call's clock does
         start = time.monotonic()
-        answer = call_tool(play.functions, {"function": {"name": name, "arguments": arguments}}, 3)
+        with Calls(play.timeout) as calls:
+            answer = call_tool(play.functions, {"function": {"name": name, "arguments": arguments}}, calls)
         return answer.message["content"], time.monotonic() - start
 
     assert call("power", base=2, exponent=10)[0] == "1024"

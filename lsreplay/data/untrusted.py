@@ -10,7 +10,9 @@ text, str(result), as the tool message holds it). A TRL-style reward function's 
 becomes a transformers.TrainerState again in the child, and what it gives log_metric and
 log_extra is replayed on this process's loggers after the call. A call past its wall time
 kills the child (Overrun); one that raises fails with its exception's type and message
-(SandboxError).
+(SandboxError). The calls of one function's child run one at a time; a call's wall time
+counts from when it starts there (a queued call, or a child starting again after a kill,
+does not use it up).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dataclasses
 import inspect
 
 from lsreplay.core.sandbox import START_SECONDS, Limits, SandboxError, child
-from lsreplay.data.reward_functions import RewardError, callable_name, load_function, parameters
+from lsreplay.data.reward_functions import ENVIRONMENTS_KEYWORD, RewardError, callable_name, load_function, parameters
 from lsreplay.data.sources import jsonable
 
 # The kinds of parameters, by the names the child gives them.
@@ -56,6 +58,10 @@ class UntrustedFunction:
         self._child.start()
 
     def __call__(self, *args, **kwargs):
+        if kwargs.get(ENVIRONMENTS_KEYWORD) is not None:
+            raise RewardError(f"{self.spec} (reward.untrusted: it runs in a child process) cannot be given the "
+                              f"episodes' environment instances ({ENVIRONMENTS_KEYWORD}=), which live in this process; "
+                              "score the episodes with the environment's get_reward, or trust the function")
         loggers = {name: kwargs.pop(name) for name in LOGGERS if callable(kwargs.get(name))}
         state = kwargs.pop("trainer_state", None)
         reply = self._child.call("lsreplay.data.untrusted:call", self.spec, list(args), kwargs,
