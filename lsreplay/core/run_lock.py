@@ -310,7 +310,7 @@ class _Lease(_Lock):
         elif "lost" in message and self.renewed is not None:
             self.lost = self.lost or message["lost"]
             log.error("the run at %s is no longer this process's: %s", self.store.uri, message["lost"])
-        elif "failed" in message:
+        elif "failed" in message and "reply" not in message:  # a renewal of its own (an answer is the asker's)
             log.warning("could not renew the lease of the run at %s: %s", self.store.uri, message["failed"])
 
     def release(self) -> None:
