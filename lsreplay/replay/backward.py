@@ -45,8 +45,9 @@ from transformers import PreTrainedModel
 from lsreplay.models.summed_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
-from lsreplay.replay.memory import (ActivationMeter, KeptLayers, ModelDims, default_budget, device_peak_bytes,
-                                    kept_spans, leaf_batch_rows, reset_device_peak)
+from lsreplay.replay.layerwise import LayerByLayerSpan, layer_by_layer_applies
+from lsreplay.replay.memory import (ActivationMeter, KeptLayers, LayerByLayer, ModelDims, default_budget,
+                                    device_peak_bytes, kept_spans, leaf_batch_rows, reset_device_peak)
 from lsreplay.replay.recompute import recomputed_layers
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
 from lsreplay.replay.view import Span, replay_view
@@ -106,6 +107,9 @@ class _Replay:
         if not children:  # only its own entries carry weight
             self.run([span], ancestors, None)
             return
+        if isinstance(self.kept.get(span.id), LayerByLayer):
+            self.layer_by_layer_node(span, ancestors, children)
+            return
         if span.id in self.kept:
             self.kept_node(span, ancestors, children)
             return
@@ -127,6 +131,20 @@ class _Replay:
         with self.meter.hold(kv_bytes(kv)):  # their gradient
             self.subtrees(children, ancestors + [kv], span.end)
             self.backward(objective, own_kv, _grads(kv))
+
+    def layer_by_layer_node(self, span: Span, ancestors: list[PrefixKV], children: list[Span]) -> None:
+        """Forward the span without grad keeping its layer inputs and K/V, replay its subtree
+        on the K/V (leaf tensors), then run its layers again one at a time from the top, in
+        chunks of positions, each backpropagating its share of the subtree's dK/dV
+        (layerwise.py): what kept_spans chose where the span's graph does not fit."""
+        choice = self.kept[span.id]
+        run = LayerByLayerSpan(self.model, span.tokens, span.start, ancestors, choice.chunk, self.meter,
+                               choice.offload)
+        kv = run.forward(self.score_entries, span.entry_ids, span.entry_pos, span.entry_targets)
+        self.positions += len(span.tokens)
+        with self.meter.hold(kv_bytes(kv)):  # their gradient
+            self.subtrees(children, ancestors + [kv], span.end)
+            run.backward()
 
     def subtrees(self, children: list[Span], below: list[PrefixKV], past_len: int) -> None:
         """Replay every live child of a branching span on top of `below`: the leaves in
@@ -193,13 +211,21 @@ class _Replay:
         """The weighted scores of the nodes' entries, every head's (with grad)."""
         objective = hidden.new_zeros(())
         for row, n in enumerate(nodes):
-            if n.entry_ids:
-                ids = device_index(n.entry_ids, hidden.device)
-                for name, w in self.w.items():
-                    score = self.heads[name](self.model, hidden[row], n.entry_pos, n.entry_targets)
-                    term = (score * w[ids].to(score)).sum()
-                    self.objective += term.detach().double()
-                    objective = objective + term
+            objective = objective + self.score_entries(hidden[row], n.entry_ids, n.entry_pos, n.entry_targets)
+        return objective
+
+    def score_entries(self, hidden: torch.Tensor, ids: list[int], positions: list[int],
+                      targets: list[int]) -> torch.Tensor:
+        """The weighted scores of entries `ids` at `positions` of one row of hidden states
+        (T, d), every head's (with grad)."""
+        objective = hidden.new_zeros(())
+        if ids:
+            index = device_index(ids, hidden.device)
+            for name, w in self.w.items():
+                score = self.heads[name](self.model, hidden, positions, targets)
+                term = (score * w[index].to(score)).sum()
+                self.objective += term.detach().double()
+                objective = objective + term
         return objective
 
     @staticmethod

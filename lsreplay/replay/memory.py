@@ -252,6 +252,21 @@ class KeptLayers:
         return "graph kept" + (f" ({self.rerun} of {layers} layers run again in its backward)" if self.rerun else "")
 
 
+@dataclass(frozen=True)
+class LayerByLayer:
+    """A branching span run layer by layer (layerwise.py): its forward, without grad, keeps
+    its layer inputs (with `offload`, in host memory) and its K/V; its backward runs each
+    layer again over `chunk` positions at a time."""
+
+    chunk: int
+    offload: bool = False
+
+    def describe(self, layers: int) -> str:
+        where = " in host memory" if self.offload else ""
+        return (f"layer by layer (its {layers} layers' inputs{where} and K/V kept; each layer run again in its "
+                f"backward, {self.chunk} positions at a time)")
+
+
 def layer_choices(layers: int) -> list[KeptLayers]:
     """Every way a kept span's layers may keep less, each holding less than the one before:
     lean layers first (a quarter of a layer's forward run again saves 40% of what it holds
