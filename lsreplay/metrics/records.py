@@ -118,7 +118,7 @@ OPTIONAL_KEYS = {
               "effective_group_size", "episode_turns_mean", "tool_calls_mean", "tool_error_share",
               "environment_token_share"),
     "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
-    "policy": ("kl", "updates", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
+    "policy": ("kl", "updates", "layer_by_layer_positions", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
                "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", "trees_left_out",
                "tis_capped_fraction", "tis_weight_mean", *TRL_POLICY_KEYS),
 }

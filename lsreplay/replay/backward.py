@@ -67,6 +67,7 @@ class BackwardStats:
     seconds: float
     peak_activation_bytes: int  # saved-for-backward + held K/V, see memory.py
     device_peak_bytes: int | None = None
+    layer_by_layer_positions: int = 0  # positions of branching spans run layer by layer (layerwise.py)
 
     @property
     def positions_ratio(self) -> float:
@@ -77,8 +78,9 @@ class _Replay:
     """State of one replay_backward call."""
 
     def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None,
-                 join_below: int, heads: Heads = LOGPROB_HEADS):
+                 join_below: int, heads: Heads = LOGPROB_HEADS, offload_prefix: bool = False):
         self.model, self.meter, self.prefix_kv, self.join_below, self.heads = model, meter, prefix_kv, join_below, heads
+        self.offload_prefix = offload_prefix
         self.dims = ModelDims.from_hf(model.config)
         self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
@@ -86,13 +88,15 @@ class _Replay:
         # Summed where the terms are: a host copy per scored row would wait for the device each time.
         self.objective = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
         self.positions = 0
+        self.layer_by_layer_positions = 0
         self.recomputed = 0
 
     def tree(self, index: int, tree: RolloutTree, entry_weights: dict[str, torch.Tensor]) -> None:
         self.index, self.t = index, tree
         # A head of no weight in the tree is not run at all (a value loss alone needs no LM head).
         self.w = {name: w.to(self.objective.device) for name, w in entry_weights.items() if w.ne(0).any()}
-        self.spans, self.kept, self.budget = replay_plan(self.model, tree, self.join_below, self.budget_bytes)
+        self.spans, self.kept, self.budget = replay_plan(self.model, tree, self.join_below, self.budget_bytes,
+                                                         self.offload_prefix)
         self.live = _live_spans(self.spans, entry_weights)
         root = self.spans[0]
         if not self.live[root.id]:
@@ -142,6 +146,7 @@ class _Replay:
                                choice.offload)
         kv = run.forward(self.score_entries, span.entry_ids, span.entry_pos, span.entry_targets)
         self.positions += len(span.tokens)
+        self.layer_by_layer_positions += len(span.tokens)
         with self.meter.hold(kv_bytes(kv)):  # their gradient
             self.subtrees(children, ancestors + [kv], span.end)
             run.backward()
@@ -254,18 +259,23 @@ def _grads(kv: PrefixKV):
     return [k.grad for k in kv[0]], [v.grad for v in kv[1]]
 
 
-def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0,
-                budget_bytes: int | None = None) -> tuple[list[Span], dict[int, KeptLayers], int]:
-    """How replay_backward walks `tree`: its replay view (view.py), the branching spans whose
-    graphs it keeps with what their layers keep (memory.kept_spans) and the
-    memory budget of one path, `budget_bytes` or
-    by default what the per-rollout backward needs for the tree's longest rollout, with its
-    K/V (memory.default_budget). The caching pass asks it which K/V the backward will read."""
+def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0, budget_bytes: int | None = None,
+                offload_prefix: bool = False) -> tuple[list[Span], dict[int, KeptLayers | LayerByLayer], int]:
+    """How replay_backward walks `tree`: its replay view (view.py), the branching spans it
+    forwards before their subtree with what they keep (memory.kept_spans: their graph, or
+    where the model takes cascade attention their layer inputs and K/V, run layer by layer,
+    those inputs in host memory with `offload_prefix` on CUDA) and the memory budget of one
+    path, `budget_bytes` or by default what the per-rollout backward needs for the tree's
+    longest rollout, with its K/V (memory.default_budget). The caching pass asks it which K/V
+    the backward will read. Raises ConfigError where no way of running a span fits the budget."""
     dims, elt = ModelDims.from_hf(model.config), next(model.parameters()).element_size()
     spans = replay_view(tree, join_below)
     longest = max(n.end for n in tree.nodes)
     budget = budget_bytes or default_budget(dims, elt, longest, longest - tree.prompt_len)
-    return spans, kept_spans(spans, dims, elt, budget, cascade_applies(model)), budget
+    cascade = cascade_applies(model)
+    offload = offload_prefix and next(model.parameters()).device.type == "cuda"
+    kept = kept_spans(spans, dims, elt, budget, cascade, cascade and layer_by_layer_applies(model), offload)
+    return spans, kept, budget
 
 
 def _live_spans(spans: list[Span], entry_weights: dict[str, torch.Tensor]) -> list[bool]:
@@ -293,7 +303,7 @@ def _weighted_positions(trees: list[RolloutTree], weights: dict) -> int:
 def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                     prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
                     meter: ActivationMeter | None = None, join_below: int = 0,
-                    heads: Heads | None = None) -> BackwardStats:
+                    heads: Heads | None = None, offload_prefix: bool = False) -> BackwardStats:
     """Accumulate the weighted-score gradient of `trees` into `.grad`, branch replay style.
 
     heads: what is scored (heads.py); None = the token logprob alone, with `weights` the
@@ -301,11 +311,13 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
     prefix_kv: where cached K/V of branching nodes come from (None: computed here without
     grad). budget_bytes: memory allowed to one micro-batch of sibling leaves, the K/V held
     for them included (default: what the per-rollout backward saves for the longest rollout).
-    join_below: join short branching nodes into their children, see view.py (0: never)."""
+    join_below: join short branching nodes into their children, see view.py (0: never).
+    offload_prefix: on CUDA, the layer inputs of spans run layer by layer wait in host memory
+    (layerwise.py); on a CPU it changes nothing."""
     weights, heads = per_head(weights, heads)
     entry_w = _entry_weights(trees, weights)
     meter = meter or ActivationMeter(model)
-    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below, heads)
+    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below, heads, offload_prefix)
     device = next(model.parameters()).device
     reset_device_peak(device)
     start = time.perf_counter()
@@ -318,7 +330,7 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
         objective=float(state.objective), positions=state.positions,
         per_rollout_positions=_weighted_positions(trees, weights),
         seconds=time.perf_counter() - start, peak_activation_bytes=meter.peak,
-        device_peak_bytes=device_peak_bytes(device))
+        device_peak_bytes=device_peak_bytes(device), layer_by_layer_positions=state.layer_by_layer_positions)
 
 
 def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
