@@ -340,3 +340,23 @@ def test_the_plan_counts_the_algorithms_state_and_updates(capsys):
     main([PROD, *one, "algo.name=ppo", "algo.critic=true", "algo.epochs=2"])  # one device holds less than fits
     out = capsys.readouterr().out
     assert "critic: a value head on the policy's trunk" in out and "algo=ppo updates_per_step=2" in out
+
+
+def test_offloaded_layer_inputs_leave_the_device_for_the_hosts_memory(capsys):
+    """The production shape at a 64k prompt, run layer by layer: with replay.offload_prefix
+    the device holds two layers' inputs instead of 27, and each host the pinned inputs of its
+    8 devices, next to two checkpoint snapshots; a host too small says so."""
+    long = [PROD, "data.max_prompt_tokens=65536", "model.arch.max_position_embeddings=262144", "replay.budget_mb=24576"]
+    main([*long, "pool.host_memory_gb=512"])
+    kept = _last_kv(capsys.readouterr().out)
+    main([*long, "replay.offload_prefix=true", "pool.host_memory_gb=512"])
+    out = capsys.readouterr().out
+    offloaded = _last_kv(out)
+    inputs = 27 * 65536 * 3584 * 2  # layers 1-27, bf16
+    assert re.search(rf"layer inputs of prompts run layer by layer, pinned, x 8 devices +{8 * inputs / 2**30:.2f}", out)
+    assert float(offloaded["host_gib"]) == pytest.approx(8 * inputs / 2**30 + 2 * 85.11, abs=0.02)
+    assert "checkpoint snapshots" in out and "fits" in out.split("host memory, per host")[1]
+    assert float(kept["host_gib"]) == pytest.approx(2 * 85.11, abs=0.02)  # the snapshots alone
+    assert float(offloaded["replay_peak_gib"]) < float(kept["replay_peak_gib"]) - 7  # 27 - 2 inputs of 0.44 GiB
+    assert main([*long, "replay.offload_prefix=true", "pool.host_memory_gb=256"]) == 1
+    assert "a host needs" in capsys.readouterr().err

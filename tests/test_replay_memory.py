@@ -306,3 +306,23 @@ def test_replay_holds_its_budget_as_the_prompt_grows_and_refuses_past_it():
         assert replay.layer_by_layer_positions == (prompt if prompt >= 512 else 0), prompt
     with pytest.raises(ConfigError, match=r"replay.budget_mb=1 is too small .* raise replay.budget_mb to at least 2,"):
         replay_backward(model, [tree], weights, budget_bytes=2**20)
+
+
+def test_offload_prefix_on_a_cpu_changes_nothing():
+    """replay.offload_prefix on a CPU: the same code path, no copies: the same choice, peak
+    and gradients, bit for bit, as without it."""
+    model = _llama()
+    rng = random.Random(0)
+    tree = RolloutTree.from_sequences([rng.randrange(VOCAB) for _ in range(512)], _tree(4).completions)
+    weights = _weights(tree)
+    runs = {}
+    for offload in (False, True):
+        assert replay_plan(model, tree, 0, 3 * 2**20, offload)[1] == replay_plan(model, tree, 0, 3 * 2**20)[1]
+        model.zero_grad(set_to_none=True)
+        stats = replay_backward(model, [tree], weights, budget_bytes=3 * 2**20, meter=ActivationMeter(model),
+                                offload_prefix=offload)
+        runs[offload] = stats, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (off, grads_off), (on, grads_on) = runs[False], runs[True]
+    assert on.layer_by_layer_positions == off.layer_by_layer_positions == 512
+    assert on.peak_activation_bytes == off.peak_activation_bytes
+    assert all(torch.equal(grads_on[n], grads_off[n]) for n in grads_off)
