@@ -393,6 +393,14 @@ def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascad
     return _Choices(spans, dims, elt, budget, cascade, layer_by_layer, offload).choose()
 
 
+def least_budget(spans: list[Span], dims: ModelDims, elt: int, cascade: bool = True, offload: bool = False,
+                 leaves: bool = True) -> int:
+    """The least budget at which kept_spans (with layer_by_layer) runs a replay view: what its
+    backward holds at once run the way that holds least, a row of each leaf beside it (or,
+    `leaves` false, not: the least it refuses below)."""
+    return _Choices(spans, dims, elt, 0, cascade, True, offload).least_of(spans[0], 0, leaves)
+
+
 @dataclass(frozen=True)
 class _Way:
     """One way of running a branching span: `choice` (None: the fallback), what it holds
