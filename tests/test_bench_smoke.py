@@ -59,6 +59,22 @@ def test_replay_bench_smoke():
     assert float(pairs["grad_rel_diff"]) <= 1e-4
 
 
+def test_long_context_bench_smoke():
+    """bench/long_context.py --smoke: replay against the per-rollout backward as the prompt
+    grows; the longest runs layer by layer, replay's peak stays within its bound and at or
+    below the per-rollout peak, and per prompt position it shrinks as the prompt grows."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert kv["within_bound"] == kv["below_naive"] == "true"
+    assert {"time_ratio_128", "time_ratio_256", "naive_peak_mib_256", "replay_peak_mib_512"} <= kv.keys()
+    assert "time_ratio_512" not in kv  # replay alone at the longest
+    per_position = [float(kv[f"replay_bytes_per_position_{p}"]) for p in (128, 256, 512)]
+    assert per_position == sorted(per_position, reverse=True)
+    assert "512 positions layer by layer" in proc.stdout
+
+
 def test_run_cost_bench_smoke(tiny_model_dir):
     """bench/run_cost.py times runs of each length and fits their fixed cost, next to the
     constant the replay planner uses."""
