@@ -165,16 +165,28 @@ def test_a_long_prompt_fits_its_budget_and_a_longer_one_is_refused_with_the_budg
     positions = "model.arch.max_position_embeddings=262144"
     main([PROD, "data.max_prompt_tokens=32768", positions])
     captured = capsys.readouterr()
-    assert "branches  replay: prompt layer by layer (its 28 layers' inputs and K/V kept" in captured.out
+    assert "branches  replay: prompt layer by layer (its layer inputs and K/V kept" in captured.out
     assert float(_last_kv(captured.out)["replay_peak_gib"]) <= 96 and "the replay step needs" not in captured.err
     main([PROD, "data.max_prompt_tokens=131072", positions, "replay.budget_mb=28672", "replay.offload_prefix=true"])
     captured = capsys.readouterr()
-    assert "branches  replay: prompt layer by layer (its 28 layers' inputs in host memory and K/V kept" in captured.out
+    assert "branches  replay: prompt layer by layer (its layer inputs (in host memory) and K/V kept" in captured.out
     assert float(_last_kv(captured.out)["replay_peak_gib"]) <= 96 and "the replay step needs" not in captured.err
     assert main([PROD, "data.max_prompt_tokens=262144", positions]) == 2
     err = capsys.readouterr().err
     assert re.search(r"replay.budget_mb=19456 is too small .* prompt of 262144 tokens, run layer by layer, holds "
                      r"[0-9.]+ MiB .* raise replay.budget_mb to at least [0-9]+", err), err
+
+
+def test_the_128k_config_fits_its_devices_and_host(capsys):
+    """configs/h20x8-qwen2.5-7b-128k.yaml: Qwen2.5-7B at 128k-token prompts x 16 rollouts on
+    8 x 96 GB: its prompt runs layer by layer, its layer inputs in the host's memory, and the
+    step fits the devices and the host (13.5x fewer positions than per rollout)."""
+    assert main([str(Path(PROD).with_name("h20x8-qwen2.5-7b-128k.yaml"))]) == 0
+    out = capsys.readouterr().out
+    kv = _last_kv(out)
+    assert kv["fits"] == "true" and kv["rollouts_per_tree"] == "16" and float(kv["positions_ratio"]) > 13
+    assert float(kv["replay_peak_gib"]) <= 96 and float(kv["host_gib"]) <= 1024
+    assert "tree      prompt 128000" in out and "prompt layer by layer (its layer inputs (in host memory)" in out
 
 
 def test_bad_planner_key_is_a_config_error(capsys):

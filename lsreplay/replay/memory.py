@@ -265,8 +265,8 @@ class LayerByLayer:
     offload: bool = False
 
     def describe(self, layers: int) -> str:
-        where = " in host memory" if self.offload else ""
-        return (f"layer by layer (its {layers} layers' inputs{where} and K/V kept; each layer run again in its "
+        where = " (in host memory)" if self.offload else ""
+        return (f"layer by layer (its layer inputs{where} and K/V kept; each of its {layers} layers run again in its "
                 f"backward, {self.chunk} positions at a time)")
 
 
