@@ -404,8 +404,8 @@ def long_prompt(name: str, device: torch.device, smoke: bool) -> dict:
     out["offload_ok"] = (out["saved"] >= moved / 2 if device.type == "cuda" else
                          all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
                          and on_device.peak_activation_bytes == offloaded.peak_activation_bytes)
-    print(f"  Qwen2.5-{name} shape, bf16, prompt {prompt} + {leaves} leaves x {suffix}, budget {budget / 2**20:.1f} MiB: "
-          f"layer by layer {out['layer_by_layer']}; gradients rel {out['grad_rel']:.2e} (<= {GRAD_REL_MAX}), cosine "
+    print(f"  Qwen2.5-{name} shape, bf16, prompt {prompt} + {leaves} leaves x {suffix}, budget "
+          f"{budget / 2**20:.1f} MiB: layer by layer {out['layer_by_layer']}; gradients rel {out['grad_rel']:.2e} (<= {GRAD_REL_MAX}), cosine "
           f"{out['cosine']:.6f}; device peak {_gib(peak_on)} GiB, offloaded {_gib(peak_off)} GiB (layer inputs moved "
           f"{moved / GiB:.2f} GiB), per-rollout {_gib(naive_peak)} GiB; offload ok {out['offload_ok']}", flush=True)
     return out

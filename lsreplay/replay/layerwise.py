@@ -42,7 +42,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils._pytree import tree_flatten
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 
 from lsreplay.models.hf_compat import CACHE_KEYWORD
 from lsreplay.replay.cascade import forward_cascade
@@ -92,6 +92,7 @@ class LayerByLayerSpan:
         self.values: list[torch.Tensor | None] = []
         self.calls: list[list[tuple[tuple, dict]]] = []  # per chunk, per layer: (args after the input, kwargs)
         self.implementation = model.config._attn_implementation
+        self.cache_keyword = CACHE_KEYWORD
         # The meter's handles: of what the span holds throughout, and of each layer's K/V.
         self.counted = [meter.keep(self.grad)]
         self.counted_kv: list[list] = []
@@ -121,10 +122,11 @@ class LayerByLayerSpan:
             def hook(module, args, kwargs):
                 self.implementation = self.model.config._attn_implementation
                 hidden = args[0] if args else kwargs["hidden_states"]
-                # Not the cache (it would hold the chunk's K/V a second time) nor the prefix
-                # parts: the backward passes its own.
-                calls[index] = (tuple(args[1:]), {k: v for k, v in kwargs.items()
-                                                  if k not in (CACHE_KEYWORD, PREFIX_KEYWORD, "hidden_states")})
+                # Not the cache (it would hold the chunk's K/V a second time; named as this
+                # transformers names it to a layer) nor the prefix parts: the backward passes its own.
+                self.cache_keyword = next((k for k, v in kwargs.items() if isinstance(v, Cache)), CACHE_KEYWORD)
+                calls[index] = (tuple(args[1:]), {k: v for k, v in kwargs.items() if k not in
+                                                  (self.cache_keyword, PREFIX_KEYWORD, "hidden_states")})
                 if index:
                     self.inputs.write(index, lo, hi, hidden)
             return hook
@@ -199,7 +201,8 @@ class LayerByLayerSpan:
         own = self._own_before(lo, layer)
         args, kwargs = self.calls[index][layer]
         cache = DynamicCache(config=self.model.config)
-        out = self.layers[layer](x, *args, **{**kwargs, CACHE_KEYWORD: cache, PREFIX_KEYWORD: self.ancestors + own})
+        kwargs = {**kwargs, self.cache_keyword: cache, PREFIX_KEYWORD: self.ancestors + own}
+        out = self.layers[layer](x, *args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         new = cache.layers[layer]
         outputs = [(out, self.grad[:, lo:hi]), (new.keys, key_grad[..., lo:hi, :]),

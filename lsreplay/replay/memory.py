@@ -509,13 +509,13 @@ class _Choices:
 def _too_small(dims: ModelDims, elt: int, root: Span, budget: int, need: int, offload: bool) -> str:
     """Why no way of running a tree fits `budget`: the least it needs, and what its prompt's
     layer inputs and K/V (and their gradient) take."""
-    prompt = layer_by_layer_bytes(dims, elt, len(root.tokens), offload) + kv_bytes_per_position(dims, elt) * len(
-        root.tokens)
+    width = len(root.tokens)
+    prompt = layer_by_layer_bytes(dims, elt, width, offload) + kv_bytes_per_position(dims, elt) * width
+    where = " (two layers on the device, the others in host memory)" if offload else ""
     return (f"replay.budget_mb={budget / MiB:.6g} is too small for this tree: the least its backward can hold at "
-            f"once, its leaves aside, is {need / MiB:.2f} MiB (its prompt of {len(root.tokens)} tokens, run layer by layer, holds "
-            f"{prompt / MiB:.1f} MiB of layer inputs{' (two layers on the device, the others in host memory)' if offload else ''}"
-            f", K/V and their gradient); raise replay.budget_mb to at least {-(-need // MiB)}, or shorten the prompts "
-            f"(data.max_prompt_tokens)")
+            f"once, its leaves aside, is {need / MiB:.2f} MiB (its prompt of {width} tokens, run layer by layer, "
+            f"holds {prompt / MiB:.1f} MiB of layer inputs{where}, K/V and their gradient); raise replay.budget_mb to "
+            f"at least {-(-need // MiB)}, or shorten the prompts (data.max_prompt_tokens)")
 
 
 def leaf_batch_rows(dims: ModelDims, elt: int, widths: list[int], past: int, budget: int,

@@ -30,8 +30,8 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     run, the model folder is there, the trackers are installed, the reward functions import
     and take what the data gives them, the tools and environment import, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
-    (lsreplay.data.prompt_sets.check_prompts), and the replay backward fits its budget. Raises ConfigError, StorageError, ModelError or
-    DatasetError with a message that says what to do. Returns the run with its thread count
+    (lsreplay.data.prompt_sets.check_prompts), and the replay backward fits its budget.
+    Raises ConfigError, StorageError, ModelError or DatasetError with a message that says what to do. Returns the run with its thread count
     pinned (`Run.with_pinned_threads`)."""
     run = Run(cfg)
     run.check_config(force)
