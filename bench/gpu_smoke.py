@@ -48,7 +48,12 @@ What it does, each part on its own (a failing part is reported and the next stil
    smaller tree (prompt 1024, branching [4, 4] after 128 tokens, 512-token completions):
    CUDA attends to the prefix with the memory-efficient kernel there (bf16 takes flash);
    passes at grad_rel <= 1e-3 with the cascade path taken.
-6. a long prompt layer by layer: Qwen2.5-0.5B dimensions in bf16, a 16384-token prompt and 4
+6. attention variants: replay_backward vs naive_backward in float32 on small Gemma 2 (a
+   sliding window shorter than the prompt, attention and final logit softcapping) and GPT-OSS
+   (attention sinks, a sliding window, experts) models: on CUDA a masked part of cascade
+   attention and a softcapped one run the plain torch kernel (replay/attention/kernels.py);
+   passes at grad_rel <= 1e-3 with the cascade path taken.
+7. a long prompt layer by layer: Qwen2.5-0.5B dimensions in bf16, a 16384-token prompt and 4
    leaves of 256 tokens, at a budget its graph does not fit (the least the tree runs at, and
    room for a layer over 2048 positions at a time: memory.least_budget), so the prompt runs
    layer by layer (replay/layerwise.py); then the same with replay.offload_prefix (its layer
@@ -59,8 +64,8 @@ What it does, each part on its own (a failing part is reported and the next stil
    same peak, bit-identical gradients: offload changes nothing there).
 
 The last line: gpu_ok= grad_rel= replay_speedup= peak_gib= plan_gib= f32_grad_rel=
-long_grad_rel= offload_saved_gib= (gpu_ok: parts 1, 2, 5 and 6 passed; peak_gib and
-offload_saved_gib are nan on the CPU).
+variants_grad_rel= long_grad_rel= offload_saved_gib= (gpu_ok: parts 1, 2, 5, 6 and 7 passed;
+peak_gib and offload_saved_gib are nan on the CPU).
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ from lsreplay.metrics.records import step_record  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
-from lsreplay.replay.attention_kernels import kernel_for  # noqa: E402
+from lsreplay.replay.attention.kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
 from lsreplay.replay.memory import (ModelDims, layer_run_bytes, layer_workspace_bytes,  # noqa: E402
                                     least_budget)
@@ -373,7 +378,41 @@ def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
     return out
 
 
-# -- 6. a long prompt layer by layer, its layer inputs on the device or in host memory -------
+# -- 6. attention variants ----------------------------------------------------------------------
+VARIANT_FAMILIES = {
+    "gemma2": dict(sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   query_pre_attn_scalar=64),
+    "gpt_oss": dict(sliding_window=64, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def variant_backwards(device: torch.device, smoke: bool) -> dict:
+    """replay_backward vs naive_backward of one float32 tree on each family of VARIANT_FAMILIES."""
+    shape = TreeShape.from_rollout(*((48, [2, 2], [8], 24) if smoke else (512, [4, 4], [64], 192)))
+    worst = 0.0
+    for family, keys in VARIANT_FAMILIES.items():
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(
+            family, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **keys)
+        config._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
+        tree = shape.random_tree(1024, seed=3)
+        weights = random_weights(tree, seed=3)
+        replay_backward(model, [tree], weights)
+        replay_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        naive_backward(model, [tree], weights)
+        a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+        print(f"  {family} {keys}: cascade {cascade_applies(model)}; gradients rel {a['rel']:.2e}", flush=True)
+        if not cascade_applies(model):
+            return {"grad_rel": math.inf}
+        worst = max(worst, a["rel"])
+    return {"grad_rel": worst}
+
+
+# -- 7. a long prompt layer by layer, its layer inputs on the device or in host memory -------
 def long_prompt(name: str, device: torch.device, smoke: bool) -> dict:
     """Replay with the prompt run layer by layer, without and with replay.offload_prefix, and
     the per-rollout backward: float32 master gradients and device peaks."""
@@ -405,8 +444,8 @@ def long_prompt(name: str, device: torch.device, smoke: bool) -> dict:
                          all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
                          and on_device.peak_activation_bytes == offloaded.peak_activation_bytes)
     print(f"  Qwen2.5-{name} shape, bf16, prompt {prompt} + {leaves} leaves x {suffix}, budget "
-          f"{budget / 2**20:.1f} MiB: layer by layer {out['layer_by_layer']}; gradients rel {out['grad_rel']:.2e} (<= {GRAD_REL_MAX}), cosine "
-          f"{out['cosine']:.6f}; device peak {_gib(peak_on)} GiB, offloaded {_gib(peak_off)} GiB (layer inputs moved "
+          f"{budget / 2**20:.1f} MiB: layer by layer {out['layer_by_layer']}; gradients rel {out['grad_rel']:.2e} "
+          f"(<= {GRAD_REL_MAX}), cosine {out['cosine']:.6f}; device peak {_gib(peak_on)} GiB, offloaded {_gib(peak_off)} GiB (layer inputs moved "
           f"{moved / GiB:.2f} GiB), per-rollout {_gib(naive_peak)} GiB; offload ok {out['offload_ok']}", flush=True)
     return out
 
@@ -463,11 +502,14 @@ def main(argv: list[str] | None = None) -> int:
                                                   args.smoke)))
     f32 = part("5. float32 replay vs per-rollout backward (CUDA: the memory-efficient kernel)",
                lambda: float32_backwards("smoke" if args.smoke else "0.5b", device, args.smoke))
-    long = part("6. a long prompt layer by layer, its layer inputs on the device and in host memory",
+    variants = part("6. attention variants: windows, softcaps, sinks (CUDA: the plain kernel's masked parts)",
+                    lambda: variant_backwards(device, args.smoke))
+    long = part("7. a long prompt layer by layer, its layer inputs on the device and in host memory",
                 lambda: long_prompt("smoke" if args.smoke else "0.5b", device, args.smoke))
     ok = (checks is not None and all(checks.values()) and out is not None
           and out["grad_rel"] <= GRAD_REL_MAX and out["cosine"] >= COSINE_MIN
           and f32 is not None and f32["cascade"] and f32["grad_rel"] <= F32_GRAD_REL_MAX
+          and variants is not None and variants["grad_rel"] <= F32_GRAD_REL_MAX
           and long is not None and long["layer_by_layer"] and long["offload_ok"]
           and long["grad_rel"] <= GRAD_REL_MAX and long["cosine"] >= COSINE_MIN)
     out = out or dict.fromkeys(("grad_rel", "replay_speedup", "peak_gib", "plan_gib"), math.nan)
@@ -475,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_ok={str(ok).lower()} grad_rel={out['grad_rel']:.3e} replay_speedup={out['replay_speedup']:.3f} "
           f"peak_gib={out['peak_gib']:.3g} plan_gib={out['plan_gib']:.3g} "
           f"f32_grad_rel={(f32 or {}).get('grad_rel', math.nan):.3e} "
+          f"variants_grad_rel={(variants or {}).get('grad_rel', math.nan):.3e} "
           f"long_grad_rel={(long or {}).get('grad_rel', math.nan):.3e} "
           f"offload_saved_gib={(long or {}).get('saved', math.nan) / GiB:.3g}", flush=True)
     return 0 if ok else 1

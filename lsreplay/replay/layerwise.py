@@ -32,20 +32,21 @@ Each decoder layer is called directly, with the arguments the forward called it 
 whatever the family passes), a fresh cache that hands back the chunk's keys and values, and
 its recompute's prefix parts; the attention implementation the forward ran with (cascade.py's)
 is switched on again for it. So this applies where cascade attention does
-(cascade.cascade_applies), on the layers and final norm of `model.base_model`.
+(cascade.cascade_applies), on the layers and final norm of the model's decoder (hf_compat.decoder).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch.utils._pytree import tree_flatten
-from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
-from lsreplay.models.hf_compat import CACHE_KEYWORD
-from lsreplay.replay.cascade import forward_cascade
+from lsreplay.models.hf_compat import CACHE_KEYWORD, decoder, decoder_layers, full_cache
+from lsreplay.replay.cascade import CascadePrefix, forward_cascade
 from lsreplay.replay.memory import ActivationMeter
 from lsreplay.replay.segments import PrefixKV, padded_batch
 
@@ -60,8 +61,7 @@ Score = Callable[[torch.Tensor, list[int], list[int], list[int]], torch.Tensor]
 def layer_by_layer_applies(model: PreTrainedModel) -> bool:
     """Whether the model has the decoder layers and final norm this runs one at a time (it
     must take cascade attention too: cascade.cascade_applies)."""
-    base = model.base_model
-    return len(getattr(base, "layers", ())) > 0 and isinstance(getattr(base, "norm", None), torch.nn.Module)
+    return bool(decoder_layers(model)) and isinstance(getattr(decoder(model), "norm", None), torch.nn.Module)
 
 
 class _Stop(Exception):
@@ -80,7 +80,7 @@ class LayerByLayerSpan:
     def __init__(self, model: PreTrainedModel, tokens: list[int], start: int, ancestors: list[PrefixKV],
                  chunk: int, meter: ActivationMeter, offload: bool = False):
         self.model, self.tokens, self.start, self.ancestors, self.meter = model, tokens, start, ancestors, meter
-        self.layers = list(model.base_model.layers)
+        self.layers = decoder_layers(model)
         self.chunks = [(lo, min(lo + chunk, len(tokens))) for lo in range(0, len(tokens), chunk)]
         param = next(model.parameters())
         shape = (1, len(tokens), model.config.hidden_size)
@@ -123,16 +123,18 @@ class LayerByLayerSpan:
                 self.implementation = self.model.config._attn_implementation
                 hidden = args[0] if args else kwargs["hidden_states"]
                 # Not the cache (it would hold the chunk's K/V a second time; named as this
-                # transformers names it to a layer) nor the prefix parts: the backward passes its own.
+                # transformers names it to a layer) nor the prefix's parts (they would hold the
+                # K/V of every layer until the last is done): the backward passes its own.
                 self.cache_keyword = next((k for k, v in kwargs.items() if isinstance(v, Cache)), CACHE_KEYWORD)
                 calls[index] = (tuple(args[1:]), {k: v for k, v in kwargs.items() if k not in
                                                   (self.cache_keyword, PREFIX_KEYWORD, "hidden_states")})
+                calls[index][1][PREFIX_KEYWORD] = replace(kwargs[PREFIX_KEYWORD], parts=[])
                 if index:
                     self.inputs.write(index, lo, hi, hidden)
             return hook
 
         hooks = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(self.layers)]
-        hooks.append(self.model.base_model.norm.register_forward_pre_hook(lambda module, args: top.append(args[0])))
+        hooks.append(decoder(self.model).norm.register_forward_pre_hook(lambda module, args: top.append(args[0])))
         try:
             with torch.no_grad():
                 _, cache = forward_cascade(self.model, [self.tokens[lo:hi]], self.start + lo,
@@ -157,7 +159,7 @@ class LayerByLayerSpan:
         at = {p: r for r, p in enumerate(rows)}
         with torch.enable_grad():
             last = top[:, rows].detach().requires_grad_()
-            objective = score(self.model.base_model.norm(last)[0], [i for i, _, _ in entries],
+            objective = score(decoder(self.model).norm(last)[0], [i for i, _, _ in entries],
                               [at[p] for _, p, _ in entries], [t for _, _, t in entries])
             if objective.requires_grad:
                 objective.backward()
@@ -200,8 +202,9 @@ class LayerByLayerSpan:
         x = inputs[:, lo:hi].detach().requires_grad_() if layer else self._embedded(lo, hi)
         own = self._own_before(lo, layer)
         args, kwargs = self.calls[index][layer]
-        cache = DynamicCache(config=self.model.config)
-        kwargs = {**kwargs, self.cache_keyword: cache, PREFIX_KEYWORD: self.ancestors + own}
+        cache = full_cache(self.model)
+        prefix: CascadePrefix = replace(kwargs[PREFIX_KEYWORD], parts=self.ancestors + own, layers_run=set())
+        kwargs = {**kwargs, self.cache_keyword: cache, PREFIX_KEYWORD: prefix}
         out = self.layers[layer](x, *args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
         new = cache.layers[layer]
@@ -227,7 +230,7 @@ class LayerByLayerSpan:
 
         hook = self.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
         try:
-            self.model.base_model(input_ids=ids, position_ids=positions)
+            decoder(self.model)(input_ids=ids, position_ids=positions)
         except _Stop as stopped:
             return stopped.hidden
         finally:
