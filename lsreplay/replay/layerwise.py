@@ -59,9 +59,16 @@ Score = Callable[[torch.Tensor, list[int], list[int], list[int]], torch.Tensor]
 
 
 def layer_by_layer_applies(model: PreTrainedModel) -> bool:
-    """Whether the model has the decoder layers and final norm this runs one at a time (it
-    must take cascade attention too: cascade.cascade_applies)."""
-    return bool(decoder_layers(model)) and isinstance(getattr(decoder(model), "norm", None), torch.nn.Module)
+    """Whether the model has the decoder layers and final norm this runs one at a time, and
+    no other weights in its decoder than theirs and the input embedding's: others may compute
+    what the layers are called with (Gemma 4's per-layer inputs), which the backward passes
+    as the forward computed them, without grad. (It must take cascade attention too:
+    cascade.cascade_applies.)"""
+    layers, norm = decoder_layers(model), getattr(decoder(model), "norm", None)
+    if not layers or not isinstance(norm, torch.nn.Module):
+        return False
+    known = {id(p) for module in (*layers, norm, model.get_input_embeddings()) for p in module.parameters()}
+    return all(id(p) in known for p in decoder(model).parameters())
 
 
 class _Stop(Exception):
