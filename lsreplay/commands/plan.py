@@ -14,10 +14,12 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
   backward gathers the parameters once and reduce-scatters once, because ranks run
   different trees (see lsreplay/distributed/parallel.py).
 - held prefix K/V: the keys/values of the root-to-leaf path being replayed, and their
-  gradients (replay only).
+  gradients, the kept graphs above it, the layer inputs of a prompt run layer by layer
+  (replay only).
 - saved activations of the largest single forward/backward of the step: naive, one full
   rollout (prompt + completion); replay, the largest of: the recompute of a branching
-  node, a micro-batch of sibling leaves on top of their prefix. This mirrors
+  node, one layer's recompute over a chunk of a prompt run layer by layer, a micro-batch of
+  sibling leaves on top of their prefix. This mirrors
   `replay_backward`'s schedule (including its leaf micro-batching) and counts what
   `ActivationMeter` counts, with per-tensor byte counts measured for Llama/Qwen2 under
   transformers 5.x, sdpa and cascade attention (`saved_bytes`; tests/test_plan.py checks it
@@ -32,6 +34,10 @@ each decoding row's own K/V, drafter features, sampling buffers) next to what th
 stages leave resident there (the policy's compute weights, a one-device update's state,
 the reference, the drafter).
 
+And per host (pool.devices_per_host of the pool's devices; a verdict at pool.host_memory_gb):
+the layer inputs its devices' backwards keep in pinned host memory (replay.offload_prefix),
+the checkpoint snapshots, host-held prefix K/V, vLLM's update buffers.
+
 Token positions per step are counted two ways: per-rollout (what a pipeline without
 replay computes and what replay stands in for: prompts x G x (P + completion)) and
 unique (what replay computes). Prompts are taken at data.max_prompt_tokens and completions
@@ -40,8 +46,10 @@ of max_new_tokens with rollout.max_environment_tokens of the environment's answe
 every two (lsreplay.core.config.completion_tokens, the bound the episodes keep): the worst
 case for memory.
 
-The last printed line is key=value (positions_per_step=..., fits=...: the update and the
-rollouts both). A plan that does not fit exits non-zero with a message saying what to change.
+The last printed line is key=value (positions_per_step=..., fits=...: the update, the
+rollouts and the host). A plan that does not fit exits non-zero with a message saying what to
+change; a replay.budget_mb too small for the trees' prompts (memory.kept_spans) is an error
+naming the budget they need.
 """
 
 from __future__ import annotations
@@ -211,10 +219,10 @@ def kept_view(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_byte
               accelerator: bool = False, join_below: int = 0,
               offload: bool = False) -> tuple[list, dict[int, KeptLayers | LayerByLayer], int, bool]:
     """The replay view of a tree of this shape, the branching spans the backward forwards
-    before their subtree with what they keep (replay.backward.replay_plan's rule: a Llama or
-    Qwen2 takes cascade attention, and with it layer by layer, where the device kind has a
-    kernel; `offload`: their layer inputs in host memory, on an accelerator), the budget, and
-    whether runs after a prefix use cascade attention."""
+    before their subtree with what they keep (replay.backward.replay_plan's rule: the model
+    takes cascade attention, and with it layer by layer, where the device kind has a kernel;
+    `offload`: their layer inputs in host memory, on an accelerator), the budget, and whether
+    runs after a prefix use cascade attention."""
     cascade = kernel_for("cuda" if accelerator else "cpu", dtype, dims.head_dim) is not None
     elt = torch.tensor([], dtype=dtype).element_size()
     spans = replay_view(shape.random_tree(dims.vocab), join_below)
