@@ -37,6 +37,8 @@ is switched on again for it. So this applies where cascade attention does
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
@@ -49,6 +51,8 @@ from lsreplay.models.hf_compat import CACHE_KEYWORD, decoder, decoder_layers, fu
 from lsreplay.replay.cascade import CascadePrefix, forward_cascade
 from lsreplay.replay.memory import ActivationMeter
 from lsreplay.replay.segments import PrefixKV, padded_batch
+
+log = logging.getLogger(__name__)
 
 # The keyword forward_cascade hands the model (and its attention reads) the prefix parts by.
 PREFIX_KEYWORD = "cascade_prefix"
@@ -110,6 +114,8 @@ class LayerByLayerSpan:
         its entries (`ids` at `positions` of the span, predicting `targets`) down to the last
         layer's output. Returns its K/V as leaf tensors for its subtree (their .grad take
         its dK/dV)."""
+        log.info("a span of %d positions at %d runs layer by layer, %d chunk(s) of %d: forward", len(self.tokens),
+                 self.start, len(self.chunks), self.chunks[0][1])
         for lo, hi in self.chunks:
             top = self._forward_chunk(lo, hi)
             mine = [(i, p - lo, t) for i, p, t in zip(ids, positions, targets) if lo <= p < hi]
@@ -190,8 +196,10 @@ class LayerByLayerSpan:
     def backward(self) -> None:
         """After the subtree: every layer again, the top one first, chunk by chunk, the last
         chunk first, each backpropagated with its output's gradient and its K/V's."""
+        start = time.perf_counter()
         with _attention_implementation(self.model, self.implementation):
             for layer in reversed(range(len(self.layers))):
+                log.debug("span at %d: layer %d again, %.1f s in", self.start, layer, time.perf_counter() - start)
                 inputs = self.inputs.take(layer) if layer else None
                 key_grad = _grad_of(self.keys[layer])
                 value_grad = _grad_of(self.values[layer])
@@ -202,6 +210,8 @@ class LayerByLayerSpan:
                 self.counted_kv[layer] = []
                 self.inputs.drop(layer)
         self.counted = []
+        log.info("the span of %d positions at %d: its %d layers run again in %.1f s", len(self.tokens), self.start,
+                 len(self.layers), time.perf_counter() - start)
 
     def _backward_chunk(self, layer: int, index: int, inputs: torch.Tensor | None, key_grad: torch.Tensor,
                         value_grad: torch.Tensor) -> None:
