@@ -23,6 +23,7 @@ from lsreplay.data.sources import DatasetError, _load, sample_rows
 log = logging.getLogger(__name__)
 
 COLUMNS = ("prompt", "chosen", "rejected")
+_parted_warned = False  # whether a row's prompt and prompt + answer parted before the prompt's end (said once)
 
 
 @dataclass(frozen=True)
@@ -104,10 +105,13 @@ def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_a
     if not prompt or len(prompt) > max_prompt_tokens:
         raise DatasetError(f"preference row {pref.index}: its prompt has {len(prompt)} tokens; it needs at least one "
                            f"and at most data.max_prompt_tokens={max_prompt_tokens} (raise the limit or drop the row)")
-    if len(prompt) < len(alone):
+    global _parted_warned
+    if len(prompt) < len(alone) and not _parted_warned:
+        _parted_warned = True
         log.warning("preference row %d: the prompt's last tokens %r are not a prefix of prompt + answer (tokens merge "
                     "across the boundary, or the chat template renders the prompt alone otherwise); the answer "
-                    "starts where they part, as in TRL's DPOTrainer", pref.index, tokenizer.decode(alone[len(prompt):]))
+                    "starts where they part, as in TRL's DPOTrainer (said once; likely so for most rows)", pref.index,
+                    tokenizer.decode(alone[len(prompt):]))
     answers = [whole[len(prompt):] for whole in wholes]
     finished = [len(a) <= max_answer_tokens for a in answers]
     answers = [a[:max_answer_tokens] for a in answers]
