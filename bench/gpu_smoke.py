@@ -88,11 +88,13 @@ from lsreplay.commands.plan import TreeShape, make_plan, plan_values  # noqa: E4
 from lsreplay.core.config import ModelConfig, load_config  # noqa: E402
 from lsreplay.core.devices import cuda_determinism  # noqa: E402
 from lsreplay.metrics.records import step_record  # noqa: E402
+from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.attention_kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
+from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
 from lsreplay.rollout.sampling import draw  # noqa: E402
 from lsreplay.stages.prefixes import release_read  # noqa: E402
@@ -268,11 +270,12 @@ def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict
 
     def replay():
         train.zero_grad()
-        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below)
+        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below,
+                                        heads=logprob_heads(RAW))
 
     def naive():
         train.zero_grad()
-        naive_backward(model, [tree], weights)
+        naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
 
     replay()
     train.step()  # AdamW's moments now exist: the state a training step holds
@@ -347,10 +350,10 @@ def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
     dims = ModelDims.from_hf(model.config)
     tree = shape.random_tree(dims.vocab, seed=2)
     weights = random_weights(tree, seed=2)
-    replay_backward(model, [tree], weights)
+    replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
     replay_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    naive_backward(model, [tree], weights)
+    naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
     a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
     kernel = kernel_for(device.type, torch.float32, dims.head_dim)
     out = {"grad_rel": a["rel"], "cosine": a["cosine"], "cascade": cascade_applies(model),
