@@ -1051,7 +1051,10 @@ def _validate_dpo(cfg: Config) -> None:
             ("rollout.shards", cfg.rollout.shards, cfg.rollout.shards == 1, "1"),
             ("drafter.enabled", cfg.drafter.enabled, not cfg.drafter.enabled, "false"),
             ("algo.dynamic_sampling", a.dynamic_sampling, not a.dynamic_sampling, "false"),
-            ("algo.overlong", a.overlong, a.overlong == "none", "none")):
+            ("algo.overlong", a.overlong, a.overlong == "none", "none"),
+            ("rollout.max_turns", cfg.rollout.max_turns, cfg.rollout.max_turns == 1, "1"),
+            ("rollout.tools", cfg.rollout.tools, not cfg.rollout.tools, "[]"),
+            ("rollout.environment", cfg.rollout.environment, not cfg.rollout.environment, "empty")):
         _check(ok, key, f"{fix} with algo.dpo_source=dataset: offline DPO samples no rollouts, so this rollout "
                "key would do nothing", value)
     _check(cfg.eval.every == 0 or bool(cfg.eval.path), "eval.path", "a prompt file (question, answer, task "
