@@ -939,6 +939,13 @@ def _validate_rollout(cfg: Config) -> None:
         _check(not (speculates and r.top_k and r.top_p == 1 and cfg.pool.accelerator == "cpu"), "rollout.top_k",
                "0, or with rollout.top_p < 1 too, while a CPU vLLM engine speculates: vLLM 0.32's CPU sampler fails "
                "on a top-k cut alone in a step that drafted nothing (or set rollout.spec_threshold=0)", r.top_k)
+        # Run on CPU, vLLM 0.32's LoRA kernels fail in the first speculative step (an einsum
+        # over a decode batch's rows against the step's tokens); not run on CUDA yet.
+        _check(not (speculates and cfg.model.lora.enabled), "drafter.enabled",
+               "false (or rollout.spec_threshold=0) with model.lora.enabled=true on rollout.engine=vllm: vLLM 0.32's "
+               "LoRA kernels fail in a speculative step on CPU and the pair has not run on CUDA; train the adapters "
+               "without the drafter, or on rollout.engine=hf, whose speculative tail drafts over them",
+               cfg.drafter.enabled)
 
 
 def _validate_episodes(cfg: Config) -> None:
