@@ -150,17 +150,26 @@ def updated_weights(tmp_path, engine: str, loss: str, rollouts: str, records: li
     return {"loss": policy["loss"], **load_file(tmp_path / engine / policy["checkpoint"] / "model.safetensors")}
 
 
+@pytest.fixture(scope="module")
+def sampled(tiny_model_dir, talkative_model_dir, tmp_path_factory) -> dict:
+    """Per rollouts kind: (the model, the records of one sampled step of it)."""
+    out = {}
+    for rollouts in ROLLOUTS:
+        model_dir = talkative_model_dir if rollouts == "episodes" else tiny_model_dir
+        cfg = load_config(None, tiny_run(tmp_path_factory.mktemp("sampled"), model_dir, *ROLLOUTS[rollouts],
+                                         "drafter.enabled=false"))
+        run = preflight(cfg)
+        stages.sample_prompts(run, 0)
+        stages.generate_trees(run, 0)
+        out[rollouts] = model_dir, load_trees(run, 0)[0]
+        RESIDENT.release(run)
+    return out
+
+
 @pytest.mark.parametrize("rollouts", list(ROLLOUTS))
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_the_update_reads_only_the_stored_trees_whichever_engine_wrote_them(loss, rollouts, tiny_model_dir,
-                                                                             talkative_model_dir, tmp_path):
-    model_dir = talkative_model_dir if rollouts == "episodes" else tiny_model_dir
-    cfg = load_config(None, tiny_run(tmp_path / "sampled", model_dir, *ROLLOUTS[rollouts], "drafter.enabled=false"))
-    run = preflight(cfg)
-    stages.sample_prompts(run, 0)
-    stages.generate_trees(run, 0)
-    records = load_trees(run, 0)[0]
-    RESIDENT.release(run)
+def test_the_update_reads_only_the_stored_trees_whichever_engine_wrote_them(loss, rollouts, sampled, tmp_path):
+    model_dir, records = sampled[rollouts]
     hf, vllm = (updated_weights(tmp_path, engine, loss, rollouts, records, model_dir) for engine in ("hf", "vllm"))
     assert hf.keys() == vllm.keys() and all(torch.equal(hf[k], vllm[k]) for k in hf if k != "loss")
     assert hf["loss"] == vllm["loss"]
