@@ -37,9 +37,9 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from lsreplay.core.config import LoraConfig, ModelConfig
+from lsreplay.core.config import ALL_LINEAR, LoraConfig, ModelConfig
 from lsreplay.core.storage import Store
-from lsreplay.core.config import ALL_LINEAR
+from lsreplay.models.hf_compat import decoder
 from lsreplay.models.loading import (ModelError, building_models, hub_reference, load_model, resolve_model_dir,
                                      seeded)
 from lsreplay.models.train_state import master_dtype
@@ -79,10 +79,10 @@ def check_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     matches (as PEFT matches: the module's dotted path is it or ends with "." + it) linear
     layers inside the decoder layers only: the LM head and the embedding are shared with the
     drafter and read as weights (logits.py)."""
-    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    layers = getattr(decoder(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise ModelError(f"model.lora needs a decoder whose layers are model.base_model.layers (Llama, Qwen2, "
-                         f"Mistral, ...); {type(model).__name__} has none: train it with model.lora.enabled=false")
+        raise ModelError(f"model.lora needs a decoder with layers (every family of models.families has them); "
+                         f"{type(model).__name__} has none: train it with model.lora.enabled=false")
     prefix = next(name for name, m in model.named_modules() if m is layers) + "."
     modules = dict(model.named_modules())
     linear = sorted({n.rpartition(".")[2] for n, m in modules.items()

@@ -42,6 +42,7 @@ import torch
 from lsreplay.algos.critic import is_critic
 from lsreplay.core.config import ModelConfig, completion_tokens
 from lsreplay.core.storage import Store
+from lsreplay.models.families import VLLM_TESTED
 from lsreplay.models.lora import checkpointed_state, write_adapter_folder
 from lsreplay.rollout.tree_sampler import TreeRollout
 from lsreplay.rollout.vllm_worker import check_version
@@ -339,8 +340,9 @@ class VLLMEngine:
 
 
 def check_engine(cfg, model_dir: Path) -> None:
-    """Before any work, for rollout.engine=vllm: vLLM is installed in rollout.vllm.python, it
-    runs the model's architecture, and on a CPU pool its KV cache plus a copy of the weights
+    """Before any work, for rollout.engine=vllm: the model's family is one the engine is tested
+    on (models.families.VLLM_TESTED), vLLM is installed in rollout.vllm.python, it runs the
+    model's architecture, and on a CPU pool its KV cache plus a copy of the weights
     fit the available host memory (MemAvailable). ConfigError naming the fix otherwise."""
     from lsreplay.core.config import ConfigError
 
@@ -361,7 +363,17 @@ def check_engine(cfg, model_dir: Path) -> None:
         check_version(found["version"])
     except RuntimeError as e:
         raise ConfigError(f"rollout.engine=vllm: {e}") from None
-    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    model_config = json.loads((model_dir / "config.json").read_text())
+    if model_config.get("model_type") not in VLLM_TESTED:
+        raise ConfigError(f"rollout.engine=vllm is tested on {', '.join(VLLM_TESTED)} models; {model_dir} is a "
+                          f"{model_config.get('model_type')!r} model, whose weight sync and logprobs under vLLM "
+                          "nothing checks: use rollout.engine=hf (docs/models.md)")
+    if model_config.get("model_type") != "llama" and cfg.drafter.enabled and cfg.rollout.spec_threshold:
+        raise ConfigError(f"vLLM speculates with lsreplay's drafter (vLLM's EAGLE-1 Llama draft) only for Llama "
+                          f"targets, the ones tests/test_vllm.py checks; {model_dir} is a "
+                          f"{model_config.get('model_type')!r} model: set rollout.spec_threshold=0 (the drafter still "
+                          "trains) or drafter.enabled=false, or use rollout.engine=hf")
+    architectures = model_config.get("architectures") or []
     if found["text_generation"] and not set(architectures) & set(found["text_generation"]):
         raise ConfigError(f"vLLM {found['version']} cannot run {model_dir} (architectures {architectures}); use "
                           "rollout.engine=hf, or a model vLLM supports (Llama, Qwen2, ... architectures)")
