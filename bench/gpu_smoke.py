@@ -94,11 +94,13 @@ from lsreplay.commands.plan import TreeShape, make_plan, plan_values  # noqa: E4
 from lsreplay.core.config import ModelConfig, load_config  # noqa: E402
 from lsreplay.core.devices import cuda_determinism  # noqa: E402
 from lsreplay.metrics.records import step_record  # noqa: E402
+from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.attention.kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
+from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
 from lsreplay.rollout.sampling import draw  # noqa: E402
 from lsreplay.stages.prefixes import release_read  # noqa: E402
@@ -274,11 +276,12 @@ def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict
 
     def replay():
         train.zero_grad()
-        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below)
+        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below,
+                                        heads=logprob_heads(RAW))
 
     def naive():
         train.zero_grad()
-        naive_backward(model, [tree], weights)
+        naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
 
     replay()
     train.step()  # AdamW's moments now exist: the state a training step holds
@@ -353,10 +356,10 @@ def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
     dims = ModelDims.from_hf(model.config)
     tree = shape.random_tree(dims.vocab, seed=2)
     weights = random_weights(tree, seed=2)
-    replay_backward(model, [tree], weights)
+    replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
     replay_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    naive_backward(model, [tree], weights)
+    naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
     a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
     kernel = kernel_for(device.type, torch.float32, dims.head_dim)
     out = {"grad_rel": a["rel"], "cosine": a["cosine"], "cascade": cascade_applies(model),
@@ -389,10 +392,10 @@ def variant_backwards(device: torch.device, smoke: bool) -> dict:
         model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
         tree = shape.random_tree(1024, seed=3)
         weights = random_weights(tree, seed=3)
-        replay_backward(model, [tree], weights)
+        replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
         replay_grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        naive_backward(model, [tree], weights)
+        naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
         a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
         print(f"  {family} {keys}: cascade {cascade_applies(model)}; gradients rel {a['rel']:.2e}", flush=True)
         if not cascade_applies(model):

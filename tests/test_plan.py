@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import RAW_LOGPROB
+
 from lsreplay.commands.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 
@@ -42,8 +44,9 @@ def test_activation_estimate_matches_meter(name):
     tree = shape.random_tree(dims["vocab_size"])
     assert (tree.total_positions, tree.unique_positions) == (shape.total_positions, shape.unique_positions)
     weights = [[torch.randn(len(c), dtype=torch.float64) for c in tree.completions]]
-    replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model))
-    naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+    replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model),
+                             heads=RAW_LOGPROB)
+    naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
     m = ModelDims.from_hf(config)
     planned_replay = replay_peak(m, dtype, shape, budget).total
     planned_naive = naive_peak(m, torch.tensor([], dtype=dtype).element_size(), shape).total

@@ -15,6 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import RAW_LOGPROB
+
+from lsreplay.models.distribution import RAW
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.backward import replay_plan
 from lsreplay.replay.capture import capture_tree
@@ -65,13 +68,13 @@ def measured(model):
     out = {}
     for g in LEAVES:
         tree = _tree(g)
-        acts = capture_tree(model, tree, keep_hidden=False)
+        acts = capture_tree(model, tree, keep_hidden=False, heads=RAW_LOGPROB)
         weights = _weights(tree)
         model.zero_grad(set_to_none=True)
         replay = replay_backward(model, [tree], weights, prefix_kv=lambda i, node, acts=acts: acts.prefix_kv.get(node.id),
-                                 meter=ActivationMeter(model))
+                                 meter=ActivationMeter(model), heads=RAW_LOGPROB)
         model.zero_grad(set_to_none=True)
-        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
         model.zero_grad(set_to_none=True)
         out[g] = (tree, replay, naive)
     return out
@@ -189,7 +192,7 @@ def test_cascade_run_saves_what_the_byte_model_counts(dtype, lengths):
     with meter.hold(0, tensors=held), meter.measure():
         held_bytes = meter.current
         hidden, _ = forward_cascade(model, segments, start, prefix)
-        objective = sum(target_logprobs(model, hidden[row], range(len(seg) - 1), seg[1:]).sum()
+        objective = sum(target_logprobs(model, hidden[row], range(len(seg) - 1), seg[1:], sampling=RAW).sum()
                         for row, seg in enumerate(segments))
         saved = meter.current - held_bytes
     objective.backward()
@@ -231,7 +234,7 @@ def test_kept_span_holds_what_the_byte_model_counts(dtype, ancestors, layers):
             objective = hidden.sum()  # saves nothing
             kv = tuple([t.detach().requires_grad_() for t in half] for half in own)
             below, _ = forward_cascade(model, [child], start + len(span), [*prefix, kv])
-            child_objective = target_logprobs(model, below[0], range(len(child) - 1), child[1:]).sum()
+            child_objective = target_logprobs(model, below[0], range(len(child) - 1), child[1:], sampling=RAW).sum()
             held = meter.current - base
             child_objective.backward()
             torch.autograd.backward([objective, *own[0], *own[1]],

@@ -299,18 +299,21 @@ def projection_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
 
 def lora_params(cfg, dims: ModelDims) -> int:
     """The LoRA adapters' parameters (model.lora): A (rank x in) and B (out x rank) per target
-    projection of every layer; 0 without LoRA."""
-    from lsreplay.core.config import ConfigError
+    projection of every layer (all-linear: all of them; a dotted name by its last part, in
+    every layer); 0 without LoRA."""
+    from lsreplay.core.config import ALL_LINEAR, ConfigError
     from lsreplay.models.families import family
 
     lora = cfg.model.lora
     if not lora.enabled:
         return 0
     shapes = projection_shapes(dims)
-    if unknown := [t for t in lora.target_modules if t not in shapes]:
+    targets = list(shapes) if lora.target_modules == [ALL_LINEAR] else \
+        list(dict.fromkeys(t.rpartition(".")[2] for t in lora.target_modules))
+    if unknown := [t for t in targets if t not in shapes]:
         raise ConfigError(f"lsreplay plan counts LoRA adapters on {', '.join(shapes)}; model.lora.target_modules "
                           f"names {unknown}: plan with those projections")
-    return dims.layers * lora.rank * sum(sum(shapes[t]) for t in lora.target_modules)
+    return dims.layers * lora.rank * sum(sum(shapes[t]) for t in targets)
 
 
 def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool, extra_params: int = 0,

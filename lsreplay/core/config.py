@@ -47,6 +47,8 @@ class ConfigError(ValueError):
 
 # The attention and MLP projections of Llama, Qwen2 and most decoders: LoRA's default targets.
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# model.lora.target_modules for every linear layer of the decoder layers (PEFT's all-linear).
+ALL_LINEAR = "all-linear"
 
 
 @dataclass
@@ -61,8 +63,9 @@ class LoraConfig:
     # Must stay 0: branch replay differentiates exactly the forward the caching pass computed,
     # so training runs without dropout (the attention's too).
     dropout: float = 0.0
-    # Names of linear layers inside the decoder layers (a name matches every layer's module
-    # of that name, as PEFT's target_modules list does).
+    # Linear layers inside the decoder layers, as PEFT's target_modules takes them: names (a
+    # name matches every module whose dotted path is it or ends with "." + it: q_proj,
+    # self_attn.q_proj), or all-linear (every linear layer of the decoder layers).
     target_modules: list[str] = field(default_factory=lambda: list(PROJECTIONS))
 
 
@@ -606,7 +609,7 @@ def _yaml_problem(error: yaml.YAMLError, line: bool = True) -> str:
 
 def _file_layer(path: str | Path) -> tuple[DictConfig, list[str]]:
     """A YAML file as a layer, and the free dicts it gives whole (they replace the defaults')."""
-    layer = _report_to_as_trl(_load_yaml(path))
+    layer = _lora_targets_as_peft(_report_to_as_trl(_load_yaml(path)))
     return layer, _given_whole(layer)
 
 
@@ -620,7 +623,7 @@ def _override_layer(item: str) -> tuple[DictConfig, list[str]]:
     if value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
         item = f"{key}=''"
     try:
-        layer = _report_to_as_trl(OmegaConf.from_dotlist([item]))
+        layer = _lora_targets_as_peft(_report_to_as_trl(OmegaConf.from_dotlist([item])))
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: its value is not valid YAML ({_yaml_problem(e, line=False)}); "
                           "close its brackets and braces (e.g. rollout.branching=[4,2]), or quote a value "
@@ -642,6 +645,14 @@ def _report_to_as_trl(layer: DictConfig) -> DictConfig:
         chosen += [t for t in TRACKERS if find_spec(t) is not None] if name == "all" else \
             [] if name in ("none", "") else [name]
     layer["report_to"] = list(dict.fromkeys(chosen))
+    return layer
+
+
+def _lora_targets_as_peft(layer: DictConfig) -> DictConfig:
+    """model.lora.target_modules as PEFT takes it: one string (all-linear, or one name) too."""
+    value = OmegaConf.select(layer, "model.lora.target_modules") if isinstance(layer, DictConfig) else None
+    if isinstance(value, str):
+        OmegaConf.update(layer, "model.lora.target_modules", [value], merge=False)
     return layer
 
 
@@ -816,7 +827,10 @@ def _validate_lora(cfg: Config) -> None:
     _check(lora.dropout == 0, "model.lora.dropout", "0: branch replay differentiates exactly the forward its "
            "caching pass computed, so nothing drops out (TRL's lora_dropout has no place here)", lora.dropout)
     _check(len(lora.target_modules) >= 1 and all(isinstance(m, str) and m for m in lora.target_modules),
-           "model.lora.target_modules", f"a non-empty list of linear layers' names, e.g. {PROJECTIONS}",
+           "model.lora.target_modules", f"a non-empty list of linear layers' names, e.g. {PROJECTIONS} or "
+           "self_attn.q_proj (as PEFT matches them), or all-linear", lora.target_modules)
+    _check(ALL_LINEAR not in lora.target_modules or len(lora.target_modules) == 1, "model.lora.target_modules",
+           "all-linear alone (it adapts every linear layer of the decoder layers), or a list of names",
            lora.target_modules)
     _check(cfg.rollout.engine == "hf" or lora.rank <= VLLM_MAX_LORA_RANK, "model.lora.rank",
            f"at most {VLLM_MAX_LORA_RANK} with rollout.engine=vllm (the largest adapter vLLM serves)", lora.rank)
@@ -944,6 +958,13 @@ def _validate_rollout(cfg: Config) -> None:
         _check(not (speculates and r.top_k and r.top_p == 1 and cfg.pool.accelerator == "cpu"), "rollout.top_k",
                "0, or with rollout.top_p < 1 too, while a CPU vLLM engine speculates: vLLM 0.32's CPU sampler fails "
                "on a top-k cut alone in a step that drafted nothing (or set rollout.spec_threshold=0)", r.top_k)
+        # Run on CPU, vLLM 0.32's LoRA kernels fail in the first speculative step (an einsum
+        # over a decode batch's rows against the step's tokens); not run on CUDA yet.
+        _check(not (speculates and cfg.model.lora.enabled), "drafter.enabled",
+               "false (or rollout.spec_threshold=0) with model.lora.enabled=true on rollout.engine=vllm: vLLM 0.32's "
+               "LoRA kernels fail in a speculative step on CPU and the pair has not run on CUDA; train the adapters "
+               "without the drafter, or on rollout.engine=hf, whose speculative tail drafts over them",
+               cfg.drafter.enabled)
 
 
 def _validate_episodes(cfg: Config) -> None:
@@ -1060,7 +1081,10 @@ def _validate_dpo(cfg: Config) -> None:
             ("rollout.shards", cfg.rollout.shards, cfg.rollout.shards == 1, "1"),
             ("drafter.enabled", cfg.drafter.enabled, not cfg.drafter.enabled, "false"),
             ("algo.dynamic_sampling", a.dynamic_sampling, not a.dynamic_sampling, "false"),
-            ("algo.overlong", a.overlong, a.overlong == "none", "none")):
+            ("algo.overlong", a.overlong, a.overlong == "none", "none"),
+            ("rollout.max_turns", cfg.rollout.max_turns, cfg.rollout.max_turns == 1, "1"),
+            ("rollout.tools", cfg.rollout.tools, not cfg.rollout.tools, "[]"),
+            ("rollout.environment", cfg.rollout.environment, not cfg.rollout.environment, "empty")):
         _check(ok, key, f"{fix} with algo.dpo_source=dataset: offline DPO samples no rollouts, so this rollout "
                "key would do nothing", value)
     _check(cfg.eval.every == 0 or bool(cfg.eval.path), "eval.path", "a prompt file (question, answer, task "

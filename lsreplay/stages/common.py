@@ -100,6 +100,16 @@ def training_rewards(cfg, record: dict) -> list[float | None]:
             for r, c in zip(record["rewards"], record["completions"])]
 
 
+def dpo_rewards(cfg, record: dict) -> list[float | None]:
+    """The training rewards DPO pairs a tree's leaves by: None (in no pair, as a leaf no
+    reward function applies to) for an answer cut at the limit under algo.overlong=mask,
+    which leaves it out of every loss."""
+    rewards = training_rewards(cfg, record)
+    if cfg.algo.overlong != "mask":
+        return rewards
+    return [r if finished else None for r, finished in zip(rewards, record["finished"])]
+
+
 def all_alike(rewards: list[float | None]) -> bool:
     """Whether every scored leaf of a tree got the same reward: no GRPO gradient, no DPO pair."""
     scored = [r for r in rewards if r is not None]
@@ -126,15 +136,16 @@ def filter_values(cfg, record: dict) -> list:
 def trains_nothing(cfg, record: dict) -> bool:
     """Whether every loss weight of a tree is zero whatever the policy scores, so that
     neither the caching pass nor replay has anything to do for it: the loss leaves it out
-    (dynamic sampling), masks every answer (algo.overlong=mask), DPO finds no pair in it, or
+    (dynamic sampling), masks every answer (algo.overlong=mask), DPO finds no pair in it (of
+    the answers the mask keeps), or
     the clipped surrogate is all it trains (no KL term, no critic) and its leaves' training
     rewards are all alike, so that every advantage is 0."""
     a = cfg.algo
     if a.dynamic_sampling and all_alike(filter_values(cfg, record)):
         return True
-    alike = all_alike(training_rewards(cfg, record))
     if a.name == "dpo":
-        return alike
+        return all_alike(dpo_rewards(cfg, record))
+    alike = all_alike(training_rewards(cfg, record))
     if a.overlong == "mask" and not any(record["finished"]):
         return True
     return alike and a.kl_coef == 0 and not a.critic

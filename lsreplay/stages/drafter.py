@@ -28,6 +28,7 @@ from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 from lsreplay.drafter.distill import distill, drafter_train_state, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
+from lsreplay.models.loading import seeded
 from lsreplay.models.train_state import TrainState
 from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
@@ -152,8 +153,7 @@ def _start_or_resume(run: Run, step: int, target) -> _Trainer:
 def _fresh(run: Run, step: int, target) -> _Trainer:
     """The newest trained drafter's masters (none yet: a new drafter, seeded per step so that
     a resumed process starts from the same weights), a new optimizer, a seeded batch sampler."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(run.seed(step, "drafter-init"))
+    with seeded(run.seed(step, "drafter-init")):
         drafter = Drafter.from_target(target)
     train = drafter_train_state(drafter, run.cfg.drafter.lr)
     if (previous := newest_drafter(run, step - 1)) is not None:

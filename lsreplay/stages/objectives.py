@@ -11,7 +11,8 @@ critic's values, by head: lsreplay.replay.heads) of the trees of a minibatch, wh
   caching pass's old logprobs, with group advantages or GAE from the critic's old values,
   and the critic's clipped value loss.
 - dpo: each tree's best leaf against its worst (trees whose leaves all scored alike give
-  no pair), against the frozen reference's sequence logprobs.
+  no pair; an answer algo.overlong=mask leaves out takes no part), against the frozen
+  reference's sequence logprobs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from lsreplay.core.config import model_token_budget
 from lsreplay.core.run import Run
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.stages.common import leaf_counts, leaf_subtrees, left_out, policy_heads, training_rewards
+from lsreplay.stages.common import (dpo_rewards, leaf_counts, leaf_subtrees, left_out, policy_heads, trains_nothing,
+                                    training_rewards)
 from lsreplay.stages.prefixes import load_activations
 
 
@@ -135,7 +137,7 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
                   for r in records]
         weights = [importance_weights(o, e, algo.tis_cap) for o, e in zip(old, engine)]
         advantages = [[a * w for a, w in zip(advs, ws)] for advs, ws in zip(advantages, weights)]
-        extras.update(tis_figures(weights, algo.tis_cap, mask))
+        extras.update(tis_figures(weights, algo.tis_cap, trained_only(cfg, records, mask)))
     ref = model_tokens([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)], sampled) \
         if algo.kl_coef > 0 else None
     batch = PPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
@@ -155,7 +157,7 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
     def figures(idx: list[int], scores) -> dict:
         sub, scores = batch.select(idx), model_token_scores(scores, pick(sampled, idx))
         logprobs = scores[LOGPROB] if critic is not None else scores
-        out = clip_fractions(logprobs, sub.old_logprobs, sub.advantages, sub.clip_eps, sub.clip_eps_high)
+        out = clip_fractions(logprobs, sub.old_logprobs, sub.advantages, sub.clip_eps, sub.clip_eps_high, sub.mask)
         if critic is not None:
             out["value_loss"] = float(value_loss(scores[VALUE], sub.critic))
             out["value_clip_fraction"] = value_clip_fraction(scores[VALUE], sub.critic)
@@ -173,9 +175,18 @@ def importance_weights(trainer: list[torch.Tensor], engine: list[list[float]], c
     return [torch.exp(t - torch.tensor(e, dtype=torch.float64)).clamp(max=cap) for t, e in zip(trainer, engine)]
 
 
+def trained_only(cfg, records: list[dict], mask) -> list[list[bool]]:
+    """The response mask less every completion of a tree that trains nothing
+    (common.trains_nothing): the caching pass scored none of them, so a figure of the
+    trainer's logprobs (the importance weights') has nothing of theirs to read."""
+    keep = mask or [[True] * len(r["completions"]) for r in records]
+    return [[k and not nothing for k in row] for row, nothing in zip(keep, (trains_nothing(cfg, r) for r in records))]
+
+
 def tis_figures(weights: list[list[torch.Tensor]], cap: float, mask) -> dict:
-    """What truncated importance sampling did to the tokens in the loss: the share whose
-    weight the cap cut (tis_capped_fraction) and the mean weight after the cap (tis_weight_mean)."""
+    """What truncated importance sampling did to the tokens in the loss (of the completions
+    `mask` keeps: trained_only): the share whose weight the cap cut (tis_capped_fraction) and
+    the mean weight after the cap (tis_weight_mean)."""
     keep = [True] * sum(map(len, weights)) if mask is None else [m for row in mask for m in row]
     tokens = [w for w, k in zip((w for row in weights for w in row), keep) if k and w.numel()]
     if not tokens:
@@ -192,7 +203,7 @@ def _dpo(cfg, records: list[dict], trees, acts: list[TreeActivations]) -> Object
     ref = sequence_logprobs(model_tokens([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)],
                                          sampled))
     pairs = [[] if gone else tree_pairs for tree_pairs, gone in
-             zip(best_worst_pairs([training_rewards(cfg, r) for r in records]), left_out(cfg, records))]
+             zip(best_worst_pairs([dpo_rewards(cfg, r) for r in records]), left_out(cfg, records))]
     beta = cfg.algo.dpo_beta
 
     def loss_for(idx: list[int]):

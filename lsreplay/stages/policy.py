@@ -84,7 +84,7 @@ def _update(run: Run, step: int, trees, goal: Objective, prefixes: dict, device:
     replay = cfg.replay.mode == "replay"
     try:
         done = minibatch_updates(
-            train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, goal.heads,
+            train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, heads=goal.heads,
             first=(goal.old, StoredPrefixKV(run, prefixes, device) if replay else None),
             budget_bytes=cfg.replay.budget_mb * 2**20 or None, join_below=cfg.replay.join_below,
             capture=lambda sub: capture_now(run, train.model, sub, goal.heads))
