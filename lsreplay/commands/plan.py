@@ -302,7 +302,6 @@ def lora_params(cfg, dims: ModelDims) -> int:
     projection of every layer (all-linear: all of them; a dotted name by its last part, in
     every layer); 0 without LoRA."""
     from lsreplay.core.config import ALL_LINEAR, ConfigError
-    from lsreplay.models.families import family
 
     lora = cfg.model.lora
     if not lora.enabled:
