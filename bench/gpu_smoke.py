@@ -349,18 +349,23 @@ def report_backwards(out: dict) -> dict[str, float]:
 
 
 # -- 5. float32: the memory-efficient kernel on CUDA ----------------------------------------
+def replay_against_naive(model, shape: TreeShape, seed: int) -> dict:
+    """gradient_agreement of replay_backward and naive_backward on one random tree of `shape`."""
+    tree = shape.random_tree(model.config.vocab_size, seed=seed)
+    weights = random_weights(tree, seed=seed)
+    replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
+    replay_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
+    return gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+
+
 def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
     """replay_backward vs naive_backward of one float32 tree (the smoke run: tiny lengths)."""
     shape = TreeShape.from_rollout(*((64, [4, 4], [16], 48) if smoke else (1024, [4, 4], [128], 512)))
     model = qwen_model(name, device, torch.float32, shape.prompt + shape.completion + 64)
     dims = ModelDims.from_hf(model.config)
-    tree = shape.random_tree(dims.vocab, seed=2)
-    weights = random_weights(tree, seed=2)
-    replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
-    replay_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
-    a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+    a = replay_against_naive(model, shape, seed=2)
     kernel = kernel_for(device.type, torch.float32, dims.head_dim)
     out = {"grad_rel": a["rel"], "cosine": a["cosine"], "cascade": cascade_applies(model),
            "kernel": kernel.name if kernel else "none"}
@@ -390,13 +395,7 @@ def variant_backwards(device: torch.device, smoke: bool) -> dict:
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **keys)
         config._attn_implementation = "eager"
         model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
-        tree = shape.random_tree(1024, seed=3)
-        weights = random_weights(tree, seed=3)
-        replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
-        replay_grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
-        a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+        a = replay_against_naive(model, shape, seed=3)
         print(f"  {family} {keys}: cascade {cascade_applies(model)}; gradients rel {a['rel']:.2e}", flush=True)
         if not cascade_applies(model):
             return {"grad_rel": math.inf}
