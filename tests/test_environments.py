@@ -58,7 +58,8 @@ def tokenizer():
 
 
 def episodes(tokenizer, overrides: list[str], prompt: str = "What is 3 + 4?", answer: str = "7") -> Episodes:
-    cfg = load_config(None, ["rollout.max_turns=3", *overrides])
+    # Openings render at construction, within data.max_prompt_tokens: two tools' schemas take ~330 tokens.
+    cfg = load_config(None, ["rollout.max_turns=3", "data.max_prompt_tokens=512", *overrides])
     play = load_play(cfg.rollout)
     row = Prompt(0, "basic_arithmetic", prompt, answer, {}, {"answer": answer})
     return Episodes(play, Chat(tokenizer, play, cfg.data, [tokenizer.eos_token_id]), [row])

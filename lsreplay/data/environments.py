@@ -49,7 +49,7 @@ from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
 from lsreplay.core.config import ConfigError, DataConfig, RolloutConfig
-from lsreplay.data.rendering import prompt_messages, render_messages
+from lsreplay.data.rendering import fit_prompt, prompt_messages, render_messages
 from lsreplay.data.reward_functions import callable_name, load_function
 from lsreplay.data.rewards import Overdue, await_all, within
 from lsreplay.data.sources import DatasetError, Prompt
@@ -319,12 +319,17 @@ class Episodes:
     def __init__(self, play: Play, chat: Chat, prompts: list[Prompt]):
         self.play, self.chat, self.prompts = play, chat, prompts
         self.rows = [{"prompt": p.question, **p.columns} for p in prompts]
-        self.openings = [chat.opening(p, self._reset(i)[1]) for i, p in enumerate(prompts)]
+        resets = [self._reset(i)[1] for i in range(len(prompts))]
+        # Each opening within data.max_prompt_tokens: refused, or its prompt's text cut (data.prompt_truncation).
+        fitted = [fit_prompt(p, lambda q, reset=reset: chat.prompt_ids(q, chat.opening(q, reset)), chat.tokenizer,
+                             chat.data) for p, reset in zip(prompts, resets)]
+        self.prompts, self._prompt_ids = [p for p, _ in fitted], [ids for _, ids in fitted]
+        self.openings = [chat.opening(p, reset) for p, reset in zip(self.prompts, resets)]
         # Per tree: the episodes waiting for the model's reply, by their completion so far.
         self.waiting: list[dict[tuple[int, ...], Episode]] = [{(): Episode()} for _ in prompts]
 
     def prompt_ids(self) -> list[list[int]]:
-        return [self.chat.prompt_ids(p, o) for p, o in zip(self.prompts, self.openings)]
+        return self._prompt_ids
 
     def respond(self, tree: int, completion: list[int]) -> list[int] | None:
         """The environment's tokens after the episode's last reply, or None: it ends."""
