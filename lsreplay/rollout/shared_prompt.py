@@ -70,14 +70,18 @@ class SharedPrompts:
 
     def _group(self, trees: list[int]) -> None:
         self.trees = list(trees)
-        device = self.kv[0][0][0].device
-        rows: dict[int, list[int]] = {}
+        # Runs of consecutive rows of one tree, (tree, first row, end): forks repeat a row in
+        # place and finished rows leave the order as it was, so each tree's rows stay one run.
+        self.runs = []
         for row, tree in enumerate(self.trees):
-            rows.setdefault(tree, []).append(row)
-        # (tree, its rows as an index; None when it holds every row in order) per tree with rows.
-        self.groups = [(tree, None if len(rows) == 1 else torch.tensor(r, device=device)) for tree, r in rows.items()
-                       if self.kv[tree][0][0].shape[-2]]
-        self.lengths = torch.tensor([self.kv[t][0][0].shape[-2] for t in self.trees], device=device)
+            if self.runs and self.runs[-1][0] == tree:
+                self.runs[-1][2] = row + 1
+            else:
+                self.runs.append([tree, row, row + 1])
+        self.lengths = torch.tensor([self.positions(t) for t in self.trees], device=self.kv[0][0][0].device)
+
+    def positions(self, tree: int) -> int:
+        return self.kv[tree][0][0].shape[-2]
 
     def select(self, rows: list[int]) -> None:
         """Keep batch rows `rows` (repeated where a row forks), in that order."""
@@ -113,10 +117,13 @@ def _own_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visib
     """Each row's grouped queries (rows, kv_heads, group * width, d) against its own keys and
     values (rows, kv_heads, columns, d), the columns `visible` hides masked: the output (the
     query's shape) and log-sum-exp, in the query's dtype or float32 where that is narrower.
-    A decode step's own part is one token against the row's completion so far: small next to
-    the prompt's part, so it is computed as it is written."""
+    Where every column is visible (a decode step) the device's kernel computes it; a mask (a
+    verify block, holes) is applied to scores written out, small next to the prompt's part."""
     rows, kv_heads, queries, _ = query.shape
     compute = torch.promote_types(query.dtype, torch.float32)
+    if visible is None:
+        out, lse = kernel_for(query.device.type, query.dtype, query.shape[-1]).forward(query, key, value, False, scale)
+        return out.to(compute), lse.to(compute)
     scores = torch.matmul(query.to(compute), key.to(compute).transpose(-1, -2)) * scale
     if visible is not None:
         hidden = ~visible[:, None, None].expand(rows, kv_heads, queries // width, width, key.shape[2])
@@ -128,26 +135,24 @@ def _own_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visib
 def _prompt_part(query: torch.Tensor, shared: SharedPrompts, layer: int, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The grouped queries (rows, kv_heads, group * width, d) against their tree's prompt K/V:
-    per tree, its rows' queries folded into one long query sequence per K/V head, one kernel
-    call. Output and log-sum-exp as `_own_part`'s; a row whose prompt holds no position gets
-    a log-sum-exp of -inf (its part weighs nothing in the merge)."""
-    rows, kv_heads, queries, d = query.shape
+    per run of a tree's rows, their queries folded into one long query sequence per K/V
+    head, one kernel call. Output and log-sum-exp as `_own_part`'s; a row whose prompt holds
+    no position gets a log-sum-exp of -inf (its part weighs nothing in the merge)."""
+    _, kv_heads, queries, d = query.shape
     kernel = kernel_for(query.device.type, query.dtype, d)
     compute = torch.promote_types(query.dtype, torch.float32)
-    out = query.new_zeros(rows, kv_heads, queries, d, dtype=compute)
-    lse = query.new_full((rows, kv_heads, queries), float("-inf"), dtype=compute)
-    for tree, index in shared.groups:
-        q = query if index is None else query[index]
-        folded = q.transpose(0, 1).reshape(1, kv_heads, -1, d)
+    outs, lses = [], []
+    for tree, first, end in shared.runs:
+        if not shared.positions(tree):
+            outs.append(query.new_zeros(end - first, kv_heads, queries, d, dtype=compute))
+            lses.append(query.new_full((end - first, kv_heads, queries), float("-inf"), dtype=compute))
+            continue
+        folded = query[first:end].transpose(0, 1).reshape(1, kv_heads, -1, d)
         keys, values = shared.kv[tree]
-        part_out, part_lse = kernel.forward(folded, keys[layer], values[layer], False, scale)
-        part_out = part_out.reshape(kv_heads, -1, queries, d).transpose(0, 1).to(compute)
-        part_lse = part_lse.reshape(kv_heads, -1, queries).transpose(0, 1).to(compute)
-        if index is None:
-            out, lse = part_out, part_lse
-        else:
-            out[index], lse[index] = part_out, part_lse
-    return out, lse
+        out, lse = kernel.forward(folded, keys[layer], values[layer], False, scale)
+        outs.append(out.reshape(kv_heads, end - first, queries, d).transpose(0, 1).to(compute))
+        lses.append(lse.reshape(kv_heads, end - first, queries).transpose(0, 1).to(compute))
+    return (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, *, scaling: float,
@@ -166,8 +171,9 @@ def shared_prompt_attention(module, query, key, value, attention_mask, *, scalin
     visible = _visible(own_mask, width, key.shape[2], query.device)
     out, lse = _own_part(grouped, key, value, visible, width, scaling)
     prompt_out, prompt_lse = _prompt_part(grouped, shared_prompts, module.layer_idx, scaling)
-    merged = torch.logaddexp(lse, prompt_lse)
-    out = out * (lse - merged).exp()[..., None] + prompt_out * (prompt_lse - merged).exp()[..., None]
+    # The own part's share of the joint softmax, exp(lse) / (exp(lse) + exp(prompt_lse)); 1
+    # where the prompt holds no position (its log-sum-exp -inf).
+    out = torch.lerp(prompt_out, out, torch.sigmoid(lse - prompt_lse)[..., None])
     return out.to(query.dtype).reshape(rows, heads, width, d).transpose(1, 2), None
 
 
