@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from lsreplay.drafter.model import Drafter
 from lsreplay.models.distribution import SamplingParams
 from lsreplay.models.hf_compat import with_cache
-from lsreplay.rollout import shared_prompt
+from lsreplay.rollout import shared_prompt, tree_sampler
 from lsreplay.rollout.shared_prompt import SharedPrompts, attending, attention_inputs, encode_prompt, shares_prompt
 from lsreplay.rollout.tree_sampler import Speculation, sample_trees
 from lsreplay.replay.memory import ModelDims, kv_bytes_per_position
@@ -132,15 +132,23 @@ def test_kv_held_is_one_copy_per_prompt():
 
 
 def test_a_long_prompt_is_encoded_in_chunks_with_progress(exact_rmsnorm, monkeypatch, caplog):
+    """Each layout's prefill in chunks of 8 positions samples the trees one forward samples."""
     model = tiny_model("llama", vocab=VOCAB, initializer_range=0.2)
     prompts = _prompts((37, 10))
-    repeated, _ = _trees(model, prompts, SAMPLED, share_prompt=False)
+    whole, _ = _trees(model, prompts, SAMPLED, share_prompt=False)
     monkeypatch.setattr(shared_prompt, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(tree_sampler, "PREFILL_CHUNK", 8)
     with caplog.at_level(logging.INFO, logger="lsreplay.rollout.shared_prompt"):
         shared, _ = _trees(model, prompts, SAMPLED, share_prompt=True)
-    _assert_same_trees(shared, repeated)
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefill of prompt")]
     assert len(progress) == 5 + 2 and progress[-1].startswith("prefill of prompt 2/2: 10/10 positions")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lsreplay.rollout.shared_prompt"):
+        chunked, _ = _trees(model, prompts, SAMPLED, share_prompt=False)
+    # One batch of the prompts left-padded to 37 columns, 8 a forward.
+    assert caplog.text.count("prefill of prompt 1/1: ") == 5 and "prefill of prompt 1/1: 37/37 positions" in caplog.text
+    _assert_same_trees(shared, whole)
+    _assert_same_trees(chunked, whole)
 
 
 def test_models_without_a_kernel_keep_the_repeated_layout():

@@ -125,9 +125,8 @@ def _own_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visib
         out, lse = kernel_for(query.device.type, query.dtype, query.shape[-1]).forward(query, key, value, False, scale)
         return out.to(compute), lse.to(compute)
     scores = torch.matmul(query.to(compute), key.to(compute).transpose(-1, -2)) * scale
-    if visible is not None:
-        hidden = ~visible[:, None, None].expand(rows, kv_heads, queries // width, width, key.shape[2])
-        scores = scores.masked_fill(hidden.reshape(scores.shape), float("-inf"))
+    hidden = ~visible[:, None, None].expand(rows, kv_heads, queries // width, width, key.shape[2])
+    scores = scores.masked_fill(hidden.reshape(scores.shape), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul((scores - lse[..., None]).exp(), value.to(compute)), lse
 

@@ -16,7 +16,7 @@ held once and the cache holds only the rows' own positions, their completions: a
 repeats those, not the prompt, and every decode step attends to the tree's one copy. The
 prompt is encoded in chunks (a long one logs its progress). Other models keep every row's
 prompt in its cache rows, the prompts left-padded. Both layouts give the same tokens and
-logprobs up to floating-point rounding (tests/test_tree_sampler.py compares them).
+logprobs up to floating-point rounding (tests/test_shared_prompt.py compares them).
 
 The adaptive engine (`Speculation`). Most sequences finish early; a few long ones keep
 the batch decoding one token per forward. Once no fork is pending and at most
