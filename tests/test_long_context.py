@@ -14,7 +14,7 @@ from lsreplay.data.prompt_sets import check_prompts, prompt_file, source_prompts
 from lsreplay.data.rendering import render_prompt
 from lsreplay.data.rewards import Reward, score, unscorable_tasks
 from lsreplay.data.sources import DatasetError, Prompt
-from lsreplay.models.loading import ModelError, check_positions, load_model, load_tokenizer, model_config
+from lsreplay.models.loading import ModelError, check_positions, hf_config, load_model, load_tokenizer
 
 LENGTH = 1024
 
@@ -99,7 +99,7 @@ def test_positions_past_the_models_are_refused_with_the_factor_that_would_do():
         check_positions(cfg.model, needed, "prompt")
     scaled = _config("data.max_prompt_tokens=32768", "model.rope_scaling={rope_type: yarn, factor: 5}").model
     check_positions(scaled, needed, "prompt")
-    config = model_config(scaled)
+    config = hf_config(scaled)
     assert config.rope_parameters == {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 5,
                                       "original_max_position_embeddings": 8192}
     assert config.max_position_embeddings == 40960
@@ -123,10 +123,10 @@ def test_a_scaled_model_runs_past_its_trained_positions_and_saves_its_scaling(tm
     load_tokenizer(ModelConfig()).save_pretrained(tmp_path)
     folder = ModelConfig(path=str(tmp_path))
     check_positions(folder, 2000, "prompt")
-    assert model_config(ModelConfig(path=str(tmp_path), rope_scaling={"rope_type": "yarn", "factor": 8})
+    assert hf_config(ModelConfig(path=str(tmp_path), rope_scaling={"rope_type": "yarn", "factor": 8})
                         ).max_position_embeddings == 2048
     with pytest.raises(ModelError, match="scales its rotary positions already"):
-        model_config(ModelConfig(path=str(tmp_path), rope_scaling={"rope_type": "linear", "factor": 2}))
+        hf_config(ModelConfig(path=str(tmp_path), rope_scaling={"rope_type": "linear", "factor": 2}))
     config = json.loads((tmp_path / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     (tmp_path / "config.json").write_text(json.dumps(config))

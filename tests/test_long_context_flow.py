@@ -9,7 +9,7 @@ import logging
 from flowrun import tree_records, unique_pool
 
 from lsreplay.core.config import load_config
-from lsreplay.models.loading import model_config
+from lsreplay.models.loading import hf_config
 from lsreplay.replay.memory import ModelDims, kv_bytes_per_position
 
 PROMPT_TOKENS = 32768
@@ -42,6 +42,6 @@ def test_a_32k_token_prompt_trains_end_to_end(prefect_server, tmp_path, caplog):
     # The step's peak memory: the replay backward's saved activations and held K/V, and the
     # rollouts' K/V, the prompt's once (4 rows would hold 4 copies).
     cfg = load_config(None, overrides)
-    per_position = kv_bytes_per_position(ModelDims.from_hf(model_config(cfg.model)), 4)
+    per_position = kv_bytes_per_position(ModelDims.from_hf(hf_config(cfg.model)), 4)
     assert prompt * per_position <= m["kv_bytes_peak"] < (prompt + 4 * cfg.rollout.max_new_tokens) * per_position
     assert m["peak_activation_bytes"] > prompt * per_position

@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 
 from lsreplay.core.config import ModelConfig
 from lsreplay.core.storage import Store
-from lsreplay.models.loading import load_tokenizer, model_config, resolve_model_dir
+from lsreplay.models.loading import hf_config, load_tokenizer, resolve_model_dir
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -75,7 +75,7 @@ def _metadata_files(model: ModelConfig) -> dict[str, bytes]:
     writes them (computed once per process and model config)."""
     key = (model.path, model.cache_dir, model.dtype, json.dumps([model.arch, model.rope_scaling], sort_keys=True))
     if key not in _METADATA:
-        config = model_config(model)  # with model.rope_scaling: the exported model runs as it trained
+        config = hf_config(model)  # with model.rope_scaling: the exported model runs as it trained
         if model.arch:
             generation = GenerationConfig.from_model_config(config)
         else:

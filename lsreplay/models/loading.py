@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
@@ -116,18 +117,17 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
 
 
-def model_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The HF config of the run's model: model.arch's, or that of the folder model.path names,
+def hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The HF config of the model `cfg` names: model.arch's, or that of model.path's folder,
     with model.rope_scaling applied (`with_rope_scaling`)."""
-    if cfg.arch:
-        arch = dict(cfg.arch)
-        try:
-            config = AutoConfig.for_model(arch.pop("model_type"), **arch)
-        except (KeyError, ValueError) as e:
-            raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") \
-                from e
-    else:
-        config = AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
+    if not cfg.arch:
+        return with_rope_scaling(AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True),
+                                 cfg.rope_scaling)
+    arch = dict(cfg.arch)
+    try:
+        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    except (KeyError, ValueError, StrictDataclassError) as e:  # the last: a config class's own validation
+        raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
     return with_rope_scaling(config, cfg.rope_scaling)
 
 
@@ -144,6 +144,10 @@ def with_rope_scaling(config: PretrainedConfig, scaling: dict) -> PretrainedConf
         return config
     scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ModelError(f"the model's config has rotary parameters per layer type ({sorted(params)}); "
+                         "model.rope_scaling sets one set for every layer: put the scaling in model.arch or the "
+                         "folder's config.json (rope_parameters) instead")
     if params.get("rope_type", "default") != "default":
         if all(params.get(k) == v for k, v in scaling.items()):
             return config
@@ -169,7 +173,7 @@ def reachable_positions(config: PretrainedConfig) -> int:
 def check_positions(cfg: ModelConfig, needed: int, what: str) -> None:
     """ModelError unless the model reaches `needed` positions (`what` says whence) with
     rotary frequencies that do not change with the forward's length."""
-    config = model_config(cfg)
+    config = hf_config(cfg)
     params = getattr(config, "rope_parameters", None) or {}
     kind = params.get("rope_type", "default")
     if kind not in STATIC_ROPE:
@@ -189,13 +193,23 @@ def check_positions(cfg: ModelConfig, needed: int, what: str) -> None:
 def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised model of the shape `cfg.arch` gives (HF config kwargs with a
     model_type): for planning and benchmarks at production sizes without the weights."""
-    config = model_config(cfg)
-    config._attn_implementation = cfg.attn_implementation
+    config = hf_config(cfg)
+    config._attn_implementation = attention_implementation(cfg, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # Initialised in float32 whatever the dtype: every copy (masters, compute weights)
         # rounds from the same values.
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def attention_implementation(cfg: ModelConfig, config) -> str:
+    """model.attn_implementation, but eager where it asks for sdpa and the family's model has
+    none: transformers refuses sdpa where the attention softcaps its logits (Gemma 2) or has
+    sinks (GPT-OSS), which sdpa cannot do, and its eager attention does them."""
+    if cfg.attn_implementation != "sdpa":
+        return cfg.attn_implementation
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 # transformers builds models under process-wide switches: inside from_pretrained and a
@@ -216,12 +230,12 @@ def load_model(cfg: ModelConfig, trainable: bool = True, device: torch.device | 
         if cfg.arch:
             model = random_model(cfg)
         else:
-            path = resolve_model_dir(cfg)
+            path, config = resolve_model_dir(cfg), hf_config(cfg)
             # Safetensors only: a .bin weights file is a pickle, which runs code as it loads.
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, config=model_config(cfg), dtype=dtype, local_files_only=True,
-                    attn_implementation=cfg.attn_implementation, use_safetensors=True)
+                    path, config=config, dtype=dtype, local_files_only=True, use_safetensors=True,
+                    attn_implementation=attention_implementation(cfg, config))
             except (OSError, ValueError) as e:
                 raise ModelError(f"could not load the model at {path}: {e}") from e
     _to_compute(model, device, dtype)

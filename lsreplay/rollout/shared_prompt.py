@@ -11,7 +11,7 @@ completions), and every attention layer of a decode step or a verify block compu
 - per tree, the queries of all its rows, with the query heads of each K/V group folded
   into the query length, against the tree's prompt K/V, unrepeated and without a mask
   (every prompt position is visible to every completion token): one call of the device's
-  attention kernel, the one replay's cascade attention uses (attention_kernels.kernel_for);
+  attention kernel, the one replay's cascade attention uses (attention.kernels.kernel_for);
 - the two parts merged by their log-sum-exp, as cascade attention merges a prefix's part.
 
 Replay's `forward_cascade` (lsreplay.replay.cascade) computes the same softmax for rows
@@ -43,7 +43,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-from lsreplay.replay.attention_kernels import kernel_for
+from lsreplay.models.hf_compat import decoder_layers
+from lsreplay.replay.attention.kernels import kernel_for
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.segments import PrefixKV, kv_bytes, new_kv
 
@@ -96,7 +97,7 @@ def shares_prompt(model: PreTrainedModel) -> bool:
     """Whether `model`'s rollouts can attend to one copy of each prompt: cascade attention
     applies to it (a kernel for its device and dtype) and every layer's attention is plain
     softmax attention without a sliding window."""
-    attention = [getattr(layer, "self_attn", None) for layer in getattr(model.base_model, "layers", [])]
+    attention = [getattr(layer, "self_attn", None) for layer in decoder_layers(model)]
     return (cascade_applies(model)
             and all(isinstance(m, PLAIN_ATTENTION) and getattr(m, "sliding_window", None) is None for m in attention))
 
@@ -117,18 +118,17 @@ def _own_part(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visib
     """Each row's grouped queries (rows, kv_heads, group * width, d) against its own keys and
     values (rows, kv_heads, columns, d), the columns `visible` hides masked: the output (the
     query's shape) and log-sum-exp, in the query's dtype or float32 where that is narrower.
-    Where every column is visible (a decode step) the device's kernel computes it; a mask (a
-    verify block, holes) is applied to scores written out, small next to the prompt's part."""
-    rows, kv_heads, queries, _ = query.shape
+    The device's kernel for a mask where there is one (a verify block, holes): the fused one
+    where it takes masks, else replay's plain one (attention.kernels.kernel_for)."""
+    rows, _, queries, d = query.shape
     compute = torch.promote_types(query.dtype, torch.float32)
-    if visible is None:
-        out, lse = kernel_for(query.device.type, query.dtype, query.shape[-1]).forward(query, key, value, False, scale)
-        return out.to(compute), lse.to(compute)
-    scores = torch.matmul(query.to(compute), key.to(compute).transpose(-1, -2)) * scale
-    hidden = ~visible[:, None, None].expand(rows, kv_heads, queries // width, width, key.shape[2])
-    scores = scores.masked_fill(hidden.reshape(scores.shape), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul((scores - lse[..., None]).exp(), value.to(compute)), lse
+    mask = None
+    if visible is not None:  # additive, the same for each query head of a group: (rows, 1, group * width, columns)
+        shown = visible.expand(rows, width, key.shape[2]).repeat(1, queries // width, 1)[:, None]
+        mask = torch.zeros(shown.shape, dtype=query.dtype, device=query.device).masked_fill(~shown, float("-inf"))
+    kernel = kernel_for(query.device.type, query.dtype, d, masked=mask is not None)
+    out, lse = kernel.forward(query, key, value, False, scale, mask)
+    return out.to(compute), lse.to(compute)
 
 
 def _prompt_part(query: torch.Tensor, shared: SharedPrompts, layer: int, scale: float

@@ -23,9 +23,8 @@ the batch decoding one token per forward. Once no fork is pending and at most
 `threshold` sequences are live, they finish by speculative decoding (rollout.speculative):
 the sampler hands its KV cache, attention mask and the target features it recorded to
 a `Speculator` as they are, and a draft-length policy (rollout.bandit) picks each
-round's draft length. The logits come from `model.base_model` plus the LM head on the
-last position (Llama/Qwen2-style models: no logit soft-capping), which yields those
-features at no extra cost.
+round's draft length. The logits come from the decoder plus the family's LM head
+(models/logits.py) on the last position, which yields those features at no extra cost.
 """
 
 import logging
@@ -38,7 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from lsreplay.models.distribution import SamplingParams
-from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
 from lsreplay.rollout.sampling import sample_next
 from lsreplay.rollout.shared_prompt import (PREFILL_CHUNK, SharedPrompts, attending, attention_inputs, encode_prompt,
@@ -183,7 +182,8 @@ class _Batch:
         self.model, self.prompts, self.params, self.eos_ids, self.generators = model, prompts, params, eos, generators
         self.progress, self.max_new_tokens, self.speculation = progress, max_new_tokens, speculation
         self.share_prompt = share_prompt
-        self.cache = DynamicCache(config=model.config)
+        # Speculation crops the cache it takes over: every position kept (hf_compat.full_cache).
+        self.cache = DynamicCache(config=model.config) if speculation is None else full_cache(model)
         self.shared: SharedPrompts | None = None
         self.mask: torch.Tensor | None = None
         self.branches = [_Branch(tree=i, path=()) for i in range(len(prompts))]
@@ -236,9 +236,9 @@ class _Batch:
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         with attending(self.model.config, self.shared):
-            hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                                           **attention_inputs(self.shared, self.mask),
-                                           **with_cache(self.cache)).last_hidden_state
+            hidden = decoder(self.model)(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                         **attention_inputs(self.shared, self.mask),
+                                         **with_cache(self.cache)).last_hidden_state
         self.logits = float_logits(self.model, hidden[:, -1])
         if self.features is not None:
             self.features.append(hidden)
