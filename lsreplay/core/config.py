@@ -80,6 +80,14 @@ class ModelConfig:
     # HF config kwargs with a model_type (e.g. Qwen2.5-7B's dims) for a randomly initialised
     # model of that shape: planning and benchmarks. Empty = load model.path.
     arch: dict = field(default_factory=dict)
+    # Rotary positions stretched past what the model was trained on, as HF's rope_parameters
+    # take them: {rope_type: yarn, factor: 4} (or linear, llama3 with its keys) runs SmolLM2's
+    # 8,192 positions to 32,768. The model's own rope_theta stays; original_max_position_embeddings
+    # defaults to the model's max_position_embeddings, which becomes that x factor. Empty: the
+    # model's own (a model folder's config may scale already). Rotary frequencies that change
+    # with the sequence's length (dynamic, longrope) are refused: rollouts and replay run the
+    # same positions in forwards of different lengths.
+    rope_scaling: dict = field(default_factory=dict)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -132,6 +140,11 @@ class DataConfig:
     # apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_tokens: int = 256
+    # A prompt longer than max_prompt_tokens once rendered: "error" stops the run naming it;
+    # "left", "right" or "middle" cut that many tokens from that part of the prompt's own text
+    # (a string prompt, or its last user message), never from the chat template, the system
+    # prompt, the examples or the answer instruction, and log it (verl's data.truncation).
+    prompt_truncation: str = "error"
     # The column verl's compute_score gets as data_source (verl's data.reward_fn_key).
     reward_fn_key: str = "data_source"
 
@@ -796,6 +809,10 @@ def validate(cfg: Config) -> None:
     _check(cfg.threads >= 0, "threads", "must be >= 0 (0 = this machine's count, recorded with the run)",
            cfg.threads)
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"one of {', '.join(DTYPES)}", cfg.model.dtype)
+    _validate_rope_scaling(cfg.model.rope_scaling)
+    _check(not cfg.model.rope_scaling or cfg.rollout.engine == "hf", "model.rope_scaling", "empty with "
+           "rollout.engine=vllm: the engine loads model.path's own config; give a model folder whose config.json "
+           "scales its positions (rope_parameters) instead", cfg.model.rope_scaling)
     _validate_lora(cfg)
     _validate_data(cfg)
     _validate_rollout(cfg)
@@ -815,6 +832,18 @@ def validate(cfg: Config) -> None:
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
            "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)
+
+
+def _validate_rope_scaling(scaling: dict) -> None:
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    _check(kind in ROPE_SCALINGS, "model.rope_scaling", "empty, or HF's rope parameters with rope_type "
+           + ", ".join(ROPE_SCALINGS) + " (e.g. {rope_type: yarn, factor: 4}); dynamic and longrope change their "
+           "frequencies with the sequence's length, which replay cannot reproduce", scaling)
+    factor = scaling.get("factor")
+    _check(isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor >= 1, "model.rope_scaling",
+           "a factor >= 1 next to its rope_type (the positions reached are the model's times factor)", scaling)
 
 
 def _validate_lora(cfg: Config) -> None:
@@ -840,6 +869,9 @@ def _validate_lora(cfg: Config) -> None:
 
 # The roles of data.example_messages: earlier turns of the conversation (the system message comes first).
 EXAMPLE_ROLES = ("user", "assistant", "tool")
+PROMPT_TRUNCATIONS = ("error", "left", "right", "middle")
+# HF's rope types whose frequencies do not change with the sequence's length (model.rope_scaling).
+ROPE_SCALINGS = ("linear", "yarn", "llama3")
 
 
 def _validate_data(cfg: Config) -> None:
@@ -851,6 +883,9 @@ def _validate_data(cfg: Config) -> None:
            "must be >= data.prompts_per_step" + (f" + eval.size = {d.prompts_per_step + held_out}" if held_out else ""),
            d.size)
     _check(len(d.tasks) >= 1 or bool(d.path), "data.tasks", "at least one reasoning-gym task", d.tasks)
+    _check(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", "an integer >= 1", d.max_prompt_tokens)
+    _check(d.prompt_truncation in PROMPT_TRUNCATIONS, "data.prompt_truncation",
+           " or ".join(PROMPT_TRUNCATIONS) + " (where an overlong prompt's own text is cut)", d.prompt_truncation)
     for name in ("question", "answer", "task"):
         _check(bool(getattr(d.columns, name)), f"data.columns.{name}", "a column name", getattr(d.columns, name))
     for i, message in enumerate(d.example_messages):

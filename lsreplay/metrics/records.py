@@ -111,7 +111,8 @@ def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
 EPISODE_KEYS = ("episodes/turns_mean", "episodes/tool_calls_mean", "episodes/tool_error_share",
                 "episodes/environment_token_share", "episodes/prefill_positions", "episodes/history_positions")
 # Figures a stage's manifest holds only for some configs, copied into the step's record
-# where present. trees: the trees that train nothing (with dynamic sampling, prompts_drawn -
+# where present. trees: the most K/V bytes the HF sampler held (rollout.shared_prompt: each
+# prompt's once), the trees that train nothing (with dynamic sampling, prompts_drawn -
 # trees were dropped for that), and the tree shape per tree (stages.trees.group_stats;
 # absent from rollouts sampled before leaves carried counts). prefixes: the rollout
 # engine's logprobs against the trainer's, per token. policy: the algorithm's figures
@@ -119,7 +120,7 @@ EPISODE_KEYS = ("episodes/turns_mean", "episodes/tool_calls_mean", "episodes/too
 # trees dynamic sampling left out of the loss, what truncated importance sampling capped,
 # and TRL's learning rate and clip fractions.
 OPTIONAL_KEYS = {
-    "trees": ("trees_all_alike", "prompts_drawn", "trees_dropped", "leaves_per_tree", "group_size",
+    "trees": ("kv_bytes_peak", "trees_all_alike", "prompts_drawn", "trees_dropped", "leaves_per_tree", "group_size",
               "effective_group_size", *EPISODE_KEYS),
     "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
     "policy": ("kl", "updates", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",

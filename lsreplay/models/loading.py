@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from lsreplay.core.config import SMOLLM2, ModelConfig
 
@@ -135,15 +137,77 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
 
 
-def hf_config(cfg: ModelConfig):
-    """The HF config of the model `cfg` names: model.arch's, or that of model.path's folder."""
+def hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The HF config of the model `cfg` names: model.arch's, or that of model.path's folder,
+    with model.rope_scaling applied (`with_rope_scaling`)."""
     if not cfg.arch:
-        return AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
+        return with_rope_scaling(AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True),
+                                 cfg.rope_scaling)
     arch = dict(cfg.arch)
     try:
-        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
     except (KeyError, ValueError, StrictDataclassError) as e:  # the last: a config class's own validation
         raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
+    return with_rope_scaling(config, cfg.rope_scaling)
+
+
+# Rope types whose frequencies depend only on the position, not on the forward's length.
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+def with_rope_scaling(config: PretrainedConfig, scaling: dict) -> PretrainedConfig:
+    """`config` with its rotary positions stretched as `scaling` (model.rope_scaling) says:
+    its rope_parameters updated (its rope_theta kept, original_max_position_embeddings its
+    max_position_embeddings unless given), and max_position_embeddings that x factor. A
+    config that scales already takes the same scaling again as a no-op and refuses another."""
+    if not scaling:
+        return config
+    scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ModelError(f"the model's config has rotary parameters per layer type ({sorted(params)}); "
+                         "model.rope_scaling sets one set for every layer: put the scaling in model.arch or the "
+                         "folder's config.json (rope_parameters) instead")
+    if params.get("rope_type", "default") != "default":
+        if all(params.get(k) == v for k, v in scaling.items()):
+            return config
+        raise ModelError(f"the model's config scales its rotary positions already ({params}); model.rope_scaling="
+                         f"{scaling} would scale them again: leave model.rope_scaling empty, or give the model's own")
+    original = int(scaling.get("original_max_position_embeddings", config.max_position_embeddings))
+    config.rope_parameters = {**params, **scaling, "original_max_position_embeddings": original}
+    config.max_position_embeddings = int(original * scaling["factor"])
+    return config
+
+
+def reachable_positions(config: PretrainedConfig) -> int:
+    """The positions a model of `config` runs at as trained or as its rope scaling stretches
+    them (a folder's config may keep max_position_embeddings at the original length next to
+    its scaling, as Qwen2.5's instructions for YaRN do)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "factor" not in params or params.get("rope_type") not in STATIC_ROPE:
+        return config.max_position_embeddings
+    original = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    return max(config.max_position_embeddings, int(original * params["factor"]))
+
+
+def check_positions(cfg: ModelConfig, needed: int, what: str) -> None:
+    """ModelError unless the model reaches `needed` positions (`what` says whence) with
+    rotary frequencies that do not change with the forward's length."""
+    config = hf_config(cfg)
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind not in STATIC_ROPE:
+        raise ModelError(f"{cfg.path}: its rotary embedding ({kind}) changes its frequencies with the forward's "
+                         "length, so the rollouts, the caching pass and replay would encode the same positions "
+                         "differently; give model.rope_scaling={rope_type: yarn, factor: F} (a static scaling) instead")
+    reach = reachable_positions(config)
+    if needed > reach:
+        factor = math.ceil(needed / reach * (params.get("factor", 1) if kind != "default" else 1))
+        name = "model.arch" if cfg.arch else cfg.path
+        raise ModelError(f"the run needs {needed} positions ({what}) but {name} reaches {reach} "
+                         f"(max_position_embeddings{', rope scaling ' + kind if kind != 'default' else ''}); stretch "
+                         f"its rotary positions with model.rope_scaling={{rope_type: yarn, factor: {factor}}}, or "
+                         "shorten the prompts or completions")
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
@@ -203,12 +267,12 @@ def load_model(cfg: ModelConfig, trainable: bool = True, device: torch.device | 
         if cfg.arch:
             model = random_model(cfg)
         else:
-            path = resolve_model_dir(cfg)
+            path, config = resolve_model_dir(cfg), hf_config(cfg)
             # Safetensors only: a .bin weights file is a pickle, which runs code as it loads.
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, local_files_only=True, use_safetensors=True,
-                    attn_implementation=attention_implementation(cfg, hf_config(cfg)))
+                    path, config=config, dtype=dtype, local_files_only=True, use_safetensors=True,
+                    attn_implementation=attention_implementation(cfg, config))
             except (OSError, ValueError) as e:
                 raise ModelError(f"could not load the model at {path}: {e}") from e
     _to_compute(model, device, dtype)

@@ -35,13 +35,12 @@ import peft
 import torch
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lsreplay.core.config import ALL_LINEAR, LoraConfig, ModelConfig
 from lsreplay.core.storage import Store
 from lsreplay.models.hf_compat import decoder
-from lsreplay.models.loading import (ModelError, building_models, hub_reference, load_model, resolve_model_dir,
-                                     seeded)
+from lsreplay.models.loading import ModelError, building_models, hf_config, hub_reference, load_model, seeded
 from lsreplay.models.train_state import master_dtype
 
 ADAPTER = "default"  # PEFT's name of the one adapter
@@ -110,13 +109,8 @@ def check_lora(cfg: ModelConfig) -> None:
     built on the meta device (no weights read, nothing allocated)."""
     if not cfg.lora.enabled:
         return
-    if cfg.arch:
-        arch = dict(cfg.arch)
-        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
-    else:
-        config = AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
     with building_models, torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(hf_config(cfg))
     add_adapters(model, cfg.lora, seed=0)
 
 

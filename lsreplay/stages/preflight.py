@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import posixpath
 
-from lsreplay.core.config import Config, ConfigError, multi_turn
+from lsreplay.core.config import Config, ConfigError, completion_tokens, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
 from lsreplay.data.chat_formats import Chat
@@ -20,14 +20,15 @@ from lsreplay.drafter.export import exported_format
 from lsreplay.drafter.model import FORMAT
 from lsreplay.metrics.trackers import check_trackers
 from lsreplay.models.families import family
-from lsreplay.models.loading import check_weights, hf_config, load_tokenizer, resolve_model_dir
+from lsreplay.models.loading import check_positions, check_weights, hf_config, load_tokenizer, resolve_model_dir
 from lsreplay.models.lora import check_lora
 from lsreplay.rollout.vllm_engine import check_engine
 
 
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
-    run, the model folder is there and of a family replay is exact on, the trackers are installed, the reward functions import
+    run, the model folder is there, of a family replay is exact on, and reaches the positions
+    the prompts and completions need (model.rope_scaling), the trackers are installed, the reward functions import
     and take what the data gives them, the tools and environment import, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
     (lsreplay.data.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
@@ -41,6 +42,9 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     if not cfg.model.arch:  # a random model of that shape otherwise, no weights
         check_weights(model_dir)
     family(hf_config(cfg.model))  # replay is exact on it, or it is refused here
+    completion = completion_tokens(cfg.rollout)
+    check_positions(cfg.model, cfg.data.max_prompt_tokens + completion,
+                    f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {completion} completion tokens")
     check_lora(cfg.model)
     if cfg.rollout.engine == "vllm":
         check_engine(cfg, model_dir)

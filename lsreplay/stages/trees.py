@@ -467,8 +467,9 @@ def group_stats(records: list[dict]) -> dict:
 
 def combine_traces(shards: list[dict], lengths: list[int]) -> dict:
     """The shards' decode summaries as one: the length distribution over all rollouts, times
-    and counts summed, shares of decode time weighted by each shard's decode time, and
-    accept_len as tokens per sequence-verification over all speculative rounds."""
+    and counts summed, shares of decode time weighted by each shard's decode time, accept_len
+    as tokens per sequence-verification over all speculative rounds, and the most K/V bytes
+    one shard's sampler held (the HF engine's; absent where no shard says)."""
     decode = [m["decode_seconds"] for m in shards]
     total = sum(decode) or 1e-9
 
@@ -477,7 +478,8 @@ def combine_traces(shards: list[dict], lengths: list[int]) -> dict:
 
     spec_tokens = sum(m["spec_tokens"] for m in shards)
     verify_rows = sum(m["spec_tokens"] / m["accept_len"] for m in shards if m["accept_len"])
-    return {**length_summary(lengths), "decode_seconds": sum(decode),
+    held = [m["kv_bytes_peak"] for m in shards if "kv_bytes_peak" in m]
+    return {**({"kv_bytes_peak": max(held)} if held else {}), **length_summary(lengths), "decode_seconds": sum(decode),
             "decode_steps": sum(m["decode_steps"] for m in shards), "tail_time_share": share("tail_time_share"),
             "spec_rounds": sum(m["spec_rounds"] for m in shards), "spec_tokens": spec_tokens,
             "accept_len": spec_tokens / verify_rows if verify_rows else 0.0,
