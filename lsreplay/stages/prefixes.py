@@ -243,9 +243,10 @@ def _cache_tree(run: Run, step: int, index: int, tree, model, reference,
 
 def scores_logprobs(cfg) -> bool:
     """Whether the caching pass scores the policy's logprobs for the loss: for the KL term,
-    truncated importance sampling, PPO's old logprobs, DPO's margins."""
+    truncated importance sampling, PPO's old logprobs, DPO's margins, and the off-policy
+    correction of stale trees (the ratio to the behaviour policy is no longer 1 at the start)."""
     a = cfg.algo
-    return a.kl_coef > 0 or a.tis_cap > 0 or a.name in ("ppo", "dpo")
+    return a.kl_coef > 0 or a.tis_cap > 0 or a.name in ("ppo", "dpo") or a.decoupled or cfg.rollout.max_staleness > 0
 
 
 def measures_gap(cfg, step: int) -> bool:
