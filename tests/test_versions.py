@@ -1,0 +1,74 @@
+"""Policy versions held for asynchronous rollouts (lsreplay.state.resident): the policy an
+update publishes stays as it was while later updates change the trainer's copy in place,
+the versions no rollout may still ask for are let go, a vLLM engine serves one version at a
+time, and enough checkpoints stay for a resume to load the versions it samples with."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from lsreplay.core.config import load_config
+from lsreplay.core.run import Run
+from lsreplay.state import checkpointing
+from lsreplay.state.resident import Resident
+
+CPU = torch.device("cpu")
+
+
+def test_a_published_version_stays_as_the_update_made_it(tiny_model_dir, tmp_path):
+    run = Run(load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "rollout.max_staleness=1"]))
+    resident = Resident()
+    base = resident.sampler(run, 0, CPU)  # no update yet: the base model, frozen
+    trainer = resident.policy(run, 0, CPU)
+    assert base is not trainer and not any(p.requires_grad for p in base.parameters())
+    versions = []
+    for step in range(3):
+        with torch.no_grad():  # an update, in place
+            for p in trainer.parameters():
+                p.add_(0.01 * (step + 1))
+        resident.updated(run, step, CPU)
+        versions.append({n: p.clone() for n, p in resident.sampler(run, step + 1, CPU).named_parameters()})
+    for step, weights in enumerate(versions):  # each as its update left it, later updates notwithstanding
+        shift = 0.01 * sum(range(1, step + 2))
+        for name, p in base.named_parameters():
+            assert torch.allclose(weights[name], p + shift, atol=1e-6), (step, name)
+    # Versions 1 and 2 are published; 1 is older than 3 - max_staleness and was let go.
+    assert sorted(v for _, v in resident._versions) == [2, 3]
+    resident.release(run)
+    assert not resident._versions
+
+
+def test_an_engine_serves_one_policy_version_at_a_time():
+    resident, order = Resident(), []
+
+    def shard(version: int, hold: float, name: str):
+        with resident.serving(CPU, version):
+            order.append(f"{name} in")
+            time.sleep(hold)
+            order.append(f"{name} out")
+
+    first = threading.Thread(target=shard, args=(3, 0.4, "a"))
+    first.start()
+    time.sleep(0.1)
+    same = threading.Thread(target=shard, args=(3, 0.1, "b"))  # the same version shares the engine
+    other = threading.Thread(target=shard, args=(4, 0.0, "c"))  # another waits until both ended
+    same.start()
+    time.sleep(0.05)
+    other.start()
+    for t in (first, same, other):
+        t.join()
+    assert order.index("b in") < order.index("a out")
+    assert order.index("c in") > max(order.index("a out"), order.index("b out"))
+
+
+def test_enough_checkpoints_stay_for_the_versions_a_resume_samples_with(tmp_path):
+    cfg = load_config(None, [f"run_dir={tmp_path}", "checkpoint.keep_last=1", "rollout.max_staleness=2"])
+    run = Run(cfg)
+    for step in range(5):  # committed checkpoints: checkpoint.json and the policy stage's marker
+        run.store.write_json(f"{run.checkpoint('policy', step)}/{checkpointing.COMPLETE}", {"files": {}})
+        run.finish(step, "policy", {"files": []})
+    assert checkpointing.prune(run) == [0, 1]
+    assert checkpointing.committed_steps(run) == [2, 3, 4]  # versions 3, 4, 5: those of steps 5, 6 and 7
