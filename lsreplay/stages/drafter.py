@@ -6,7 +6,9 @@ slots their finished shards free (flows/train.py), and trains until those rollou
 after every `drafter.checkpoint_every` steps it checkpoints (its float32 master weights,
 optimizer, sampler state) and looks whether step t+1's trees are finished. A preempted or killed trainer
 resumes from its last checkpoint. The last step's drafter, with no rollouts after it,
-trains all `drafter.steps`. Rollouts of step t+2 are the first to use it. Without an
+trains all `drafter.steps`. Rollouts of step t+2 are the first to use it (with
+asynchronous rollouts, the first sampled by policy version t+2: the drafter follows the
+version it shares its embedding and head with, lsreplay.stages.versions). Without an
 accelerator the freed slot is CPU time the rollouts share, so the trainer runs at idle
 priority (devices.on_idle_cpu) and never slows them.
 """
