@@ -24,6 +24,7 @@ def test_a_published_version_stays_as_the_update_made_it(tiny_model_dir, tmp_pat
     base = resident.sampler(run, 0, CPU)  # no update yet: the base model, frozen
     trainer = resident.policy(run, 0, CPU)
     assert base is not trainer and not any(p.requires_grad for p in base.parameters())
+    base = {n: p.clone() for n, p in base.named_parameters()}  # its memory serves a later version once let go
     versions = []
     for step in range(3):
         with torch.no_grad():  # an update, in place
@@ -33,7 +34,7 @@ def test_a_published_version_stays_as_the_update_made_it(tiny_model_dir, tmp_pat
         versions.append({n: p.clone() for n, p in resident.sampler(run, step + 1, CPU).named_parameters()})
     for step, weights in enumerate(versions):  # each as its update left it, later updates notwithstanding
         shift = 0.01 * sum(range(1, step + 2))
-        for name, p in base.named_parameters():
+        for name, p in base.items():
             assert torch.allclose(weights[name], p + shift, atol=1e-6), (step, name)
     # Versions 1 and 2 are published; 1 is older than 3 - max_staleness and was let go.
     assert sorted(v for _, v in resident._versions) == [2, 3]

@@ -205,7 +205,8 @@ class TreeNeeds:
     def of(cls, run: Run, step: int, record: dict, model, tree) -> TreeNeeds:
         cfg = run.cfg
         trains = not trains_nothing(cfg, record)
-        gap = measures_gap(cfg, step) and record.get("logprobs") is not None  # a preference pair was not sampled
+        # A preference pair was not sampled; a stale tree's logprobs differ by the updates since too.
+        gap = measures_gap(cfg, step) and record.get("logprobs") is not None and not record.get("staleness", 0)
         score = (trains and scores_logprobs(cfg)) or gap
         heads = {name: head for name, head in policy_heads(cfg).items()
                  if (name == LOGPROB and score) or (name != LOGPROB and trains)}

@@ -84,8 +84,10 @@ class Resident:
     def __init__(self):
         self._copies: dict[tuple[str, str], _Copy] = {}
         self._references: dict[tuple[str, str], PreTrainedModel] = {}
-        # Asynchronous rollouts: (run id, version) -> {device: a frozen copy of that policy}.
+        # Asynchronous rollouts: (run id, version) -> {device: a frozen copy of that policy},
+        # and per (run id, device) the copies of versions let go, whose memory the next take.
         self._versions: dict[tuple[str, int], dict[str, PreTrainedModel]] = {}
+        self._spare: dict[tuple[str, str], list[PreTrainedModel]] = {}
         self._engines: dict[str, _Engine] = {}  # by device
         self._lock = threading.RLock()  # stages of one process run on several threads
         # An engine starts and takes weights for a while: per device (the devices of a process
@@ -136,22 +138,31 @@ class Resident:
             copies = self._versions.setdefault((_run_id(run), version), {})
             if (model := copies.get(str(device))) is None:
                 if copies:
-                    model = policy_model(run.cfg, device)
-                    model.load_state_dict(next(iter(copies.values())).state_dict())
+                    model = self._frozen_copy(run, next(iter(copies.values())), device)
                 else:  # not another copy's weights: an update may be changing them
-                    model = self._load(run, version, device)
-                copies[str(device)] = model.requires_grad_(False)
+                    model = self._load(run, version, device).requires_grad_(False)
+                copies[str(device)] = model
             return model
 
     def _publish(self, run: Run, version: int, model: PreTrainedModel) -> None:
         """Keep a frozen copy of `model`, the policy of `version`, for the rollouts that sample
-        with it; forget the versions no rollout may still ask for (older than version -
-        max_staleness: the flow submits no rollouts of an older one after this update)."""
-        frozen = policy_model(run.cfg, next(model.parameters()).device).requires_grad_(False)
+        with it; let go of the versions no rollout asks for any more (older than version -
+        max_staleness: the flow submits none of them after this update, and the rollouts of
+        the steps it trained before have ended)."""
+        oldest, run_id = version - run.cfg.rollout.max_staleness, _run_id(run)
+        for key in [k for k in self._versions if k[0] == run_id and k[1] < oldest]:
+            for device, old in self._versions.pop(key).items():
+                self._spare.setdefault((run_id, device), []).append(old)
+        device = next(model.parameters()).device
+        self._versions[(run_id, version)] = {str(device): self._frozen_copy(run, model, device)}
+
+    def _frozen_copy(self, run: Run, model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+        """A copy of `model`'s weights on `device` that takes no gradient, in the memory of a
+        version let go where there is one (building a model reads the base from disk)."""
+        spare = self._spare.get((_run_id(run), str(device)))
+        frozen = spare.pop() if spare else policy_model(run.cfg, device).requires_grad_(False)
         frozen.load_state_dict(model.state_dict())
-        oldest = version - run.cfg.rollout.max_staleness
-        self._versions = {k: v for k, v in self._versions.items() if k[0] != _run_id(run) or k[1] >= oldest}
-        self._versions[(_run_id(run), version)] = {str(next(model.parameters()).device): frozen}
+        return frozen
 
     def train_state(self, run: Run, step: int, device: torch.device) -> TrainState:
         """The trainable state that acts in `step`, on `device` (the policy update's)."""
@@ -288,6 +299,7 @@ class Resident:
             for key in [k for k in self._references if k[0] == _run_id(run)]:
                 del self._references[key]
             self._versions = {k: v for k, v in self._versions.items() if k[0] != _run_id(run)}
+            self._spare = {k: v for k, v in self._spare.items() if k[0] != _run_id(run)}
 
     def held(self, run: Run) -> dict[str, int]:
         """{device: step its policy acts in} for `run`."""
