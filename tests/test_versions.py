@@ -1,7 +1,8 @@
 """Policy versions held for asynchronous rollouts (lsreplay.state.resident): the policy an
 update publishes stays as it was while later updates change the trainer's copy in place,
 the versions no rollout may still ask for are let go, a vLLM engine serves one version at a
-time, and enough checkpoints stay for a resume to load the versions it samples with."""
+time, enough checkpoints stay for a resume to load the versions it samples with, and the
+drafter the rollouts speculate with follows their version."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
+from lsreplay.stages.trees import rollout_drafter
 from lsreplay.state import checkpointing
 from lsreplay.state.resident import Resident
 
@@ -73,3 +75,15 @@ def test_enough_checkpoints_stay_for_the_versions_a_resume_samples_with(tmp_path
         run.finish(step, "policy", {"files": []})
     assert checkpointing.prune(run) == [0, 1]
     assert checkpointing.committed_steps(run) == [2, 3, 4]  # versions 3, 4, 5: those of steps 5, 6 and 7
+
+
+def test_the_rollouts_speculate_with_the_drafter_of_their_policy_version(tmp_path):
+    """The drafter of step t shares its embedding and head with version t + 1 and trains
+    alongside the first rollouts of that version: rollouts sampled by version v take the
+    newest trained one up to step v - 2's, whichever step they are for."""
+    for k, expected in ((0, [None, None, 0, 0, 2, 2]), (1, [None, None, None, 0, 0, 2]),
+                        (2, [None, None, None, None, 0, 0])):
+        run = Run(load_config(None, [f"run_dir={tmp_path / str(k)}", f"rollout.max_staleness={k}"]))
+        for step, trained in enumerate([True, False, True, False]):  # step 1's session trained nothing
+            run.finish(step, "drafter", {"files": [], "checkpoint": run.checkpoint("drafter", step) if trained else None})
+        assert [rollout_drafter(run, step) for step in range(6)] == expected, k

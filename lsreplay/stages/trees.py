@@ -208,15 +208,20 @@ def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices
         "seconds": time.perf_counter() - start, **length_summary(lengths), **decode})
 
 
+def rollout_drafter(run: Run, step: int) -> int | None:
+    """The step of the drafter `step`'s rollouts speculate with: for rollouts sampled by
+    policy version v (stages.versions; v = step when synchronous), the newest trained one up
+    to step v - 2's (step v - 1's trains alongside the first rollouts of version v, and
+    shares its embedding and head with version v); None before there is one."""
+    version = sampling_version(run.cfg, step)
+    return newest_drafter(run, version - 2) if version >= 2 else None
+
+
 def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation | None, int | None]:
-    """The long-tail engine and the step of the drafter it uses: for rollouts sampled by
-    policy version v (stages.versions; v = step when synchronous), the newest trained one
-    up to step v - 2's (step v - 1's trains alongside the first rollouts of version v).
-    None before there is one, or when rollout.spec_threshold = 0 or the drafter is disabled."""
-    r, version = run.cfg.rollout, sampling_version(run.cfg, step)
-    if r.spec_threshold == 0 or not run.cfg.drafter.enabled or version < 2:
-        return None, None
-    if (source := newest_drafter(run, version - 2)) is None:
+    """The long-tail engine and the step of the drafter it uses (`rollout_drafter`). None
+    before there is one, or when rollout.spec_threshold = 0 or the drafter is disabled."""
+    r = run.cfg.rollout
+    if r.spec_threshold == 0 or not run.cfg.drafter.enabled or (source := rollout_drafter(run, step)) is None:
         return None, None
     drafter = load_drafter(run, source, Drafter.from_target(model))
     bandit = DraftLengthBandit(arms=r.draft_lens, seed=run.seed(step, "bandit", shard))
@@ -231,14 +236,12 @@ def device_engine(run: Run, step: int, device, clock: StateClock):
     """This device's vLLM engine (rollout.engine=vllm), holding the policy version that
     samples `step` and speculating in the tail with the drafter the HF engine would use
     (`adaptive_engine`), and that drafter's step (None: none)."""
-    r, version = run.cfg.rollout, sampling_version(run.cfg, step)
-    source = None
-    if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled and version >= 2:
-        source = newest_drafter(run, version - 2)
+    r = run.cfg.rollout
+    source = rollout_drafter(run, step) if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled else None
     with contextlib.ExitStack() as copies:  # the engine has read the drafter's files when it returns
         drafter = None if source is None else \
             (source, copies.enter_context(run.store.local_folder(f"{run.checkpoint('drafter', source)}/hf")))
-        return clock(RESIDENT.engine, run, version, device, drafter), source
+        return clock(RESIDENT.engine, run, sampling_version(run.cfg, step), device, drafter), source
 
 
 def engine_progress(step: int, engine, advance) -> Callable[[int], None]:
