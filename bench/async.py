@@ -157,8 +157,7 @@ def headline(best: dict[int, dict], learned: dict[int, list[dict]]) -> str:
             fields[f"k{k}_gap"] = gap["logprob_gap"]
     for k, rows in learned.items():
         last = [r for r in rows if "eval_sample_accuracy" in r][-1]
-        fields.update({f"k{k}_acc_end": last["eval_sample_accuracy"], f"k{k}_acc_end_lo": last["eval_sample_accuracy_lo"],
-                       f"k{k}_acc_end_hi": last["eval_sample_accuracy_hi"]})
+        fields.update({f"k{k}_acc_end{end}": last[f"eval_sample_accuracy{end}"] for end in ("", "_lo", "_hi")})
     return " ".join(f"{key}={value:.4g}" for key, value in fields.items())
 
 

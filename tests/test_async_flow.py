@@ -17,7 +17,8 @@ from flowrun import digests, lsreplay_chain, tiny, tree_records, unique_pool
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
 
-ASYNC = ["rollout.max_staleness=1", "pool.slots=2", "pool.rollout_devices=[1]", "reward.function=tests.varied_rewards:code_parity"]
+ASYNC = ["rollout.max_staleness=1", "pool.slots=2", "pool.rollout_devices=[1]",
+         "reward.function=tests.varied_rewards:code_parity"]
 COMPARED = ["checkpoints/policy", "step_0000/trees", "step_0001/trees", "step_0002/trees"]
 
 

@@ -8,9 +8,10 @@ sampled by version 0 (two updates stale at step 2), is forged into step 2's tree
 policy stage's loss and the gradient it steps with are compared with, in float64:
 
 - behaviour (the default): GRPO's clipped surrogate against the behaviour policy, the one
-  that sampled (its logprobs as the sampler recorded them, checked against version 1's) (Schulman et al.'s PPO with the sampler as the old policy, as verl's bypass
-  mode and AReaL without the decoupled loss): per token -min(rho A, clip(rho, 1 - eps,
-  1 + eps) A), rho = pi_theta / pi_behaviour;
+  that sampled, its logprobs as the sampler recorded them (checked against version 1's):
+  Schulman et al.'s PPO with the sampler as the old policy, as verl's bypass mode and AReaL
+  without the decoupled loss; per token -min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho =
+  pi_theta / pi_behaviour;
 - decoupled (algo.decoupled=true; AReaL's decoupled PPO, Hilton et al. 2022, eq. 5 of the
   AReaL paper, token_truncate): per token -w min(r A, clip(r, 1 - eps, 1 + eps) A), r =
   pi_theta / pi_proximal, pi_proximal the policy at the update's start (recomputed), and the

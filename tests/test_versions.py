@@ -85,5 +85,6 @@ def test_the_rollouts_speculate_with_the_drafter_of_their_policy_version(tmp_pat
                         (2, [None, None, None, None, 0, 0])):
         run = Run(load_config(None, [f"run_dir={tmp_path / str(k)}", f"rollout.max_staleness={k}"]))
         for step, trained in enumerate([True, False, True, False]):  # step 1's session trained nothing
-            run.finish(step, "drafter", {"files": [], "checkpoint": run.checkpoint("drafter", step) if trained else None})
+            checkpoint = run.checkpoint("drafter", step) if trained else None
+            run.finish(step, "drafter", {"files": [], "checkpoint": checkpoint})
         assert [rollout_drafter(run, step) for step in range(6)] == expected, k
