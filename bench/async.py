@@ -1,7 +1,8 @@
 """Asynchronous rollouts: synchronous steps against rollout.max_staleness = 1 and 2, side by side.
 
     .venv/bin/python bench/async.py [--staleness 0,1,2] [--steps 6] [--rounds 1] [--learn-steps 8]
-                                    [--out runs/async] [--plot docs/async_curves.png] [--smoke] [key=value ...]
+                                    [--out runs/async] [--plot docs/async_curves.png] [--no-default]
+                                    [--smoke] [key=value ...]
 
 Real `lsreplay train` flow runs, one per staleness K of --staleness (0 = synchronous steps), in
 fresh run directories under --out, in two parts:
@@ -18,17 +19,20 @@ fresh run directories under --out, in two parts:
    reward; and per staleness k of the trees an update trained on, the mean |log p_proximal -
    log p_behaviour| of their tokens (the logprob gap: how far the policy moved in k updates,
    since the HF engine's behaviour logprobs are the sampler's own) with truncated and masked
-   importance sampling's figures (docs/async.md). --rounds R runs every K R times, the order
-   reversed every round, and reports each K's fastest round.
+   importance sampling's figures (docs/async.md). Beside them, unless --no-default, the
+   default config's own synchronous layout (sync2t: one slot, every stage with both
+   threads). --rounds R runs each R times, the order reversed every round, and reports each
+   one's fastest round.
 2. Learning, on configs/learn.yaml (--learn-steps steps, 0 = skip): the held-out accuracy of
    each K's policy every eval.every updates (sampled pass@1 with its 95% interval over
    prompts, greedy beside it) and the training reward per step: does staleness cost
    accuracy at this scale? The same pool layout.
 
-The last line is key=value pairs, per K: k{K}_step_s (steady-state wall time per step),
-k{K}_run_step_s (over the whole run), k{K}_speedup (synchronous steady-state step time over
-it), k{K}_rollout_busy and k{K}_update_busy, k{K}_gap (the logprob gap of trees K updates
-stale), and with the learning part k{K}_acc_end, k{K}_acc_end_lo, k{K}_acc_end_hi. --plot
+The last line is key=value pairs, per speed run (k{K}, sync2t): _step_s (steady-state wall
+time per step), _run_step_s (over the whole run), _rollout_busy and _update_busy; per K:
+k{K}_speedup (k0's steady-state step time over it: the same layout), k{K}_speedup_vs_default
+(sync2t's over it), k{K}_gap (the logprob gap of trees K updates stale), and with the
+learning part k{K}_acc_end, k{K}_acc_end_lo, k{K}_acc_end_hi. --plot
 writes the held-out curves of part 2 to that PNG; `lsreplay report` of every run goes to
 --out/report. --smoke: a few prompts and short answers, for the test suite.
 """
@@ -96,31 +100,39 @@ def off_policy(rows: list[dict]) -> dict[int, dict[str, float]]:
     return {k: {name: sum(vs) / len(vs) for name, vs in figures.items()} for k, figures in out.items()}
 
 
-def speed(out: Path, ks: list[int], rounds: int, steps: int, common: list[str]) -> dict[int, dict]:
-    """Part 1: each K's fastest round, with its metrics rows."""
+def variants(ks: list[int], default: bool) -> dict[str, list[str]]:
+    """The speed runs by name: k{K}, each K in the split pool; with `default`, sync2t, the
+    default config's own synchronous layout (one slot, every stage with both threads)."""
+    runs = {f"k{k}": [*LAYOUT, f"rollout.max_staleness={k}"] for k in ks}
+    return {**runs, "sync2t": ["threads=2"]} if default else runs
+
+
+def speed(out: Path, runs: dict[str, list[str]], fill: int, rounds: int, steps: int,
+          common: list[str]) -> dict[str, dict]:
+    """Part 1: each run's fastest round, with its metrics rows; the steady state is measured
+    over the same updates for every run, those after the longest pipeline's `fill`."""
     config, best = str(REPO / "configs/default.yaml"), {}
     from lsreplay.core.config import load_config
 
     shards = load_config(config, common).rollout.shards
     for round_ in range(rounds):
-        for k in ks if round_ % 2 == 0 else ks[::-1]:
-            run_dir = out / f"speed-k{k}-round{round_}"
-            rows = train(config, run_dir, [*LAYOUT, f"steps={steps}", f"rollout.max_staleness={k}", *common])
-            # The same updates for every K: those after the longest pipeline's fill.
-            figures = {**timing(run_dir, steps, min(max(ks), steps - 2), shards), "rows": rows, "run_dir": run_dir}
-            if k not in best or figures["step_s"] < best[k]["step_s"]:
-                best[k] = figures
+        for name in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:
+            run_dir = out / f"speed-{name}-round{round_}"
+            rows = train(config, run_dir, [*runs[name], f"steps={steps}", *common])
+            figures = {**timing(run_dir, steps, min(fill, steps - 2), shards), "rows": rows, "run_dir": run_dir}
+            if name not in best or figures["step_s"] < best[name]["step_s"]:
+                best[name] = figures
     return best
 
 
-def speed_table(best: dict[int, dict]) -> list[str]:
-    lines = ["K  step s (steady)  step s (run)  rollout busy  update busy  reward   gap per staleness k "
+def speed_table(best: dict[str, dict]) -> list[str]:
+    lines = ["run     step s (steady)  step s (run)  rollout busy  update busy  reward   gap per staleness k "
              "(|log p_prox - log p_behav|; TIS mean weight, capped share; MIS masked share)"]
-    for k, f in best.items():
+    for name, f in best.items():
         rewards = [r["reward_mean"] for r in f["rows"] if "reward_mean" in r]
         gaps = "  ".join(f"k={s}: {g['logprob_gap']:.4f} ({g['tis_weight_mean']:.3f}, {g['tis_capped_fraction']:.3f}; "
                          f"{g['mis_masked_fraction']:.3f})" for s, g in sorted(off_policy(f["rows"]).items()))
-        lines.append(f"{k}  {f['step_s']:15.1f}  {f['run_step_s']:12.1f}  {f['rollout_busy']:12.2f}  "
+        lines.append(f"{name:6s}  {f['step_s']:15.1f}  {f['run_step_s']:12.1f}  {f['rollout_busy']:12.2f}  "
                      f"{f['update_busy']:11.2f}  {sum(rewards) / max(len(rewards), 1):.3f}   {gaps or '-'}")
     return lines
 
@@ -146,15 +158,16 @@ def learning_table(metrics: dict[int, list[dict]]) -> list[str]:
     return lines
 
 
-def headline(best: dict[int, dict], learned: dict[int, list[dict]]) -> str:
-    fields, sync = {}, best.get(0)
-    for k, f in best.items():
-        fields.update({f"k{k}_step_s": f["step_s"], f"k{k}_run_step_s": f["run_step_s"],
-                       f"k{k}_rollout_busy": f["rollout_busy"], f"k{k}_update_busy": f["update_busy"]})
-        if sync is not None:
-            fields[f"k{k}_speedup"] = sync["step_s"] / f["step_s"]
-        if (gap := off_policy(f["rows"]).get(k)) is not None:
-            fields[f"k{k}_gap"] = gap["logprob_gap"]
+def headline(best: dict[str, dict], learned: dict[int, list[dict]]) -> str:
+    fields = {}
+    for name, f in best.items():
+        fields.update({f"{name}_step_s": f["step_s"], f"{name}_run_step_s": f["run_step_s"],
+                       f"{name}_rollout_busy": f["rollout_busy"], f"{name}_update_busy": f["update_busy"]})
+        for base, suffix in (("k0", "speedup"), ("sync2t", "speedup_vs_default")):
+            if base in best and name.startswith("k"):
+                fields[f"{name}_{suffix}"] = best[base]["step_s"] / f["step_s"]
+        if name.startswith("k") and (gap := off_policy(f["rows"]).get(int(name[1:]))) is not None:
+            fields[f"{name}_gap"] = gap["logprob_gap"]
     for k, rows in learned.items():
         last = [r for r in rows if "eval_sample_accuracy" in r][-1]
         fields.update({f"k{k}_acc_end{end}": last[f"eval_sample_accuracy{end}"] for end in ("", "_lo", "_hi")})
@@ -169,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learn-steps", type=int, default=8, help="RL steps of each learning run (0 = none)")
     parser.add_argument("--out", default=str(REPO / "runs/async"))
     parser.add_argument("--plot", help="also write the held-out curves of the learning runs to this PNG")
+    parser.add_argument("--no-default", action="store_true", help="leave out the default config's own layout (sync2t)")
     parser.add_argument("--smoke", action="store_true", help="tiny runs (the test suite)")
     parser.add_argument("overrides", nargs="*", help="key=value applied to every run")
     args = parser.parse_args(argv)
@@ -176,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     common = (SMOKE if args.smoke else []) + args.overrides
-    best = speed(out, ks, args.rounds, args.steps, [o for o in common if not o.startswith("eval.")])
+    best = speed(out, variants(ks, not args.no_default), max(ks), args.rounds, args.steps,
+                 [o for o in common if not o.startswith("eval.")])
     print("\n".join(speed_table(best)))
     learned = learning(out, ks, args.learn_steps, common) if args.learn_steps else {}
     if learned:
