@@ -6,14 +6,17 @@ drafter the rollouts speculate with follows their version."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
+import pytest
 import torch
 
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
 from lsreplay.stages.trees import rollout_drafter
+from lsreplay.stages.versions import off_policy_figures
 from lsreplay.state import checkpointing
 from lsreplay.state.resident import Resident
 
@@ -88,3 +91,24 @@ def test_the_rollouts_speculate_with_the_drafter_of_their_policy_version(tmp_pat
             checkpoint = run.checkpoint("drafter", step) if trained else None
             run.finish(step, "drafter", {"files": [], "checkpoint": checkpoint})
         assert [rollout_drafter(run, step) for step in range(6)] == expected, k
+
+
+def test_the_behaviour_ratios_figures_per_staleness():
+    """w = e^0.1, e^1, e^-0.3 on one completion of a tree one update stale, e^-2 on a tree
+    two updates stale, cap 2: TIS caps e^1 (2 > e^0.69), MIS masks e^1 and e^-2 (outside
+    [1/2, 2]); a tree left out of the loss and a masked completion count nowhere."""
+    records = [{"staleness": 1}, {"staleness": 2}, {"staleness": 1}]
+    proximal = [[torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-3.0])], [torch.tensor([-1.0])],
+                [torch.tensor([5.0])]]
+    behaviour = [[torch.tensor([-1.1, -3.0, -0.2]), torch.tensor([9.0])], [torch.tensor([1.0])], [torch.tensor([0.0])]]
+    figures = off_policy_figures(records, proximal, behaviour, 2.0, [True, True, False], [[True, False], [True], [True]])
+    assert sorted(figures) == sorted(f"off_policy/staleness{k}/{name}" for k in (1, 2) for name in
+                                     ("logprob_gap", "tis_weight_mean", "tis_capped_fraction", "mis_masked_fraction",
+                                      "mis_seq_masked_fraction"))
+    one = {k.split("/")[-1]: v for k, v in figures.items() if "staleness1" in k}
+    assert one["logprob_gap"] == pytest.approx((0.1 + 1.0 + 0.3) / 3)
+    assert one["tis_weight_mean"] == pytest.approx((math.exp(0.1) + 2 + math.exp(-0.3)) / 3)
+    assert one["tis_capped_fraction"] == pytest.approx(1 / 3) and one["mis_masked_fraction"] == pytest.approx(1 / 3)
+    assert one["mis_seq_masked_fraction"] == 1
+    two = {k.split("/")[-1]: v for k, v in figures.items() if "staleness2" in k}
+    assert two["mis_masked_fraction"] == 1 and two["tis_capped_fraction"] == 0

@@ -54,30 +54,25 @@ def staleness_figures(cfg, records: list[dict]) -> dict:
 def off_policy_figures(records: list[dict], proximal: list[list[torch.Tensor]], behaviour: list[list[torch.Tensor]],
                        cap: float, keep: list[bool], mask: list[list[bool]] | None) -> dict:
     """The behaviour ratio w = p_proximal / p_behaviour of the loss's tokens, per staleness k
-    (the trees `keep` marks: in the loss and scored by the caching pass), under
-    off_policy/staleness{k}/: the mean |log p_proximal - log p_behaviour| (logprob_gap),
-    truncated importance sampling's mean weight min(w, cap) and share of tokens it caps
-    (tis_weight_mean, tis_capped_fraction), and masked importance sampling's share of tokens
-    with w outside [1 / cap, cap] and of completions holding one (verl's token rejection at
-    its default lower bound: mis_masked_fraction, mis_seq_masked_fraction)."""
-    by_staleness: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    of the trees `keep` marks (in the loss, and scored by the caching pass), under
+    off_policy/staleness{k}/ (ratio_figures)."""
+    by_staleness: dict[int, list[torch.Tensor]] = {}
     for i, record in enumerate(records):
-        if not keep[i]:
-            continue
         for j, (p, b) in enumerate(zip(proximal[i], behaviour[i])):
-            if (mask is None or mask[i][j]) and p.numel():
-                by_staleness.setdefault(record.get("staleness", 0), []).append((p.double(), b.double()))
-    out = {}
-    for k, completions in sorted(by_staleness.items()):
-        log_ratios = [p - b for p, b in completions]
-        flat = torch.cat(log_ratios)
-        weights = flat.exp()
-        outside = (flat.abs() > math.log(cap)) if math.isfinite(cap) else torch.zeros_like(flat, dtype=torch.bool)
-        prefix = f"off_policy/staleness{k}/"
-        out.update({f"{prefix}logprob_gap": float(flat.abs().mean()),
-                    f"{prefix}tis_weight_mean": float(weights.clamp(max=cap).mean()),
-                    f"{prefix}tis_capped_fraction": float((weights >= cap).double().mean()),
-                    f"{prefix}mis_masked_fraction": float(outside.double().mean()),
-                    f"{prefix}mis_seq_masked_fraction": sum(bool((r.abs() > math.log(cap)).any()) for r in log_ratios)
-                    / len(log_ratios) if math.isfinite(cap) else 0.0})
-    return out
+            if keep[i] and (mask is None or mask[i][j]) and p.numel():
+                by_staleness.setdefault(record.get("staleness", 0), []).append(p.double() - b.double())
+    return {f"off_policy/staleness{k}/{name}": value for k, log_ratios in sorted(by_staleness.items())
+            for name, value in ratio_figures(log_ratios, cap).items()}
+
+
+def ratio_figures(log_ratios: list[torch.Tensor], cap: float) -> dict[str, float]:
+    """Of completions' per-token log w: the mean |log w| (logprob_gap); truncated importance
+    sampling's mean weight min(w, cap) and share of tokens it caps (tis_weight_mean,
+    tis_capped_fraction); masked importance sampling's share of tokens with w outside [1 / cap,
+    cap], and of completions holding one (verl's token rejection at its default lower bound:
+    mis_masked_fraction, mis_seq_masked_fraction)."""
+    flat, bound = torch.cat(log_ratios), math.log(cap)
+    return {"logprob_gap": float(flat.abs().mean()), "tis_weight_mean": float(flat.exp().clamp(max=cap).mean()),
+            "tis_capped_fraction": float((flat.exp() >= cap).double().mean()),
+            "mis_masked_fraction": float((flat.abs() > bound).double().mean()),
+            "mis_seq_masked_fraction": sum(bool((r.abs() > bound).any()) for r in log_ratios) / len(log_ratios)}
