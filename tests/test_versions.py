@@ -101,7 +101,8 @@ def test_the_behaviour_ratios_figures_per_staleness():
     proximal = [[torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-3.0])], [torch.tensor([-1.0])],
                 [torch.tensor([5.0])]]
     behaviour = [[torch.tensor([-1.1, -3.0, -0.2]), torch.tensor([9.0])], [torch.tensor([1.0])], [torch.tensor([0.0])]]
-    figures = off_policy_figures(records, proximal, behaviour, 2.0, [True, True, False], [[True, False], [True], [True]])
+    keep, mask = [True, True, False], [[True, False], [True], [True]]
+    figures = off_policy_figures(records, proximal, behaviour, 2.0, keep, mask)
     assert sorted(figures) == sorted(f"off_policy/staleness{k}/{name}" for k in (1, 2) for name in
                                      ("logprob_gap", "tis_weight_mean", "tis_capped_fraction", "mis_masked_fraction",
                                       "mis_seq_masked_fraction"))
