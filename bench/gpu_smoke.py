@@ -49,8 +49,14 @@ What it does, each part on its own (a failing part is reported and the next stil
    CUDA attends to the prefix with the memory-efficient kernel there (bf16 takes flash);
    passes at grad_rel <= 1e-3 with the cascade path taken.
 
-The last line: gpu_ok= grad_rel= replay_speedup= peak_gib= plan_gib= f32_grad_rel= (gpu_ok:
-parts 1, 2 and 5 passed; peak_gib is nan on the CPU).
+6. attention variants: replay_backward vs naive_backward in float32 on small Gemma 2 (a
+   sliding window shorter than the prompt, attention and final logit softcapping) and GPT-OSS
+   (attention sinks, a sliding window, experts) models: on CUDA a masked part of cascade
+   attention and a softcapped one run the plain torch kernel (replay/attention/kernels.py);
+   passes at grad_rel <= 1e-3 with the cascade path taken.
+
+The last line: gpu_ok= grad_rel= replay_speedup= peak_gib= plan_gib= f32_grad_rel=
+variants_grad_rel= (gpu_ok: parts 1, 2, 5 and 6 passed; peak_gib is nan on the CPU).
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ from lsreplay.metrics.records import step_record  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
-from lsreplay.replay.attention_kernels import kernel_for  # noqa: E402
+from lsreplay.replay.attention.kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
 from lsreplay.replay.memory import ModelDims  # noqa: E402
 from lsreplay.rollout.sampling import draw  # noqa: E402
@@ -361,6 +367,40 @@ def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
     return out
 
 
+# -- 6. attention variants ----------------------------------------------------------------------
+VARIANT_FAMILIES = {
+    "gemma2": dict(sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   query_pre_attn_scalar=64),
+    "gpt_oss": dict(sliding_window=64, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def variant_backwards(device: torch.device, smoke: bool) -> dict:
+    """replay_backward vs naive_backward of one float32 tree on each family of VARIANT_FAMILIES."""
+    shape = TreeShape.from_rollout(*((48, [2, 2], [8], 24) if smoke else (512, [4, 4], [64], 192)))
+    worst = 0.0
+    for family, keys in VARIANT_FAMILIES.items():
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(
+            family, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **keys)
+        config._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
+        tree = shape.random_tree(1024, seed=3)
+        weights = random_weights(tree, seed=3)
+        replay_backward(model, [tree], weights)
+        replay_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        naive_backward(model, [tree], weights)
+        a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+        print(f"  {family} {keys}: cascade {cascade_applies(model)}; gradients rel {a['rel']:.2e}", flush=True)
+        if not cascade_applies(model):
+            return {"grad_rel": math.inf}
+        worst = max(worst, a["rel"])
+    return {"grad_rel": worst}
+
+
 # -- the run ----------------------------------------------------------------------------------
 def part(title: str, fn):
     """fn()'s result, or None with the traceback printed: one part failing leaves the others."""
@@ -409,14 +449,18 @@ def main(argv: list[str] | None = None) -> int:
                                                   args.smoke)))
     f32 = part("5. float32 replay vs per-rollout backward (CUDA: the memory-efficient kernel)",
                lambda: float32_backwards("smoke" if args.smoke else "0.5b", device, args.smoke))
+    variants = part("6. attention variants: windows, softcaps, sinks (CUDA: the plain kernel's masked parts)",
+                    lambda: variant_backwards(device, args.smoke))
     ok = (checks is not None and all(checks.values()) and out is not None
           and out["grad_rel"] <= GRAD_REL_MAX and out["cosine"] >= COSINE_MIN
-          and f32 is not None and f32["cascade"] and f32["grad_rel"] <= F32_GRAD_REL_MAX)
+          and f32 is not None and f32["cascade"] and f32["grad_rel"] <= F32_GRAD_REL_MAX
+          and variants is not None and variants["grad_rel"] <= F32_GRAD_REL_MAX)
     out = out or dict.fromkeys(("grad_rel", "replay_speedup", "peak_gib", "plan_gib"), math.nan)
     print(f"\nwall {time.perf_counter() - wall:.0f} s")
     print(f"gpu_ok={str(ok).lower()} grad_rel={out['grad_rel']:.3e} replay_speedup={out['replay_speedup']:.3f} "
           f"peak_gib={out['peak_gib']:.3g} plan_gib={out['plan_gib']:.3g} "
-          f"f32_grad_rel={(f32 or {}).get('grad_rel', math.nan):.3e}", flush=True)
+          f"f32_grad_rel={(f32 or {}).get('grad_rel', math.nan):.3e} "
+          f"variants_grad_rel={(variants or {}).get('grad_rel', math.nan):.3e}", flush=True)
     return 0 if ok else 1
 
 

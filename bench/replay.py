@@ -23,6 +23,13 @@ in CPU seconds of this process (less sensitive to other processes taking the cor
 and flop_id, the FLOPs ratio, which unlike the positions ratio charges each leaf token
 for attending to the whole prefix (see forward_flops).
 
+`--variants` then times replay on attention the fused CPU kernel cannot run unmasked
+(lsreplay/replay/attention/), each against the same model without it, same weights:
+a sliding window of half the prompt (Mistral: masked parts of the flash kernel, parts out of
+the window skipped) and attention logits softcapping (Gemma 2: the plain torch kernel).
+Per variant: replay's seconds with it over without it (cost), and its speedup over the
+per-rollout backward on the same model.
+
 Targets: efficiency >= 0.8 and mem_ratio <= 1. The machine is shared and noisy, which is
 why only ratios measured side by side are reported. The last line is key=value pairs:
 the headline is the worst efficiency (with its shape's speedup and ideal) and the
@@ -43,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lsreplay.core.config import ModelConfig
 from lsreplay.models.loading import resolve_model_dir
@@ -106,6 +113,37 @@ def make_model(spec: dict | None, seed: int = 0) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.eval()  # replay differentiates exactly what the caching pass computed: no dropout
     return model
+
+
+# --variants: (family, the keys that turn its variant on). The same weights with the variant
+# off are its baseline.
+VARIANTS = {"window": ("mistral", lambda shape: {"sliding_window": shape.prompt // 2}),
+            "softcap": ("gemma2", lambda shape: {"attn_logit_softcapping": 50.0})}
+VARIANT_OFF = {"window": {"sliding_window": None}, "softcap": {"attn_logit_softcapping": None}}
+
+
+def variant_model(spec: dict, family: str, keys: dict, seed: int):
+    """A random model of `family` of `spec`'s dimensions with `keys` set (eager attention where
+    the family has no sdpa), float32, eval mode."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **spec, tie_word_embeddings=False, head_dim=spec["hidden_size"]
+                                  // spec["num_attention_heads"], **keys)
+    config._attn_implementation = "eager" if family == "gemma2" else "sdpa"
+    return AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+
+
+def run_variants(spec: dict, shape: Shape, reps: int, seed: int) -> dict:
+    """Each variant of VARIANTS on `shape` against the same weights without it (see the
+    module docstring)."""
+    out = {}
+    for name, (family, keys) in VARIANTS.items():
+        on = variant_model(spec, family, keys(shape), seed)
+        off = variant_model(spec, family, VARIANT_OFF[name], seed)
+        off.load_state_dict(on.state_dict())
+        with_it, without = run_shape(on, shape, reps, seed), run_shape(off, shape, reps, seed)
+        out[name] = {"cost": (with_it["replay_s"] + with_it["cache_s"]) / (without["replay_s"] + without["cache_s"]),
+                     "speedup": with_it["speedup"], "ideal": with_it["ideal"], "grad_rel": with_it["grad_rel"]}
+    return out
 
 
 def make_tree(shape: Shape, vocab: int, rng: random.Random) -> RolloutTree:
@@ -231,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="wide: one wide decoder layer (the default); smollm2: SmolLM2-135M's architecture "
                          "on the default config's tree")
     ap.add_argument("--reps", type=int, default=None, help="timed repeats per shape (min is kept)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time a sliding window and softcapped attention against the same model without")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -283,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
                f"efficiency_{n}": f"{r['efficiency']:.3f}", f"mem_ratio_{n}": f"{r['mem_ratio']:.3f}",
                f"cpu_speedup_{n}": f"{r['cpu_speedup']:.3f}", f"flop_ideal_{n}": f"{r['flop_ideal']:.3f}",
                f"cache_s_{n}": f"{r['cache_s']:.3f}", f"grad_rel_diff_{n}": f"{r['grad_rel']:.3e}"}
+    if args.variants:
+        shape = catalogue[names[0]]
+        for name, r in run_variants(spec or MODEL, shape, reps, args.seed).items():
+            print(f"{name}: replay {r['cost']:.2f}x the seconds without it on {shape.name}; speedup over the "
+                  f"per-rollout backward {r['speedup']:.2f} (ideal {r['ideal']:.2f}), gradients within "
+                  f"{r['grad_rel']:.1e}", flush=True)
+            kv |= {f"{name}_cost": f"{r['cost']:.3f}", f"{name}_speedup": f"{r['speedup']:.3f}"}
     kv["wall_s"] = f"{time.perf_counter() - wall:.1f}"
     print(" ".join(f"{k}={v}" for k, v in kv.items()), flush=True)
     return 0

@@ -98,7 +98,7 @@ def test_gpu_smoke_on_cpu():
     s3fs, gguf unimportable): the GPU check's code with tiny sizes on the CPU, the real
     SmolLM2 tokenizer: every stage ran where the pool put it, the resident policy and the
     checkpoints held up, replay and naive gradients agree in bf16 and in float32 (the
-    cascade path taken), the plan has an estimate."""
+    cascade path taken, also with windows, softcaps and sinks), the plan has an estimate."""
     from lsreplay.core.config import ModelConfig
     from lsreplay.models.loading import resolve_model_dir
 
@@ -106,8 +106,10 @@ def test_gpu_smoke_on_cpu():
     proc = as_on_the_gpu_machine("bench/gpu_smoke.py", "--smoke", "--tokenizer", str(tokenizer))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
-    assert list(kv) == ["gpu_ok", "grad_rel", "replay_speedup", "peak_gib", "plan_gib", "f32_grad_rel"]
+    assert list(kv) == ["gpu_ok", "grad_rel", "replay_speedup", "peak_gib", "plan_gib", "f32_grad_rel",
+                        "variants_grad_rel"]
     assert kv["gpu_ok"] == "true" and float(kv["grad_rel"]) <= 3e-2 and float(kv["f32_grad_rel"]) <= 1e-4
+    assert float(kv["variants_grad_rel"]) <= 1e-4
     assert "cascade True (cpu-flash)" in proc.stdout
     assert "bit for bit: True as a run computes, True with pool.deterministic=true" in proc.stdout
     assert float(kv["replay_speedup"]) > 0 and float(kv["plan_gib"]) > 0

@@ -1,7 +1,7 @@
 """Cascade attention (lsreplay/replay/cascade.py): the attention itself against sdpa over the
 prefix repeated per row, a model forward on it against `forward_segments`, and the replay
 backward, which runs it, against the per-rollout reference. Without a GPU, the CUDA kernels
-(attention_kernels.py) are checked through their shape functions only; the CUDA cases run
+(attention/kernels.py) are checked through their shape functions only; the CUDA cases run
 where a GPU is (`pytest tests/test_cascade.py -k cuda`)."""
 
 import pytest
@@ -11,9 +11,9 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
-from lsreplay.replay.attention_kernels import CUDA_EFFICIENT, CUDA_FLASH, kernel_for
+from lsreplay.replay.attention.kernels import CUDA_EFFICIENT, CUDA_FLASH, kernel_for
 from lsreplay.replay.backward import _Replay
-from lsreplay.replay.cascade import _CascadeAttention, cascade_applies, forward_cascade
+from lsreplay.replay.cascade import _CascadeAttention, _Plan, cascade_applies, forward_cascade
 from lsreplay.replay.segments import concat_kv, forward_segments, new_kv
 from lsreplay.tree import RolloutTree
 
@@ -39,6 +39,12 @@ def reference_attention(scale, query, key, value, *prefix):
     group = heads // key.shape[1]
     return F.scaled_dot_product_attention(query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
                                           attn_mask=mask, scale=scale)
+
+
+def cascade(kernel, scale, query, key, value, *prefix):
+    """Cascade attention with one kernel for every part and no masks or sinks."""
+    plan = _Plan(scale, kernel, None, [(kernel, None)] * (len(prefix) // 2))
+    return _CascadeAttention.apply(plan, query, key, value, None, *prefix)
 
 
 def attention_inputs(heads, kv_heads, prefix_lengths, dtype, device="cpu"):
@@ -69,7 +75,7 @@ def test_cascade_attention_equals_sdpa_over_the_repeated_prefix(heads, kv_heads,
     inputs = attention_inputs(heads, kv_heads, prefix_lengths, dtype, device)
     scale = inputs[0].shape[-1] ** -0.5
     exact = [t.detach().double().requires_grad_() for t in inputs]
-    out = _CascadeAttention.apply(kernel_for(device, dtype, inputs[0].shape[-1]), scale, *inputs)
+    out = cascade(kernel_for(device, dtype, inputs[0].shape[-1]), scale, *inputs)
     expected = reference_attention(scale, *exact)
     assert out.dtype == dtype
     assert (out.double() - expected).abs().max() < tol * max(1.0, expected.abs().max().item())
@@ -90,7 +96,7 @@ def test_cuda_kernels_fit_the_cascade_function_on_meta_tensors(heads, kv_heads, 
     log-sum-exp rows to a multiple of 32) fits the fold, the merge and the backward. Their
     numbers are for a GPU check."""
     inputs = attention_inputs(heads, kv_heads, prefix_lengths, dtype, device="meta")
-    out = _CascadeAttention.apply(kernel, inputs[0].shape[-1] ** -0.5, *inputs)
+    out = cascade(kernel, inputs[0].shape[-1] ** -0.5, *inputs)
     assert (out.shape, out.dtype) == (inputs[0].shape, dtype)
     grads = torch.autograd.grad(out, inputs, torch.empty_like(out))
     assert [(g.shape, g.dtype) for g in grads] == [(t.shape, t.dtype) for t in inputs]
@@ -196,8 +202,24 @@ def test_replay_runs_cascade_attention_and_equals_naive(arch, device, dtype, tol
     assert calls == runs * model.config.num_hidden_layers
 
 
-def test_unsupported_model_falls_back_to_sdpa_and_equals_naive():
-    model = tiny("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=0)
+def test_sliding_window_layers_run_cascade_attention_and_equal_naive():
+    """A window shorter than the prompt: the leaves see only the prompt's last keys, through
+    masks over the part of it they may see (attention/windows.py)."""
+    model = tiny("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    assert cascade_applies(model)
+    rel, calls = replay_vs_naive(model)
+    assert rel <= 1e-6 and calls == 4 * model.config.num_hidden_layers
+
+
+def test_family_without_cascade_falls_back_to_sdpa_and_equals_naive():
+    """Llama 4's attention reads positions from its cache, which cascade's does not hold
+    (models/families.py): its runs attend to a copy of the prefix in the cache instead."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                           intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                           attention_chunk_size=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.Llama4ForCausalLM(config).double().eval()
     assert not cascade_applies(model)
     rel, calls = replay_vs_naive(model)
     assert rel <= 1e-6 and calls == 0

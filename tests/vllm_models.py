@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from lsreplay.core.config import ModelConfig
 from lsreplay.models.loading import resolve_model_dir
@@ -40,8 +40,17 @@ def vllm_model_dir(tmp_path_factory) -> Path:
     ~0.1), over large input embeddings and quiet layers: it writes varied text from a small
     alphabet, mostly as a function of the last token, so a drafter trained on a few of its
     rollouts predicts it on other prompts too."""
-    out = tmp_path_factory.mktemp("vllm-tiny")
-    tokenizer, model = _tiny_llama(tied=False)
+    return _writer_model_dir("llama", tmp_path_factory.mktemp("vllm-tiny"))
+
+
+@pytest.fixture(scope="session")
+def vllm_qwen2_model_dir(tmp_path_factory) -> Path:
+    """vllm_model_dir's recipe on a Qwen2 (its query/key/value biases): the LoRA run takes it."""
+    return _writer_model_dir("qwen2", tmp_path_factory.mktemp("vllm-qwen2"))
+
+
+def _writer_model_dir(model_type: str, out: Path) -> Path:
+    tokenizer, model = _tiny(model_type, tied=False)
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_(std=1.0)
         head = model.get_output_embeddings().weight
@@ -51,6 +60,9 @@ def vllm_model_dir(tmp_path_factory) -> Path:
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.1)
             layer.mlp.down_proj.weight.mul_(0.1)
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if projection.bias is not None:  # Qwen2's, which start at 0: the engine must take them too
+                    projection.bias.normal_(std=0.1)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -116,13 +128,13 @@ STOP = 1057  # a token the tied model often writes first: a stop of its generati
 
 @pytest.fixture(scope="session")
 def vllm_tied_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama whose LM head is its input embedding (tied), with the SmolLM2
+    """A tiny random Qwen3 whose LM head is its input embedding (tied), with the SmolLM2
     tokenizer, saved as an HF folder whose generation config stops at EOS and at STOP. The
     64 alphabet rows and EOS are large (std 0.6), the rest ~0.01; a final norm of weight -1
     keeps it from repeating its last token (tied, the head scores that token's own row
     highest), so it writes varied text from the alphabet."""
     out = tmp_path_factory.mktemp("vllm-tied")
-    tokenizer, model = _tiny_llama(tied=True)
+    tokenizer, model = _tiny("qwen3", tied=True)
     with torch.no_grad():
         embedding = model.get_input_embeddings().weight
         embedding.normal_(std=0.01)
@@ -132,6 +144,9 @@ def vllm_tied_model_dir(tmp_path_factory) -> Path:
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.1)
             layer.mlp.down_proj.weight.mul_(0.1)
+            # Qwen3's query/key norms away from their initial ones: the engine must take them too.
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, STOP]
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -145,12 +160,13 @@ def short_prompts(model_dir: Path, count: int) -> list[list[int]]:
     return [tokenizer(f"Question {i}: what is {i} times {2 * i + 3}?")["input_ids"] for i in range(count)]
 
 
-def _tiny_llama(tied: bool):
-    """The SmolLM2 tokenizer and a random 2-layer Llama of hidden 64 over its vocabulary (seed 0)."""
+def _tiny(model_type: str, tied: bool):
+    """The SmolLM2 tokenizer and a random 2-layer model of the family (hidden 64, two heads of
+    32) over its vocabulary (seed 0)."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig()), local_files_only=True)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id, max_position_embeddings=512))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=tied,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, max_position_embeddings=512))
     return tokenizer, model

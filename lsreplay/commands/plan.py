@@ -57,7 +57,7 @@ import torch
 
 from lsreplay.core.config import RolloutConfig, completion_tokens, multi_turn
 from lsreplay.models.train_state import master_dtype
-from lsreplay.replay.attention_kernels import kernel_for
+from lsreplay.replay.attention.kernels import kernel_for
 from lsreplay.replay.memory import (
     KeptLayers,
     ModelDims,
@@ -301,6 +301,7 @@ def lora_params(cfg, dims: ModelDims) -> int:
     """The LoRA adapters' parameters (model.lora): A (rank x in) and B (out x rank) per target
     projection of every layer; 0 without LoRA."""
     from lsreplay.core.config import ConfigError
+    from lsreplay.models.families import family
 
     lora = cfg.model.lora
     if not lora.enabled:
@@ -617,6 +618,7 @@ def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
     from transformers import AutoConfig
 
     from lsreplay.core.config import ConfigError
+    from lsreplay.models.families import family
 
     if arch:
         kwargs = dict(arch)
@@ -627,11 +629,14 @@ def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
             hf = AutoConfig.for_model(model_type, **kwargs)
         except (ValueError, KeyError) as e:
             raise ConfigError(f"config key 'model.arch': {e}") from None
-        return f"{model_type} (random init from model.arch)", ModelDims.from_hf(hf)
+        family(hf)
+        return f"{model_type} (random init from model.arch)", ModelDims.from_hf(hf, count_params=True)
     from lsreplay.models.loading import resolve_model_dir
 
     folder = resolve_model_dir(cfg.model)
-    return str(cfg.model.path), ModelDims.from_hf(AutoConfig.from_pretrained(folder, local_files_only=True))
+    hf = AutoConfig.from_pretrained(folder, local_files_only=True)
+    family(hf)
+    return str(cfg.model.path), ModelDims.from_hf(hf, count_params=True)
 
 
 def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str = "") -> Plan:

@@ -218,14 +218,33 @@ class RolloutConfig:
     # reply (as single-turn rollouts), or "turns", branching[k] replies at turn k, each after
     # the environment's answer to the turn before.
     branch_at: str = "tokens"
+    # The format replies write tool calls in (docs/agents.md): "auto" (the tokenizer's own
+    # response parser, else the family its chat template names), hermes (<tool_call>, Qwen2.5),
+    # qwen3, llama3 (Llama 3.1/3.2 JSON) or mistral ([TOOL_CALLS]).
+    tool_call_format: str = "auto"
+    # Episodes in flight at once in a rollout shard (decoding, or waiting for a tool or the
+    # environment); 0 = all of them. Each advances as soon as its own call returns.
+    max_concurrent_episodes: int = 0
+    # true: every episode of a shard waits at each turn for the whole group (the slowest reply
+    # and tool call), so the HF engine's decode batches, hence its episodes, are
+    # bit-reproducible; false: each episode goes on as soon as its own call returns.
+    turn_barrier: bool = False
 
 
 BRANCH_AT = ("tokens", "turns")
+# The tool-call formats of rollout.tool_call_format (lsreplay.data.chat_formats.FORMATS).
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3", "llama3", "mistral")
 
 
 def multi_turn(r: RolloutConfig) -> bool:
     """Whether the rollouts are episodes (tools, an environment or several turns) rather than single answers."""
     return bool(r.tools or r.environment or r.max_turns > 1)
+
+
+def model_token_budget(r: RolloutConfig) -> int:
+    """The most tokens the model samples in one rollout: max_new_tokens per reply, over an
+    episode's max_turns replies (Dr. GRPO's constant normaliser)."""
+    return r.max_turns * r.max_new_tokens if multi_turn(r) else r.max_new_tokens
 
 
 def completion_tokens(r: RolloutConfig) -> int:
@@ -949,6 +968,10 @@ def _validate_episodes(cfg: Config) -> None:
     r = cfg.rollout
     _check(r.max_turns >= 1, "rollout.max_turns", "an integer >= 1 (1 = single-turn answers)", r.max_turns)
     _check(r.branch_at in BRANCH_AT, "rollout.branch_at", " or ".join(BRANCH_AT), r.branch_at)
+    _check(r.tool_call_format in TOOL_CALL_FORMATS, "rollout.tool_call_format", " or ".join(TOOL_CALL_FORMATS),
+           r.tool_call_format)
+    _check(r.max_concurrent_episodes >= 0, "rollout.max_concurrent_episodes", "an integer >= 0 (episodes in flight "
+           "at once in a shard; 0 = all)", r.max_concurrent_episodes)
     _check(r.max_environment_tokens >= 1, "rollout.max_environment_tokens", "an integer >= 1 (the most tokens one "
            "answer of the environment may add to an episode)", r.max_environment_tokens)
     _check(r.tool_timeout_seconds >= 0, "rollout.tool_timeout_seconds", ">= 0 (seconds a call of a tool or of the "

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lsreplay.core.config import Config, reward_specs
+from lsreplay.data.environments import environment_rewards
 from lsreplay.data.rewards import Reward, unscorable_tasks
 from lsreplay.data.sources import (REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, prompt_key,
                            task_args_for)
@@ -41,9 +42,15 @@ def prompt_file(cfg: Config) -> Path:
     return generate_prompt_file(Path(".cache/prompts") / f"{name}.jsonl", list(d.tasks), d.size, cfg.seed, task_args)
 
 
+def checked_by_reasoning_gym(cfg: Config) -> bool:
+    """Whether reasoning-gym's checkers score the rollouts: no reward function is configured
+    and no environment scores its episodes (get_reward)."""
+    return not reward_specs(cfg.reward) and not environment_rewards(cfg.rollout)
+
+
 def _open(cfg: Config, path: str | Path, columns: dict | None, split: str | None = None) -> PromptSet:
     # reasoning-gym's checkers need each row's answer and task; your own reward functions may not.
-    required = ("question",) if reward_specs(cfg.reward) else REQUIRED_FIELDS
+    required = REQUIRED_FIELDS if checked_by_reasoning_gym(cfg) else ("question",)
     return PromptSet.from_file(path, columns=columns, required=required, split=split or cfg.data.split)
 
 
@@ -120,8 +127,8 @@ def check_prompts(cfg: Config, render, reward: Reward, training: bool = True) ->
             prompts.check_prompts()
         except DatasetError as e:
             raise DatasetError(f"{prompts.path}: {e}") from None
-        reward.check_columns(prompts.reward_columns())
-    if not reward_specs(cfg.reward):
+        reward.check_columns(prompts.reward_columns(), environments=bool(cfg.rollout.environment))
+    if checked_by_reasoning_gym(cfg):
         for prompts in sets:
             unknown = unscorable_tasks({str(t) for t in prompts.column("task")})
             if unknown:

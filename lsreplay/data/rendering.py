@@ -55,12 +55,14 @@ def render_prompt(tokenizer, prompt: Prompt, data: DataConfig) -> list[int]:
 
 
 def render_messages(tokenizer, messages: list[dict], prompt: Prompt, data: DataConfig,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template: str | None = None) -> list[int]:
     """The token ids of `prompt`'s chat messages (as given: an episode's opening adds to
-    them) with the generation prompt, and the tool schemas where the template renders them."""
+    them) with the generation prompt, and the tool schemas where the template renders them;
+    `template`: a chat template other than the tokenizer's (episodes' training templates)."""
     try:
         ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True, **data.chat_template_kwargs)["input_ids"]
+                                            return_dict=True, chat_template=template,
+                                            **data.chat_template_kwargs)["input_ids"]
     except (ValueError, TemplateError) as e:  # no chat template, or one that refuses these messages
         raise DatasetError(f"prompt {prompt.index}: the tokenizer's chat template cannot render it ({e}); give "
                            "a model with a chat template, or string prompts with data.chat_template=false") from e

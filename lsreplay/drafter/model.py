@@ -47,20 +47,38 @@ class _SharedHeads:
 
 
 def _drafter_config(target: transformers.PreTrainedConfig) -> transformers.LlamaConfig:
-    """One full-attention Llama decoder layer of the target's dimensions, rotary encoding and
-    norm epsilon (a Qwen2 target's drafter has no attention biases: it is a Llama layer)."""
+    """One full-attention Llama decoder layer of the target's dimensions (its first layer's,
+    where they differ per layer), rotary encoding (its full-attention layers', where layer
+    types have their own) and norm epsilon (a Qwen2 target's drafter has no attention
+    biases: it is a Llama layer)."""
+    first = target.per_layer_config[0]
+    heads = target.num_attention_heads
     config = transformers.LlamaConfig(
         vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=getattr(target, "num_key_value_heads", None) or target.num_attention_heads,
-        head_dim=getattr(target, "head_dim", None) or target.hidden_size // target.num_attention_heads,
-        hidden_act=target.hidden_act, max_position_embeddings=target.max_position_embeddings,
-        rms_norm_eps=target.rms_norm_eps, rope_parameters=copy.deepcopy(target.rope_parameters),
-        initializer_range=target.initializer_range, attention_bias=False, mlp_bias=False,
-        tie_word_embeddings=False, bos_token_id=getattr(target, "bos_token_id", None),
-        eos_token_id=getattr(target, "eos_token_id", None))
+        num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=getattr(first, "num_key_value_heads", None) or heads,
+        head_dim=getattr(first, "head_dim", None) or target.hidden_size // heads,
+        hidden_act=_first_of(target, ("hidden_act", "hidden_activation"), "silu"),
+        max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=_first_of(target, ("rms_norm_eps", "layer_norm_eps", "norm_eps"), 1e-6),
+        rope_parameters=_full_attention_rope(target), initializer_range=target.initializer_range,
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        bos_token_id=getattr(target, "bos_token_id", None), eos_token_id=getattr(target, "eos_token_id", None))
     config._attn_implementation = "sdpa"
     return config
+
+
+def _first_of(config, names: tuple[str, ...], default):
+    """The first of `names` the config has (families name the same thing differently)."""
+    return next((value for name in names if (value := getattr(config, name, None)) is not None), default)
+
+
+def _full_attention_rope(target) -> dict:
+    """The target's rotary parameters, its full-attention layers' where each layer type has its own (Gemma 3/4)."""
+    rope = copy.deepcopy(target.rope_parameters)
+    if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()):
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    return rope
 
 
 class Drafter(torch.nn.Module):
@@ -104,7 +122,8 @@ class Drafter(torch.nn.Module):
 
     @classmethod
     def from_target(cls, target: transformers.PreTrainedModel) -> "Drafter":
-        """A fresh drafter for a Llama- or Qwen2-style target, on the target's device and dtype."""
+        """A fresh drafter for a target of any supported family (models.families), on the
+        target's device and dtype."""
         shared = _SharedHeads(target.get_input_embeddings(), target.get_output_embeddings())
         with building_models:  # its layers' initialisation uses torch.nn.init (see lsreplay/models/loading.py)
             drafter = cls(_drafter_config(target.config), shared)

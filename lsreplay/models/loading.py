@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lsreplay.core.config import SMOLLM2, ModelConfig
@@ -114,20 +115,37 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
 
 
+def hf_config(cfg: ModelConfig):
+    """The HF config of the model `cfg` names: model.arch's, or that of model.path's folder."""
+    if not cfg.arch:
+        return AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
+    arch = dict(cfg.arch)
+    try:
+        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+    except (KeyError, ValueError, StrictDataclassError) as e:  # the last: a config class's own validation
+        raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
+
+
 def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised model of the shape `cfg.arch` gives (HF config kwargs with a
     model_type): for planning and benchmarks at production sizes without the weights."""
-    arch = dict(cfg.arch)
-    try:
-        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
-    except (KeyError, ValueError) as e:
-        raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
-    config._attn_implementation = cfg.attn_implementation
+    config = hf_config(cfg)
+    config._attn_implementation = attention_implementation(cfg, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # Initialised in float32 whatever the dtype: every copy (masters, compute weights)
         # rounds from the same values.
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def attention_implementation(cfg: ModelConfig, config) -> str:
+    """model.attn_implementation, but eager where it asks for sdpa and the family's model has
+    none: transformers refuses sdpa where the attention softcaps its logits (Gemma 2) or has
+    sinks (GPT-OSS), which sdpa cannot do, and its eager attention does them."""
+    if cfg.attn_implementation != "sdpa":
+        return cfg.attn_implementation
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 # transformers builds models under process-wide switches: inside from_pretrained and a
@@ -152,8 +170,8 @@ def load_model(cfg: ModelConfig, trainable: bool = True, device: torch.device | 
             # Safetensors only: a .bin weights file is a pickle, which runs code as it loads.
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation,
-                    use_safetensors=True)
+                    path, dtype=dtype, local_files_only=True, use_safetensors=True,
+                    attn_implementation=attention_implementation(cfg, hf_config(cfg)))
             except (OSError, ValueError) as e:
                 raise ModelError(f"could not load the model at {path}: {e}") from e
     _to_compute(model, device, dtype)

@@ -2,7 +2,9 @@
 
 Logits rounded to bf16 lose too much in log_softmax (a logprob's error grows with the
 logit's magnitude) and in sampling. Log-probabilities of rollouts, of the caching pass and
-of replay's scored positions all come from here, so they agree in every dtype.
+of replay's scored positions all come from here, so they agree in every dtype. They are the
+logits of the family's causal LM: a family that softcaps or scales the head's output
+(models/families.py) has it done here too.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.models.families import lm_logits
 from lsreplay.models.summed_grads import FULL_PRECISION, accumulator
 
 # Vocabulary rows of a bf16 head cast to float32 at a time: the transient copy stays at
@@ -18,7 +21,11 @@ CHUNK = 8192
 
 
 def float_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head over `hidden` (..., d), computed and returned in float32; float64 stays float64."""
+    """The family's logits over `hidden` (..., d), computed and returned in float32; float64 stays float64."""
+    return lm_logits(model.config, _head(model, hidden))
+
+
+def _head(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     head = model.get_output_embeddings()
     if torch.is_grad_enabled() and (acc := accumulator(head.weight)) is not None:  # see summed_grads
         return _FloatHead.apply(hidden, head.weight.detach(), acc.anchor, head.bias, acc)

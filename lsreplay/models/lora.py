@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lsreplay.core.config import LoraConfig, ModelConfig
 from lsreplay.core.storage import Store
+from lsreplay.models.hf_compat import decoder
 from lsreplay.models.loading import ModelError, building_models, load_model, resolve_model_dir
 from lsreplay.models.train_state import master_dtype
 
@@ -67,10 +68,10 @@ def add_adapters(model: PreTrainedModel, lora: LoraConfig, seed: int) -> PreTrai
 def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
     """ModelError unless every target names linear layers inside the decoder layers: the LM
     head and the embedding are shared with the drafter and read as weights (logits.py)."""
-    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    layers = getattr(decoder(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise ModelError(f"model.lora needs a decoder whose layers are model.base_model.layers (Llama, Qwen2, "
-                         f"Mistral, ...); {type(model).__name__} has none: train it with model.lora.enabled=false")
+        raise ModelError(f"model.lora needs a decoder with layers (every family of models.families has them); "
+                         f"{type(model).__name__} has none: train it with model.lora.enabled=false")
     inside = {name.rpartition(".")[2]: type(m) for name, m in layers.named_modules() if name}
     linear = sorted(n for n, t in inside.items() if issubclass(t, torch.nn.Linear))
     everywhere = {name.rpartition(".")[2] for name, _ in model.named_modules()}

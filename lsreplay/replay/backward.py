@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.models.families import family
 from lsreplay.models.summed_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
@@ -77,6 +78,7 @@ class _Replay:
 
     def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None,
                  join_below: int, heads: Heads = LOGPROB_HEADS):
+        family(model.config)  # replay is exact on its family, or refuses it
         self.model, self.meter, self.prefix_kv, self.join_below, self.heads = model, meter, prefix_kv, join_below, heads
         self.dims = ModelDims.from_hf(model.config)
         self.elt = next(model.parameters()).element_size()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from lsreplay.models.families import family
 from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS, Heads
 from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, new_kv
 from lsreplay.tree import Node, RolloutTree
@@ -67,6 +68,7 @@ def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = 
     """heads: what every entry is scored by (heads.py; the logprob's scores go to
     entry_logprobs; {} scores nothing); keep_hidden: every position's last hidden state;
     kv_nodes: the branching nodes whose K/V are kept (None: all of them)."""
+    family(model.config)  # replay is exact on its family, or refuses it
     acts = _new_activations(tree, heads)
     scored = keep_hidden or bool(heads)
     wanted = _with_ancestors(tree, kv_nodes) if kv_nodes is not None and not scored else None

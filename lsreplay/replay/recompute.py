@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
+from lsreplay.models.hf_compat import decoder_layers
 from lsreplay.replay.memory import ActivationMeter, KeptLayers
 
 aten = torch.ops.aten
@@ -52,10 +53,10 @@ KEPT_OPS = frozenset({
 
 @contextmanager
 def recomputed_layers(model: torch.nn.Module, layers: KeptLayers, meter: ActivationMeter | None = None):
-    """Inside the block, the model's first `layers.rerun` decoder layers (model.base_model.layers)
+    """Inside the block, the model's first `layers.rerun` decoder layers (models.hf_compat.decoder_layers)
     keep only their input for the backward and the next `layers.lean` are lean; what lean
     layers keep counts in `meter`."""
-    chosen = list(getattr(model.base_model, "layers", []))[:layers.rerun + layers.lean]
+    chosen = decoder_layers(model)[:layers.rerun + layers.lean]
     if len(chosen) < layers.rerun + layers.lean:
         raise ValueError(f"{type(model).__name__} has {len(chosen)} decoder layers; "
                          f"cannot run {layers.rerun + layers.lean} again")

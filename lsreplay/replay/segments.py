@@ -4,6 +4,11 @@ Both the no-grad caching pass and the replay backward are built from two operati
 run sibling segments (right-padded into one batch) at their absolute positions on top
 of their ancestors' keys/values, and read the logprobs of chosen targets at chosen
 positions. Only those positions go through the LM head.
+
+The keys and values a run hands on are those of every position it ran, whatever the layer:
+`hf_compat.full_cache` keeps them all where transformers' own cache for a sliding-window or chunked
+layer keeps only the last window's (enough to decode, not to replay a branch on). What
+such a layer may see is then the family's own mask's business, as in its plain forward.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lsreplay.models.distribution import RAW, SamplingParams, token_logprobs
-from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
 
 # Per-layer keys and values of a run of positions: ([k_0, ..., k_L-1], [v_0, ..., v_L-1]),
-# each (1, kv_heads, positions, head_dim), post-rotary as HF caches them.
+# each (1, kv_heads, positions, head_dim), post-rotary as HF caches them (a value's head_dim
+# may differ from the key's: latent attention).
 PrefixKV = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
@@ -55,13 +61,13 @@ def forward_segments(model: PreTrainedModel, segments: list[list[int]], start: i
     padding after it, so no attention mask is needed and padded outputs are ignored.
     The past is broadcast over the batch; the returned cache holds past + new K/V."""
     ids, positions = padded_batch(model, segments, start)
-    cache = DynamicCache(config=model.config)
+    cache = full_cache(model)
     if past is not None:
         for layer, (k, v) in enumerate(zip(*past)):
-            batch_shape = (len(segments), *k.shape[1:])
-            cache.update(k.expand(batch_shape), v.expand(batch_shape), layer)
-    out = model.base_model(input_ids=ids, position_ids=positions, use_cache=True, **with_cache(cache))
+            cache.update(k.expand(len(segments), *k.shape[1:]), v.expand(len(segments), *v.shape[1:]), layer)
+    out = decoder(model)(input_ids=ids, position_ids=positions, use_cache=True, **with_cache(cache))
     return out.last_hidden_state, cache
+
 
 
 def new_kv(cache: DynamicCache, past_len: int, row: int = 0) -> PrefixKV:

@@ -38,8 +38,12 @@ acceptance rule stays exact; the target always scores the full vocabulary.
 Exactness. Greedy output equals plain greedy decoding of the target up to floating point:
 the verify forward scores k+1 positions in one matmul, which may round differently from
 one-at-a-time decoding, so a near-tie in the argmax could in principle flip.
-Models: Llama/Qwen2-style (`base_model` returns the final-norm features, the LM head maps
-them to logits, no logit soft-capping).
+Models: every family replay supports (models/families.py: the decoder's last hidden states
+are the features, the family's logits come from models/logits.py). The target's cache keeps
+every position (hf_compat.full_cache), so that rejected drafts can be cropped, and a model
+with sliding-window or chunked layers attends by masks built from positions
+(position_masks.py): the holes rejected drafts leave in a row's cache would shift
+transformers' own windows.
 """
 
 from __future__ import annotations
@@ -56,8 +60,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from lsreplay.models.distribution import SamplingParams, processed_logits, token_logprobs
-from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.families import windowed_layers
+from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
+from lsreplay.rollout.position_masks import PositionMasks
 from lsreplay.rollout.sampling import draw
 
 log = logging.getLogger(__name__)
@@ -259,6 +265,7 @@ class Speculator:
     """
 
     def __init__(self, target, drafter, params: SamplingParams, generator, draft_vocab, stats: SpecStats):
+        self.position_masks = PositionMasks(target.config) if windowed_layers(target.config) else None
         self.target, self.drafter, self.params, self.generator, self.stats = target, drafter, params, generator, stats
         head = target.get_output_embeddings()
         self.vocab_size = head.weight.shape[0]
@@ -303,7 +310,9 @@ class Speculator:
 
     def _target(self, ids, position_ids, attention_mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """Features (A, n, d) and logits (A, n, V) of n new positions."""
-        hidden = self.target.base_model(
+        if attention_mask is not None and self.position_masks is not None:  # see position_masks.py
+            attention_mask = self.position_masks(attention_mask.bool(), ids.shape[1], self.target.dtype)
+        hidden = decoder(self.target)(
             input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **with_cache(cache)
         ).last_hidden_state
         self.stats.target_forwards += 1
@@ -311,7 +320,7 @@ class Speculator:
 
     def prefill(self, ids: torch.LongTensor, mask: torch.BoolTensor) -> torch.LongTensor:
         """Encode left-padded prompts (A, T) and pick each row's first token."""
-        cache = DynamicCache(config=self.target.config)
+        cache = full_cache(self.target)
         hidden, logits = self._target(ids, _positions(mask), None if bool(mask.all()) else mask, cache)
         first = self._pick(logits[:, -1])
         self.resume(cache, ids, mask, hidden, first)

@@ -15,9 +15,8 @@ the batch decoding one token per forward. Once no fork is pending and at most
 `threshold` sequences are live, they finish by speculative decoding (rollout.speculative):
 the sampler hands its KV cache, attention mask and the target features it recorded to
 a `Speculator` as they are, and a draft-length policy (rollout.bandit) picks each
-round's draft length. The logits come from `model.base_model` plus the LM head on the
-last position (Llama/Qwen2-style models: no logit soft-capping), which yields those
-features at no extra cost.
+round's draft length. The logits come from the decoder plus the family's LM head
+(models/logits.py) on the last position, which yields those features at no extra cost.
 """
 
 import logging
@@ -30,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from lsreplay.models.distribution import SamplingParams
-from lsreplay.models.hf_compat import with_cache
+from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
 from lsreplay.rollout.sampling import sample_next
 from lsreplay.rollout.speculative import (
@@ -165,7 +164,8 @@ class _Batch:
                  progress, max_new_tokens: int, speculation: Speculation | None):
         self.model, self.prompts, self.params, self.eos_ids, self.generators = model, prompts, params, eos, generators
         self.progress, self.max_new_tokens, self.speculation = progress, max_new_tokens, speculation
-        self.cache = DynamicCache(config=model.config)
+        # Speculation crops the cache it takes over: every position kept (hf_compat.full_cache).
+        self.cache = DynamicCache(config=model.config) if speculation is None else full_cache(model)
         self.branches = [_Branch(tree=i, path=()) for i in range(len(prompts))]
         self.leaves: list[tuple[_Branch, bool]] = []
         self.positions = [0] * len(prompts)
@@ -185,7 +185,7 @@ class _Batch:
         self._forward(ids, (self.mask.cumsum(-1) - 1).clamp(min=0))
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
+        hidden = decoder(self.model)(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
                                        use_cache=True, **with_cache(self.cache)).last_hidden_state
         self.logits = float_logits(self.model, hidden[:, -1])
         if self.features is not None:

@@ -34,6 +34,7 @@ from lsreplay.algos.kl import kl_loss
 from lsreplay.algos.model_tokens import model_token_scores, model_tokens, on_model_tokens, sampled_flags, sampled_masks
 from lsreplay.algos.ppo import PPOBatch, minibatch_orders, ppo_loss
 from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.core.config import model_token_budget
 from lsreplay.core.run import Run
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
@@ -113,7 +114,8 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
     old = model_tokens(full_old, sampled)
     counts = [leaf_counts(r) for r in records]  # every leaf counts as the samples it stands for
     rewards = [training_rewards(cfg, r) for r in records]
-    mask, max_tokens = response_mask(cfg, records), cfg.rollout.max_new_tokens
+    # Dr. GRPO's constant normaliser: the rollout's budget of model tokens (an episode's: every turn's replies).
+    mask, max_tokens = response_mask(cfg, records), model_token_budget(cfg.rollout)
     critic, extras = None, {"trees_left_out": sum(left_out(cfg, records))}
     if algo.critic:
         if any(r is None for rs in rewards for r in rs):
@@ -207,21 +209,24 @@ def tis_figures(weights: list[list[torch.Tensor]], cap: float, mask) -> dict:
 
 
 def _dpo(cfg, records: list[dict], trees, acts: list[TreeActivations]) -> Objective:
-    """DPO over each tree's best and worst leaf (an offline record's chosen and rejected)."""
+    """DPO over each tree's best and worst leaf (an offline record's chosen and rejected), its
+    sequence logprobs over the model's tokens (an episode's environment tokens left out)."""
+    sampled = sampled_masks([sampled_flags(r) for r in records])
     logprobs = [completion_values(t, a.entry_logprobs) for t, a in zip(trees, acts)]
-    ref = sequence_logprobs([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)])
+    ref = sequence_logprobs(model_tokens([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)],
+                                         sampled))
     pairs = [[] if gone else tree_pairs for tree_pairs, gone in
              zip(best_worst_pairs([training_rewards(cfg, r) for r in records]), left_out(cfg, records))]
     beta = cfg.algo.dpo_beta
 
     def loss_for(idx: list[int]):
         sub_pairs, sub_ref = [pairs[i] for i in idx], [ref[i] for i in idx]
-        return lambda scores: dpo_loss(scores, sub_pairs, sub_ref, beta)
+        return on_model_tokens(lambda scores: dpo_loss(scores, sub_pairs, sub_ref, beta), pick(sampled, idx))
 
     def figures(idx: list[int], scores) -> dict:
         """TRL's DPO figures: the implicit reward margin beta x (policy - reference) of chosen
         over rejected, and the share of pairs where it is positive."""
-        seq = sequence_logprobs(scores)
+        seq = sequence_logprobs(model_tokens(scores, pick(sampled, idx)))
         margins = [beta * float((seq[i][c] - ref[i][c]) - (seq[i][r] - ref[i][r])) for i in idx for c, r in pairs[i]]
         if not margins:
             return {}

@@ -5,15 +5,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import posixpath
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from lsreplay.algos.model_tokens import sampled_flags
 from lsreplay.core import faults
 from lsreplay.core.config import multi_turn
 from lsreplay.core.run import Run
-from lsreplay.data.environments import Chat, Episode, Episodes, load_play
+from lsreplay.data.chat_formats import Chat
+from lsreplay.data.environments import Calls, Episode, Episodes, load_play
 from lsreplay.data.preferences import Preference, offline, preference_record
 from lsreplay.data.rendering import render_prompt
 from lsreplay.data.rewards import Reward
@@ -22,7 +26,9 @@ from lsreplay.drafter.model import Drafter
 from lsreplay.metrics.records import episode_metrics, rollout_metrics
 from lsreplay.models.loading import eos_ids, load_tokenizer
 from lsreplay.rollout.bandit import DraftLengthBandit
-from lsreplay.rollout.episodes import HFTurns, VLLMTurns, sample_episodes
+from lsreplay.rollout.episodes import sample_episodes
+from lsreplay.rollout.hf_turns import HFTurns
+from lsreplay.rollout.vllm_turns import VLLMTurns
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
 from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, records_in_prompt_order,
                                     sampled_as, training_rewards)
@@ -73,14 +79,17 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     state = trainer_state(run, step)
     draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
     records, rounds, pending, logged, start = {}, [], indices, {}, time.perf_counter()
-    # The HF engine decodes episodes turn by turn, without its speculative tail (vLLM speculates in each turn's).
+    # The HF engine decodes episodes without its speculative tail (vLLM speculates in each turn's).
     speculates = r.engine == "hf" and not multi_turn(r)
     speculation, drafter_step = adaptive_engine(run, step, shard, model) if speculates else (None, None)
     # The token budget: every rollout's replies at their longest (the environment's tokens are not sampled).
     budget = len(indices) * math.prod(r.branching) * r.max_turns * r.max_new_tokens
-    # A vLLM engine holds this version until the shard's last request (the weights change between shards).
-    serving = RESIDENT.serving(device, version) if r.engine == "vllm" else contextlib.nullcontext()
-    with tqdm(total=budget, desc=f"step {step} rollouts", unit="tok", leave=False) as bar, serving:
+    with tqdm(total=budget, desc=f"step {step} rollouts", unit="tok", leave=False) as bar, \
+            contextlib.ExitStack() as stack:
+        if r.engine == "vllm":  # the engine holds this version until the shard's last request
+            stack.enter_context(RESIDENT.serving(device, version))
+        # Episodes' tool and environment calls: one event loop and one pool for the stage.
+        calls = stack.enter_context(Calls(r.tool_timeout_seconds, episode_workers(r))) if multi_turn(r) else None
 
         def advance(tokens: int) -> None:
             bar.update(tokens)
@@ -90,14 +99,19 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         for draw in range(draws):
             prompts = [Prompt(**(stored["prompts"] if draw == 0 else stored["reserve"][draw - 1])[i]) for i in pending]
             trees, figures, decisions, drafter_step, episodes = _sample(
-                run, step, device, model, tokenizer, prompts, pending, draw, advance, clock, speculation, drafter_step)
-            scored, metrics = tree_records(tokenizer, prompts, trees, reward, state, episodes)
+                run, step, device, model, tokenizer, prompts, pending, draw, advance, clock, speculation, drafter_step,
+                calls, shard)
+            try:
+                scored, metrics = tree_records(tokenizer, prompts, trees, reward, state, episodes)
+            finally:
+                if episodes is not None:
+                    episodes.close()
             records.update(zip(pending, scored))
             for name, values in metrics.items():  # what the reward functions gave log_metric
                 logged.setdefault(name, []).extend(values)
             rounds.append({"figures": figures, "decisions": decisions, "prompts": len(pending),
                            "forward_positions": sum(t.forward_positions for t in trees),
-                           "lengths": [len(c) for t in trees for c in t.completions]})
+                           "lengths": model_lengths(trees)})
             pending = [i for i in pending if all_alike(filter_values(cfg, records[i]))]
             if not pending:
                 break
@@ -123,22 +137,26 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         decisions = {"drafter_step": drafter_step, "decisions": [d for rnd in rounds for d in rnd["decisions"]]}
     decisions = run.store.write_json(run.key(step, "trees", f"decisions_{shard:02d}.json"), decisions)
     faults.hook("trees", step, "mid")
-    return run.finish(step, shard_name(shard), {
+    done = run.finish(step, shard_name(shard), {
         "files": [entry, decisions], "shard": shard, "devices": devices, "device": str(device),
         "engine": r.engine, "policy_version": version, "drafter_step": drafter_step,
         "forward_positions": sum(rnd["forward_positions"] for rnd in rounds), "completion_tokens": sum(lengths),
         "prompts_drawn": sum(rnd["prompts"] for rnd in rounds), "seconds": seconds, "state_seconds": clock.seconds,
-        "logged": logged, **summary, **cache})
+        "logged": logged, **summary, **cache, **episode_figures(rounds)})
+    if multi_turn(r):  # the shard's episodes stand: their answers are in
+        run.store.delete_prefix(journal_folder(run, step, shard))
+    return done
 
 
 def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
-            advance, clock: StateClock, speculation: Speculation | None, drafter_step: int | None):
+            advance, clock: StateClock, speculation: Speculation | None, drafter_step: int | None,
+            calls: Calls | None, shard: int):
     """One round of the shard's rollouts: the trees of `prompts` (the step's places `slots`,
     in round `draw`), the decode figures (combine_traces' keys), the decode decisions (HF
-    engine), the drafter's step, and for episodes each one's outcome (else None)."""
+    engine), the drafter's step, and for episodes their outcomes (else None)."""
     cfg, r = run.cfg, run.cfg.rollout
     if multi_turn(r):
-        return _episode_round(run, step, device, model, tokenizer, prompts, slots, draw, advance, clock)
+        return _episode_round(run, step, device, model, tokenizer, prompts, slots, draw, advance, clock, calls, shard)
     prompt_ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     if r.engine == "vllm":
         trees, figures, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
@@ -151,16 +169,41 @@ def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt]
     return trees, trace.summary([len(c) for t in trees for c in t.completions]), trace.decisions(), drafter_step, None
 
 
+@dataclass
+class EpisodeOutcomes:
+    """A round's ended episodes (per tree, per leaf: lsreplay.data.environments.Episode), the
+    prompts as reward functions see them (the reset strings appended), and whether the
+    environment scores its episodes (get_reward)."""
+
+    episodes: list[list[Episode]]
+    prompts: list[Prompt]
+    rewards: bool
+    closing: Callable[[Episode], None]
+
+    def close(self) -> None:
+        """Every ended episode's environment closed (after its reward functions saw it)."""
+        for episodes in self.episodes:
+            for episode in episodes:
+                self.closing(episode)
+
+
+def episode_workers(r) -> int:
+    """Threads for the episodes' environment side: one per episode in flight, within reason."""
+    return r.max_concurrent_episodes or 64
+
+
 def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
-                   advance, clock: StateClock):
+                   advance, clock: StateClock, calls: Calls, shard: int):
     """One round of episodes (rollout.max_turns, tools, an environment: lsreplay.data.environments),
     as _sample returns a round: the decode figures are the round's wall time (the tools' and
-    the environment's included; no decode trace), plus on vLLM the engine's figures summed over
-    the turns and its speculation; each episode's outcome comes with its tree."""
+    the environment's included; no decode trace), the engine's counters (the HF engine's
+    prefill and decode positions; vLLM's prefix cache, summed over the requests, and its
+    speculation) and the positions re-reading each turn's history would have prefilled."""
     cfg, r = run.cfg, run.cfg.rollout
     eos = eos_ids(tokenizer, model)
     play = load_play(r)
-    episodes = Episodes(play, Chat(tokenizer, play, cfg.data, eos), prompts)
+    episodes = Episodes(play, Chat(tokenizer, play.schemas, cfg.data, eos, play.format), prompts, calls,
+                        StoreJournal(run, step, shard, draw))
     draws = [draw] if draw else []
 
     def generator_for(tree: int, path: tuple[int, ...], turn: int):
@@ -169,23 +212,71 @@ def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[
                              device=device)
 
     drafter_step, engine = None, None
-    if r.engine == "vllm":
-        engine, drafter_step = device_engine(run, step, device, clock)
-        before = engine.spec_counters()
-        turns = VLLMTurns(engine, r.max_new_tokens, r.temperature, r.top_p, r.top_k, eos,
-                          engine_progress(step, engine, advance))
-    else:
-        turns = HFTurns(model, r.max_new_tokens, sampled_as(cfg), eos, generator_for, advance)
-    start = time.perf_counter()
-    trees = sample_episodes(turns, episodes.prompt_ids(), list(r.branching), r.max_turns, episodes.respond,
-                            list(r.segment_tokens) if r.branch_at == "tokens" else None)
-    outcomes = [[episodes.outcome(i, c) for c in t.completions] for i, t in enumerate(trees)]
-    figures = {**length_summary([len(c) for t in trees for c in t.completions]),
-               "decode_seconds": time.perf_counter() - start, "decode_steps": 0, "tail_time_share": 0.0,
-               "spec_rounds": 0, "spec_tokens": 0, "accept_len": 0.0, "spec_time_share": 0.0}
-    if engine is not None:  # the prefix cache's figures and the speculation, over every turn's requests
-        figures.update({k: sum(f[k] for f in turns.figures) for k in ENGINE_COUNTS}, **speculated(engine, before))
+    try:
+        if r.engine == "vllm":
+            engine, drafter_step = device_engine(run, step, device, clock)
+            before = engine.spec_counters()
+            turns = VLLMTurns(engine, r.max_new_tokens, r.temperature, r.top_p, r.top_k, eos,
+                              engine_progress(step, engine, advance))
+        else:
+            turns = HFTurns(model, r.max_new_tokens, sampled_as(cfg), eos, generator_for, advance)
+        start = time.perf_counter()
+        with turns:
+            trees, counters = sample_episodes(turns, episodes.prompt_ids(), list(r.branching), r.max_turns, episodes,
+                                              list(r.segment_tokens) if r.branch_at == "tokens" else None, calls.pool,
+                                              r.max_concurrent_episodes, r.turn_barrier)
+    except BaseException:
+        for tree in range(len(prompts)):  # the sampler closes what it holds; not the roots it never took
+            episodes.close(episodes.root(tree))
+        raise
+    figures = {**length_summary(model_lengths(trees)),
+               "decode_seconds": time.perf_counter() - start, "decode_steps": counters.get("decode_steps", 0),
+               "tail_time_share": 0.0, "spec_rounds": 0, "spec_tokens": 0, "accept_len": 0.0, "spec_time_share": 0.0,
+               "episode_counters": counters}
+    if engine is not None:  # the prefix cache's figures and the speculation, over every request
+        figures.update({k: counters[k] for k in ENGINE_COUNTS}, **speculated(engine, before))
+    outcomes = EpisodeOutcomes([list(t.episodes) for t in trees], episodes.reward_prompts(), play.rewards,
+                               episodes.close)
     return trees, figures, [], drafter_step, outcomes
+
+
+class StoreJournal:
+    """The environment's answers of one round of a shard's episodes in the run's store, one
+    entry per answer (trees/journal_SS/DRAW/KEY.json), written as given and read by a stage
+    that resumes (lsreplay.data.environments.Journal); deleted once the shard is done."""
+
+    def __init__(self, run: Run, step: int, shard: int, draw: int):
+        self.store, self.folder = run.store, f"{journal_folder(run, step, shard)}/{draw}"
+        self.recorded = {posixpath.basename(k).removesuffix(".json"): k for k in self.store.list(self.folder)}
+        if self.recorded:
+            log.info("step %d shard %d: %d answers of the environment recorded by an interrupted trees stage; "
+                     "the tools' are read, not called again", step, shard, len(self.recorded))
+
+    def get(self, key: str) -> dict | None:
+        return self.store.read_json(self.recorded[key]) if key in self.recorded else None
+
+    def put(self, key: str, entry: dict) -> None:
+        self.store.write_json(f"{self.folder}/{key}.json", entry)
+
+
+def journal_folder(run: Run, step: int, shard: int) -> str:
+    return run.key(step, "trees", f"journal_{shard:02d}")
+
+
+# The episodes' engine counters a shard's manifest holds (summed by collect_trees): the
+# positions the HF engine prefilled (prompts, then each turn's new tokens; 0 on vLLM, whose
+# prefix cache the trees' cached_positions count) and those re-reading each turn's history
+# (prompt and episode so far) would have prefilled.
+EPISODE_COUNTERS = ("prefill_positions", "history_positions")
+
+
+def episode_figures(rounds: list[dict]) -> dict:
+    """A shard's EPISODE_COUNTERS summed over its rounds, as episodes/NAME; none for
+    single-turn rollouts."""
+    counters = [rnd["figures"].get("episode_counters") for rnd in rounds]
+    if not any(counters):
+        return {}
+    return {f"episodes/{k}": sum(c.get(k, 0) for c in counters if c) for k in EPISODE_COUNTERS}
 
 
 def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices) -> dict:
@@ -275,6 +366,12 @@ def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eo
     return trees, {**figures, **speculated(engine, before)}, source
 
 
+def model_lengths(trees) -> list[int]:
+    """Each rollout's tokens the model sampled (an episode's replies; not the environment's)."""
+    return [sum(flags) for t in trees for flags in getattr(t, "sampled", None) or [[True] * len(c)
+                                                                                  for c in t.completions]]
+
+
 def collect_trees(run: Run, step: int) -> dict:
     """The step's trees are its finished shards' (the stage's output): the manifest lists
     their files, which later stages read in prompt order (stages.common.load_trees). Each
@@ -284,7 +381,7 @@ def collect_trees(run: Run, step: int) -> dict:
     shards = [run.manifest(step, shard_name(k)) for k in range(run.cfg.rollout.shards)]
     files = [manifest["files"][0] for manifest in shards]
     records = records_in_prompt_order(run, step, [(f, shard_name(m["shard"])) for f, m in zip(files, shards)])
-    lengths = [len(c) for rec in records for c in rec["completions"]]
+    lengths = [sum(flags) for rec in records for flags in sampled_flags(rec)]  # the model's tokens
     # Shards run side by side: the stage took from the first start to the last end.
     seconds = max(m["ended"] for m in shards) - min(m["started"] for m in shards)
     # Shards sampled before dynamic sampling drew one prompt per tree.
@@ -304,32 +401,38 @@ def collect_trees(run: Run, step: int) -> dict:
         "tokens_per_s": sum(m["completion_tokens"] for m in shards) / max(seconds, 1e-9), "started": min(m["started"] for m in shards),
         "ended": max(m["ended"] for m in shards), **combine_traces(shards, lengths),
         "state_seconds": sum(m.get("state_seconds", 0.0) for m in shards),
+        **{f"episodes/{k}": sum(m[f"episodes/{k}"] for m in shards) for k in EPISODE_COUNTERS
+           if all(f"episodes/{k}" in m for m in shards)},
         "shards": [{k: m[k] for k in ("shard", "devices", "started", "ended", "seconds")} for m in shards]})
 
 
 def tree_records(tokenizer, prompts: list[Prompt], trees, reward: Reward, state,
-                 episodes: list[list[Episode]] | None = None) -> tuple[list[dict], dict]:
+                 outcomes: EpisodeOutcomes | None = None) -> tuple[list[dict], dict]:
     """What the store keeps of each tree: tokens, behaviour logprobs, texts, rewards (None
     where no reward function applies; each function's values: one batch of the shard's
     completions, as TRL scores them; the columns they logged), and the samples each leaf
     stands for (its count, and its path through the branch points). And the scalars the
     functions gave log_metric. Episodes add per leaf which tokens the model sampled, its
-    turns, tool calls and tool errors; their rewards see the messages (TRL-style functions),
-    or the last reply (the others), and the environment's reward."""
+    turns, tool calls and tool errors; their rewards see the prompts with the reset strings,
+    the messages (TRL-style functions; and the environments, TRL's `environments`) or the
+    last reply (the others), and the environment's reward."""
     texts = [[tokenizer.decode(c, skip_special_tokens=True) for c in tree.completions] for tree in trees]
-    if episodes is None:
+    if outcomes is None:
         scores = reward.score(prompts, texts, [tree.completions for tree in trees], state)
     else:
-        environment = [[e.reward for e in es] for es in episodes] if any(e.reward is not None for es in episodes
-                                                                         for e in es) else None
-        scores = reward.score(prompts, [[e.answer for e in es] for es in episodes], [t.completions for t in trees],
-                              state, [[e.messages for e in es] for es in episodes], environment)
+        episodes = outcomes.episodes
+        scores = reward.score(outcomes.prompts, [[e.answer for e in es] for es in episodes],
+                              [t.completions for t in trees], state, [[e.messages for e in es] for es in episodes],
+                              [[e.reward for e in es] for es in episodes] if outcomes.rewards else None,
+                              [[e.instance for e in es] for es in episodes] if any(e.instance is not None
+                                                                                   for es in episodes for e in es)
+                              else None)
     records = [{"prompt_index": prompt.index, "prompt_ids": tree.prompt_ids, "completions": tree.completions,
                 "logprobs": tree.logprobs, "finished": tree.finished, "texts": texts[i], "rewards": scores.totals[i],
                 "reward_functions": {name: values[i] for name, values in scores.by_function.items()},
                 "extras": {column: values[i] for column, values in scores.extras.items()},
                 "counts": tree.counts, "paths": tree.paths,
-                **({} if episodes is None else episode_fields(tree, episodes[i]))}
+                **({} if outcomes is None else episode_fields(tree, episodes[i]))}
                for i, (prompt, tree) in enumerate(zip(prompts, trees))]
     return records, scores.metrics
 
