@@ -383,11 +383,14 @@ def resident_beside_rollouts(cfg, dims: ModelDims) -> list[tuple[str, str, int]]
     """What a rollout device holds besides the engine (lsreplay.state.resident), at worst, for the
     device that also ran the other stages: the policy's compute weights; the update's state
     where one device of this process runs it (pool.devices_per_step=1: masters, gradients
-    and AdamW moments stay on it between steps); the reference with a KL term; the drafter
-    the long tail decodes with."""
+    and AdamW moments stay on it between steps); the frozen policy versions asynchronous
+    rollouts sample with; the reference with a KL term; the drafter the long tail decodes with."""
     n, elt, adapters = dims.params(), ELT[cfg.model.dtype], lora_params(cfg, dims)
     state = state_bytes(dims, cfg.model.dtype, 1, False, critic_params(cfg, dims), adapters)
     lines = [("weights", "policy weights (the resident compute copy)", state.weights)]
+    if k := cfg.rollout.max_staleness:
+        lines.append(("versions", f"{k + 1} frozen policy versions (rollout.max_staleness={k})",
+                      (k + 1) * state.weights))
     if cfg.pool.devices_per_step == 1:
         lines.append(("state", "the update's state held (masters, gradients, AdamW)",
                       state.grads + state.master + state.moments))

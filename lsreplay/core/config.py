@@ -199,6 +199,12 @@ class RolloutConfig:
     # Rollout tasks per step, each holding one pool slot; a finished shard's slot goes to
     # the spot-trained drafter (see drafter.checkpoint_every).
     shards: int = 1
+    # Asynchronous rollouts: the trees of step t are sampled by the policy after update
+    # t - max_staleness (its version, recorded in every tree's record), so those of steps
+    # t+1 .. t+max_staleness sample while step t's update runs. 0 = synchronous steps, each
+    # sampled by the policy it trains. A tree more than this many updates older than the
+    # update that trains on it is dropped (trees_stale_dropped). Docs: docs/async.md.
+    max_staleness: int = 0
     # The adaptive engine: once every branch point is passed and this many sequences or
     # fewer are still decoding (the long tail), they continue with speculative decoding
     # using the newest finished drafter; 0 = never. With engine=vllm: vLLM speculates
@@ -302,6 +308,13 @@ class AlgoConfig:
     # p_engine, tis_cap) of that token, for a rollout engine whose probabilities differ from
     # the trainer's (vLLM; the step's engine_logprob_gap_* say by how much). 0 = off.
     tis_cap: float = 0.0
+    # Off-policy correction (rollout.max_staleness > 0; docs/async.md): false, the clipped
+    # ratio is against the behaviour policy's logprobs (those the rollouts recorded); true,
+    # AReaL's decoupled PPO: against the proximal policy (the caching pass's recomputed
+    # logprobs at the update's start), each token weighted by min(p_proximal / p_behaviour,
+    # behaviour_cap) (0 = uncapped).
+    decoupled: bool = False
+    behaviour_cap: float = 5.0
     # PPO: passes over each step's trees, and minibatches (of whole trees) per pass; one
     # optimizer update per minibatch.
     epochs: int = 1
@@ -484,6 +497,10 @@ class PoolConfig:
     device_memory_gb: float = 0.0
     # Data-parallel ranks of the policy update (whole trees per rank).
     devices_per_step: int = 1
+    # The pool devices the rollout shards sample on; the caching pass, the update, the
+    # evaluation and the drafter take the others. Empty: every stage takes any free device
+    # (time-shared). With rollout.max_staleness > 0 the two kinds then work side by side.
+    rollout_devices: list[int] = field(default_factory=list)
     # "thread": every stage runs in the flow's process; "ray": each pool device's stages on a
     # Ray actor of its own, which keeps its state (lsreplay.distributed.hosts; pip install '.[ray]').
     task_runner: str = "thread"
@@ -826,6 +843,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
     _validate_state(cfg)
+    _validate_async(cfg)
     _validate_pool(cfg)
     _validate_tracking(cfg)
     _check(cfg.storage.bandwidth_gbps > 0, "storage.bandwidth_gbps", "a number > 0", cfg.storage.bandwidth_gbps)
@@ -1156,6 +1174,28 @@ def _validate_state(cfg: Config) -> None:
            c.resident)
 
 
+def _validate_async(cfg: Config) -> None:
+    k, a = cfg.rollout.max_staleness, cfg.algo
+    _check(k >= 0, "rollout.max_staleness", "an integer >= 0 (0 = synchronous steps)", k)
+    _check(a.behaviour_cap == 0 or a.behaviour_cap > 1, "algo.behaviour_cap", "0 (uncapped) or a cap > 1 on the "
+           "decoupled loss's behaviour weights (AReaL's behave_imp_weight_cap, e.g. 5)", a.behaviour_cap)
+    _check(not (a.decoupled and a.name == "dpo"), "algo.decoupled", "false with algo.name=dpo (it reweights the "
+           "clipped surrogate's advantages; DPO has none)", a.decoupled)
+    _check(not (a.decoupled and a.tis_cap), "algo.tis_cap", "0 with algo.decoupled=true: the decoupled loss weights "
+           "every token by its capped behaviour ratio already (algo.behaviour_cap)", a.tis_cap)
+    if k == 0:
+        return
+    _check(not a.tis_cap or a.decoupled, "algo.tis_cap", "0 with rollout.max_staleness > 0: the loss's ratio is then "
+           "against the behaviour policy's logprobs, which corrects for the rollout engine too; for truncated "
+           "weights use algo.decoupled=true with algo.behaviour_cap", a.tis_cap)
+    _check(a.dpo_source == "rollouts", "rollout.max_staleness", "0 with algo.dpo_source=dataset: offline DPO samples "
+           "no rollouts", k)
+    # A resume samples an unfinished step's rollouts with the version they were scheduled for.
+    _check(cfg.checkpoint.every == 1, "checkpoint.every", "1 with rollout.max_staleness > 0: a resume samples the "
+           "rollouts still to do with the policy version they were scheduled for, loaded from its checkpoint",
+           cfg.checkpoint.every)
+
+
 def _validate_pool(cfg: Config) -> None:
     p = cfg.pool
     _check(p.slots >= 1, "pool.slots", "must be >= 1", p.slots)
@@ -1171,6 +1211,13 @@ def _validate_pool(cfg: Config) -> None:
         _check(value >= 0, key, "must be >= 0 (0 = no limit)", value)
     _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",
            p.devices_per_step)
+    rollout = p.rollout_devices
+    _check(all(0 <= d < p.slots for d in rollout) and len(set(rollout)) == len(rollout), "pool.rollout_devices",
+           f"distinct pool device indices in [0, pool.slots = {p.slots}), or [] (every stage on any free device)",
+           rollout)
+    _check(not rollout or p.slots - len(rollout) >= p.devices_per_step, "pool.rollout_devices",
+           f"at most pool.slots - pool.devices_per_step = {p.slots - p.devices_per_step} devices: the others run "
+           "the caching pass and the update; raise pool.slots or name fewer", rollout)
 
 
 def to_dict(cfg: Config, redact: bool = True) -> dict:
