@@ -103,11 +103,13 @@ from lsreplay.commands.plan import TreeShape, make_plan, plan_values  # noqa: E4
 from lsreplay.core.config import ModelConfig, OptimConfig, load_config  # noqa: E402
 from lsreplay.core.devices import cuda_determinism  # noqa: E402
 from lsreplay.metrics.records import step_record  # noqa: E402
+from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.attention.kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
+from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import (ModelDims, layer_run_bytes, layer_workspace_bytes,  # noqa: E402
                                     least_budget)
 from lsreplay.replay.view import replay_view  # noqa: E402
@@ -285,11 +287,12 @@ def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict
 
     def replay():
         train.zero_grad()
-        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below)
+        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below,
+                                        heads=logprob_heads(RAW))
 
     def naive():
         train.zero_grad()
-        naive_backward(model, [tree], weights)
+        naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
 
     replay()
     train.step()  # AdamW's moments now exist: the state a training step holds
@@ -357,18 +360,23 @@ def report_backwards(out: dict) -> dict[str, float]:
 
 
 # -- 5. float32: the memory-efficient kernel on CUDA ----------------------------------------
+def replay_against_naive(model, shape: TreeShape, seed: int) -> dict:
+    """gradient_agreement of replay_backward and naive_backward on one random tree of `shape`."""
+    tree = shape.random_tree(model.config.vocab_size, seed=seed)
+    weights = random_weights(tree, seed=seed)
+    replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
+    replay_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
+    return gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+
+
 def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
     """replay_backward vs naive_backward of one float32 tree (the smoke run: tiny lengths)."""
     shape = TreeShape.from_rollout(*((64, [4, 4], [16], 48) if smoke else (1024, [4, 4], [128], 512)))
     model = qwen_model(name, device, torch.float32, shape.prompt + shape.completion + 64)
     dims = ModelDims.from_hf(model.config)
-    tree = shape.random_tree(dims.vocab, seed=2)
-    weights = random_weights(tree, seed=2)
-    replay_backward(model, [tree], weights)
-    replay_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    naive_backward(model, [tree], weights)
-    a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+    a = replay_against_naive(model, shape, seed=2)
     kernel = kernel_for(device.type, torch.float32, dims.head_dim)
     out = {"grad_rel": a["rel"], "cosine": a["cosine"], "cascade": cascade_applies(model),
            "kernel": kernel.name if kernel else "none"}
@@ -398,13 +406,7 @@ def variant_backwards(device: torch.device, smoke: bool) -> dict:
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **keys)
         config._attn_implementation = "eager"
         model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
-        tree = shape.random_tree(1024, seed=3)
-        weights = random_weights(tree, seed=3)
-        replay_backward(model, [tree], weights)
-        replay_grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        naive_backward(model, [tree], weights)
-        a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+        a = replay_against_naive(model, shape, seed=3)
         print(f"  {family} {keys}: cascade {cascade_applies(model)}; gradients rel {a['rel']:.2e}", flush=True)
         if not cascade_applies(model):
             return {"grad_rel": math.inf}
@@ -429,10 +431,10 @@ def long_prompt(name: str, device: torch.device, smoke: bool) -> dict:
         train.zero_grad()
         stats = {}
         peak = peak_measured(device, lambda: stats.update(out=replay_backward(
-            model, [tree], weights, budget_bytes=budget, offload_prefix=offload)))
+            model, [tree], weights, budget_bytes=budget, heads=logprob_heads(RAW), offload_prefix=offload)))
         runs[offload] = (stats["out"], peak, [m.grad.clone() for m in train.masters])
     train.zero_grad()
-    naive_peak = peak_measured(device, lambda: naive_backward(model, [tree], weights))
+    naive_peak = peak_measured(device, lambda: naive_backward(model, [tree], weights, heads=logprob_heads(RAW)))
     naive = [m.grad.clone() for m in train.masters]
     (on_device, peak_on, grads_on), (offloaded, peak_off, grads_off) = runs[False], runs[True]
     moved = (dims.layers - 1) * prompt * dims.hidden * 2

@@ -43,11 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from side_by_side import alternating, key_values  # noqa: E402
 from synthetic import random_weights  # noqa: E402
 
+from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward  # noqa: E402
+from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import ModelDims, kv_bytes_per_position, layer_by_layer_bytes  # noqa: E402
 from lsreplay.tree import RolloutTree  # noqa: E402
 
 MiB = 2**20
+HEADS = logprob_heads(RAW)  # the token logprob of the policy's own distribution
 MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
 SMOKE_MODEL = dict(vocab_size=128, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
@@ -84,10 +87,10 @@ def measure(model, prompt: int, args, side_by_side: bool, warm_up: bool) -> dict
         stats[name] = fn()
 
     runs = {"replay": lambda: run("replay", lambda: replay_backward(model, [tree], weights, budget_bytes=budget,
-                                                                    meter=ActivationMeter(model)))}
+                                                                    meter=ActivationMeter(model), heads=HEADS))}
     if side_by_side:
         runs["naive"] = lambda: run("naive", lambda: naive_backward(model, [tree], weights,
-                                                                    meter=ActivationMeter(model)))
+                                                                    meter=ActivationMeter(model), heads=HEADS))
     seconds = alternating(runs, args.rounds, torch.device("cpu"), warm_up)
     replay = stats["replay"]
     out = {"prompt": prompt, "budget": budget, "replay_s": min(seconds["replay"]),

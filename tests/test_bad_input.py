@@ -189,12 +189,16 @@ def test_task_args_of_tasks_not_asked_for_do_not_stop_a_run(overrides, tmp_path,
 @pytest.mark.parametrize("overrides, message", [
     (["data.task_args={basic_arithmetic: {digits: 3}}"],
      "data.task_args.basic_arithmetic = {'digits': 3} rejected by reasoning-gym task 'basic_arithmetic'"),
-    (["data.tasks=[gsm_symbolik]"], "data.tasks: unknown reasoning-gym task 'gsm_symbolik'; valid names include "
-                                    "gsm_symbolic"),
+    (["data.tasks=[gsm_symbolik]"], "data.tasks: unknown task 'gsm_symbolik': neither lsreplay's (kv_retrieval) nor "
+                                    "reasoning-gym's; valid names include gsm_symbolic"),
     (["reward.function=no_such_module_15:score"], "reward function 'no_such_module_15:score': no module named"),
     (["eval.every=1", "eval.size=300", "data.size=304", "data.max_prompt_tokens=1024"],
      "distinct questions, fewer than eval.size=300; lower eval.size, or raise data.size"),
     (["data.max_prompt_tokens=40"], "tokens, more than data.max_prompt_tokens=40; raise the limit"),
+    # The tiny model's 2,048 positions (LlamaConfig's default).
+    (["data.max_prompt_tokens=4096"], "needs 4144 positions (data.max_prompt_tokens=4096 + 48 completion tokens) but "),
+    (["data.max_prompt_tokens=4096"], "reaches 2048 (max_position_embeddings); stretch its rotary positions with "
+                                      "model.rope_scaling={rope_type: yarn, factor: 3}"),
 ])
 def test_data_problems_stop_before_prefect_starts(overrides, message, tmp_path, tiny_model_dir, capsys):
     """One line, exit status 2, and nothing written to the run directory."""

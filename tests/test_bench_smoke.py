@@ -75,6 +75,18 @@ def test_long_context_bench_smoke():
     assert "512 positions layer by layer" in proc.stdout
 
 
+def test_shared_prompt_bench_smoke():
+    """bench/shared_prompt.py --smoke: both rollout layouts on a kv_retrieval prompt, the K/V
+    each held, the same leaves."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "shared_prompt.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert float(pairs["kv_ratio"]) == float(pairs["kv_ratio_256"]) > 4  # G=8 rows of a 256-token prompt
+    assert float(pairs["kv_shared_mib_256"]) < float(pairs["kv_repeated_mib_256"])
+    assert math.isfinite(float(pairs["stage_speedup_256"])) and float(pairs["same_leaves_256"]) > 0
+
+
 def test_run_cost_bench_smoke(tiny_model_dir):
     """bench/run_cost.py times runs of each length and fits their fixed cost, next to the
     constant the replay planner uses."""

@@ -73,6 +73,8 @@ def test_bad_values_name_the_key(override, message):
     (["rollout.max_turns=2", "algo.overlong=penalty"], "none or mask with multi-turn episodes"),
     (["rollout.tools=[calculator]"], "'rollout.tools[0]' = 'calculator' is not allowed: an import path"),
     (["rollout.environment=Arithmetic"], "an import path of the environment class"),
+    (["rollout.tool_call_format=json"], "auto or hermes or qwen3 or llama3 or mistral"),
+    (["rollout.max_concurrent_episodes=-1"], "an integer >= 0 (episodes in flight at once in a shard; 0 = all)"),
 ])
 def test_algorithm_settings_that_cannot_work_together(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lsreplay import stages
 from lsreplay.core.config import load_config
+from lsreplay.data import agentic
 from lsreplay.data.agentic import ArithmeticFeedback
 from lsreplay.metrics.records import step_record
 from lsreplay.stages.common import load_trees
@@ -79,6 +80,28 @@ def tool_failures(completions, **kwargs) -> list[float]:
     return [float(sum(m["role"] == "tool" and "error" in m["content"] for m in c)) for c in completions]
 
 
+CALCULATIONS: list[str] = []  # every expression calculator computed
+CRASH = {"once": False}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression, counting the calls.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "(3 + 4) * 5"
+    """
+    CALCULATIONS.append(expression)
+    return agentic.calculator(expression)
+
+
+def crashing_tool_failures(completions, **kwargs) -> list[float]:
+    """tool_failures, but the first call stops the stage (after its episodes were sampled)."""
+    if CRASH["once"]:
+        CRASH["once"] = False
+        raise RuntimeError("the machine went down")
+    return tool_failures(completions)
+
+
 def overrides(run_dir, model_dir) -> list[str]:
     return [f"run_dir={run_dir}", f"model.path={model_dir}", "data.size=8", "data.prompts_per_step=2",
             "rollout.max_new_tokens=8", "drafter.enabled=false", "optim.lr=1e-3", "eval.every=0",
@@ -107,7 +130,8 @@ def environment_segments(tokenizer, record: dict, leaf: int) -> list[str]:
 def test_an_environment_that_answers_trains_branching_per_turn_and_resumes(talkative_model_dir, tmp_path):
     cfg = load_config(None, [*overrides(tmp_path / "run", talkative_model_dir), "rollout.branching=[4,2]",
                              "rollout.branch_at=turns", "rollout.segment_tokens=[]", "rollout.max_turns=3",
-                             "rollout.environment=lsreplay.data.agentic.ArithmeticFeedback"])
+                             "rollout.environment=lsreplay.data.agentic.ArithmeticFeedback",
+                             "rollout.turn_barrier=true"])  # the HF engine's episodes bit-reproducible
     run, records, metrics = one_step(cfg)
     tokenizer = AutoTokenizer.from_pretrained(talkative_model_dir, local_files_only=True)
     for record in records:
@@ -117,9 +141,11 @@ def test_an_environment_that_answers_trains_branching_per_turn_and_resumes(talka
             assert all(lp == 0.0 for lp, f in zip(record["logprobs"][leaf], record["sampled"][leaf]) if not f)
         assert record["reward_functions"]["environment"] and "code_parity" in record["reward_functions"]
     assert max(t for r in records for t in r["turns"]) >= 2  # some episodes were told to try again
-    assert 1 < metrics["episode_turns_mean"] <= 3 and 0 < metrics["environment_token_share"] < 1
-    assert metrics["tool_calls_mean"] == 0 and metrics["tool_error_share"] == 0
+    assert 1 < metrics["episodes/turns_mean"] <= 3 and 0 < metrics["episodes/environment_token_share"] < 1
+    assert metrics["episodes/tool_calls_mean"] == 0 and metrics["episodes/tool_error_share"] == 0
     assert metrics["grad_norm"] > 0 and "rewards/environment/mean" in metrics
+    # Each episode's KV kept between turns: the engine read each turn's new tokens, not its history again.
+    assert 0 < metrics["episodes/prefill_positions"] < metrics["episodes/history_positions"]
 
     # Cut off after the shard's records were written, before its done marker: sampled again, the same.
     (tmp_path / "run/step_0000/trees-shard0.done.json").unlink()
@@ -129,11 +155,27 @@ def test_an_environment_that_answers_trains_branching_per_turn_and_resumes(talka
 
 
 def test_a_model_calling_the_calculator_trains_on_its_calls_and_their_errors(tool_calling_model_dir, tmp_path):
+    """And a trees stage that stopped after its episodes ran resumes without calling the tool
+    again: their answers are read from the stage's journal."""
     cfg = load_config(None, [*overrides(tmp_path / "run", tool_calling_model_dir), "rollout.branching=[3,2]",
                              "rollout.branch_at=turns", "rollout.segment_tokens=[]", "rollout.max_turns=3",
-                             "rollout.tools=[lsreplay.data.agentic.calculator]",
-                             "reward.function=test_episode_flow:tool_failures"])
+                             "rollout.tools=[test_episode_flow.calculator]", "rollout.turn_barrier=true",
+                             "reward.function=test_episode_flow:crashing_tool_failures",
+                             # Dr. GRPO: its normaliser is the episode's budget of model tokens (3 x 8), which the
+                             # 12 the model writes over 3 turns pass max_new_tokens (8) but not
+                             "algo.loss_agg=seq-mean-token-sum-norm", "algo.scale_rewards=none"])
+    CALCULATIONS.clear()
+    CRASH["once"] = True
+    run = preflight(cfg)
+    stages.sample_prompts(run, 0)
+    with pytest.raises(Exception, match="the machine went down"):
+        stages.generate_trees(run, 0)
+    calls = len(CALCULATIONS)
+    assert calls > 0 and run.store.list("step_0000/trees/journal_00")
     run, records, metrics = one_step(cfg)
+    assert len(CALCULATIONS) == calls  # read from the journal, not called again
+    assert sum(n for r in records for n in r["tool_calls"]) >= calls and not run.store.list(
+        "step_0000/trees/journal_00")
     tokenizer = AutoTokenizer.from_pretrained(tool_calling_model_dir, local_files_only=True)
     # SmolLM2's template ignores tools=: they are described in the system message.
     assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in tokenizer.decode(records[0]["prompt_ids"])
@@ -146,7 +188,9 @@ def test_a_model_calling_the_calculator_trains_on_its_calls_and_their_errors(too
             assert environment_segments(tokenizer, record, leaf) == [
                 f"\n<|im_start|>tool\n{results[o]}<|im_end|>\n<|im_start|>assistant\n" for o in operands[:2]]
             assert record["tool_errors"][leaf] == operands[:2].count("x")
-    assert metrics["episode_turns_mean"] == 3 and metrics["tool_calls_mean"] == 2
-    assert 0 < metrics["tool_error_share"] < 1 and 0 < metrics["environment_token_share"] < 1
+    assert metrics["episodes/turns_mean"] == 3 and metrics["episodes/tool_calls_mean"] == 2
+    # Lengths count the model's tokens: 4 per reply (the call's head, its operand, its tail, end-of-turn).
+    assert metrics["completions/max_length"] == 12 < min(len(c) for r in records for c in r["completions"])
+    assert 0 < metrics["episodes/tool_error_share"] < 1 and 0 < metrics["episodes/environment_token_share"] < 1
     assert metrics["grad_norm"] > 0
     assert json.dumps(records)  # the records stay JSON

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import RAW_LOGPROB
 from families import HYBRIDS, MATRIX, arch, hf_config, tiny
 
 import lsreplay.replay.backward as replay_module
@@ -76,7 +77,8 @@ def test_replay_equals_the_family_forward_and_backward(model_type, path, monkeyp
     elif not cascade_applies(model):
         pytest.skip(f"{model_type} runs on HF's own attention (models/families.py: cascade=False)")
     model.zero_grad()
-    replay_backward(model, [tree], weights, budget_bytes=TINY_BUDGET if path == "segments" else None)
+    replay_backward(model, [tree], weights, budget_bytes=TINY_BUDGET if path == "segments" else None,
+                    heads=RAW_LOGPROB)
     got = {name: p.grad for name, p in model.named_parameters()}
     assert worst_relative_gap(got, want) <= 1e-6
 
@@ -110,7 +112,7 @@ def test_spans_run_layer_by_layer_equal_the_family_forward_and_backward(model_ty
     want = family_gradient(model, tree, weights)
     budget = next(b for b in (int(20_000 * 1.05**k) for k in range(150)) if runs_layer_by_layer(model, tree, b))
     model.zero_grad()
-    stats = replay_backward(model, [tree], weights, budget_bytes=budget)
+    stats = replay_backward(model, [tree], weights, budget_bytes=budget, heads=RAW_LOGPROB)
     assert stats.layer_by_layer_positions == 40 + 2 * 16
     got = {name: p.grad for name, p in model.named_parameters()}
     assert worst_relative_gap(got, want) <= 1e-6
@@ -139,7 +141,7 @@ def test_the_caching_pass_and_the_logits_are_the_family_ones(model_type):
     # Float64 but for HF's norms, which compute in float32 (DESIGN.md: 1e-7 relative).
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     tree = RolloutTree.from_sequences(PROMPT, COMPLETIONS)
-    scores = capture_tree(model, tree, keep_hidden=False).entry_logprobs
+    scores = capture_tree(model, tree, keep_hidden=False, heads=RAW_LOGPROB).entry_logprobs
     for j, completion in enumerate(tree.completions):
         if completion:
             with torch.no_grad():

@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import RAW_LOGPROB
+
 from lsreplay.commands.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 
@@ -48,8 +50,9 @@ def test_activation_estimate_matches_meter(name):
     tree = shape.random_tree(dims["vocab_size"])
     assert (tree.total_positions, tree.unique_positions) == (shape.total_positions, shape.unique_positions)
     weights = [[torch.randn(len(c), dtype=torch.float64) for c in tree.completions]]
-    replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model))
-    naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+    replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model),
+                             heads=RAW_LOGPROB)
+    naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
     m = ModelDims.from_hf(config)
     planned_replay = replay_peak(m, dtype, shape, budget).total
     planned_naive = naive_peak(m, torch.tensor([], dtype=dtype).element_size(), shape).total
@@ -253,13 +256,21 @@ def test_the_plan_counts_the_kernels_of_the_pools_device_kind():
 
 
 def test_production_rollouts_fit_one_shard_per_device_and_one_shard_of_all_trees_does_not(capsys):
-    """The plan counts the rollouts too: 8 shards of 3 trees (48 sequences decoding, each row
-    with its own copy of its prompt's K/V) fit; one shard of all 24 trees (384 rows, 126 GiB
-    of K/V) does not, and the message says what to change. The update is the same in both."""
+    """The plan counts the rollouts too, each prompt's K/V once (rollout.shared_prompt): 8
+    shards of 3 trees (48 sequences decoding) fit; so does one shard of all 24 trees (384
+    rows: 47 GiB of K/V, where a copy of its prompt in every row would be 126 GiB); one
+    shard of 48 trees does not, and the message says what to change. The update's peak is
+    the same in all three."""
     assert main([PROD]) == 0
-    kv = _last_kv(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    kv = _last_kv(captured.out)
     assert float(kv["rollout_peak_gib"]) <= 96 and kv["fits"] == "true"
-    assert main([PROD, "rollout.shards=1"]) == 1
+    assert "each prompt's K/V is held once" in captured.out
+    assert main([PROD, "rollout.shards=1"]) == 0
+    captured = capsys.readouterr()
+    assert "K/V cache (24 prompts x 4096 once, 384 rows x 2048 own)                 47.25" in captured.out
+    assert _last_kv(captured.out)["replay_peak_gib"] == kv["replay_peak_gib"]
+    assert main([PROD, "rollout.shards=1", "data.prompts_per_step=48"]) == 1
     captured = capsys.readouterr()
     one = _last_kv(captured.out)
     assert one["fits"] == "false" and one["replay_peak_gib"] == kv["replay_peak_gib"]
@@ -267,10 +278,13 @@ def test_production_rollouts_fit_one_shard_per_device_and_one_shard_of_all_trees
     assert "the replay step needs" not in captured.err  # the update still fits
 
 
-def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
+@pytest.mark.parametrize("shared", [True, False], ids=["prompts-shared", "prompts-repeated"])
+def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch, shared):
     """The planner's K/V cache and drafter features of the HF tree sampler against the
     tensors the sampler holds after each forward (no rollout ends early: the worst case the
-    plan counts). The last sampled token is never encoded: one column fewer than planned."""
+    plan counts), each prompt's once (a cascade kernel for the device and dtype) or every
+    row's (none: the planner told so). The last sampled token is never encoded: one column
+    fewer than planned."""
     from conftest import tiny_model
 
     from lsreplay.commands.plan import hf_rollout_memory
@@ -280,33 +294,39 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
     from lsreplay.rollout import tree_sampler
     from lsreplay.models.distribution import SamplingParams
 
+    from lsreplay.commands import plan
+
     model = tiny_model(vocab=64, dtype=torch.float32)
     prompt, branching, segments, new = 10, [2, 3], [4], 12
     cfg = load_config(None, [f"data.max_prompt_tokens={prompt}", "data.prompts_per_step=2", "data.size=8",
                              f"rollout.branching={branching}", f"rollout.segment_tokens={segments}",
                              f"rollout.max_new_tokens={new}", "rollout.spec_threshold=1", "model.dtype=float32"])
-    dims = ModelDims.from_hf(model.config)
+    dims, elt = ModelDims.from_hf(model.config), 4
+    if not shared:
+        monkeypatch.setattr(plan, "kernel_for", lambda *args: None)
     planned = hf_rollout_memory(cfg, dims, TreeShape.from_rollout(prompt, branching, segments, new))
-    held = {"kv": 0, "features": 0}
+    held = {"features": 0}
     forward = tree_sampler._Batch._forward
 
     def measured(batch, *args):
         forward(batch, *args)
-        kv = sum(t.nbytes for layer in batch.cache.layers for t in (layer.keys, layer.values))
-        held["kv"], held["features"] = max(held["kv"], kv), max(held["features"], sum(f.nbytes for f in batch.features))
+        features = sum(f.nbytes for f in batch.features + batch.prompt_features)
+        held["features"] = max(held["features"], features)
 
     monkeypatch.setattr(tree_sampler._Batch, "_forward", measured)
     prompts = [list(range(1, prompt + 1)), list(range(20, 20 + prompt))]
-    trees, _ = tree_sampler.sample_trees(
+    trees, trace = tree_sampler.sample_trees(
         model, prompts, branching, segments, new, SamplingParams(), eos_token_id=64,  # never sampled
         generators=[torch.Generator().manual_seed(i) for i in range(2)],
-        speculation=tree_sampler.Speculation(Drafter.from_target(model), threshold=1))
+        speculation=tree_sampler.Speculation(Drafter.from_target(model), threshold=1), share_prompt=shared)
     assert all(len(c) == new for t in trees for c in t.completions)
-    rows, columns = 2 * 6, prompt + new
-    assert planned.rows == rows and planned.peak_at == "the end of decoding"
-    assert planned.part("kv") == rows * columns * kv_bytes_per_position(dims, 4)
-    assert held["kv"] == planned.part("kv") * (columns - 1) // columns
-    assert held["features"] == planned.part("features") // 2 * (columns - 1) // columns
+    rows, (once, own) = 2 * 6, (2 * prompt, new) if shared else (0, prompt + new)
+    assert planned.rows == rows and planned.peak_at == "the end of decoding" and planned.prompt_once is shared
+    per_position = kv_bytes_per_position(dims, elt)
+    assert planned.part("kv") == (once + rows * own) * per_position
+    assert trace.kv_bytes_peak == (once + rows * (own - 1)) * per_position
+    assert planned.part("features") == (once + 2 * rows * own) * dims.hidden * elt
+    assert held["features"] == (once + rows * (own - 1)) * dims.hidden * elt
 
 
 def test_a_vllm_engine_is_planned_by_its_own_cache(capsys):

@@ -144,19 +144,20 @@ def token_advantages(trees, seed=1):
     return [[torch.randn(len(c), generator=g, dtype=torch.float64) for c in t.completions] for t in trees]
 
 
-def critic_batch(model, trees, clip=0.1):
+def critic_batch(model, trees, sampling: SamplingParams, clip=0.1):
     """Old values from the caching pass, GAE returns of random rewards; the model then moves
     one SGD step along the value loss's gradient, so that some values clip and some do not."""
-    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads())
+    heads = critic_heads(sampling)
+    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
     old = scores[VALUE]
     returns = [[gae(v, float(r), gamma=0.9, lam=0.8)[1] for v, r in zip(vs, rs)]
                for vs, rs in zip(old, rewards_for(trees))]
     batch = CriticBatch(old_values=old, returns=returns, clip=clip)
-    replay_loss_backward(model, trees, lambda s: value_loss(s[VALUE], batch), heads=critic_heads())
+    replay_loss_backward(model, trees, lambda s: value_loss(s[VALUE], batch), heads=heads)
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     torch.optim.SGD(model.parameters(), lr=0.01 / float(norm)).step()
     model.zero_grad(set_to_none=True)
-    now, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads())
+    now, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
     moved = torch.cat([(n - o).abs() for tn, to in zip(now[VALUE], old) for n, o in zip(tn, to)])
     return batch, {"clipped": float((moved > clip).double().mean())}
 
@@ -166,18 +167,20 @@ def build_loss(name: str, kind: str, dtype, model, trees, sampling: SamplingPara
     distribution `sampling` draws from. PPO first moves the model by one optimizer step away
     from the weights its old logprobs came from, the value losses one along the value loss."""
     if name in ("value", "ppo-critic"):
-        batch, info = critic_batch(model, trees)
+        batch, info = critic_batch(model, trees, sampling)
         if name == "value":
             return (lambda s: value_loss(s[VALUE], batch)), critic_heads(sampling), info
         old, _ = capture_logprobs(model, trees, keep_kv=False, heads=logprob_heads(sampling))
         ppo = PPOBatch(advantages=token_advantages(trees), old_logprobs=old, clip_eps=0.1, critic=batch, vf_coef=0.5)
         return (lambda s: ppo_loss(s, ppo)), critic_heads(sampling), info
-    loss_fn, info = build_logprob_loss(name, kind, dtype, model, trees)
+    loss_fn, info = build_logprob_loss(name, kind, dtype, model, trees, sampling)
     return loss_fn, logprob_heads(sampling), info
 
 
-def build_logprob_loss(name: str, kind: str, dtype, model, trees):
-    old, _ = capture_logprobs(model, trees, keep_kv=False)
+def build_logprob_loss(name: str, kind: str, dtype, model, trees, sampling: SamplingParams):
+    """Every logprob of the loss (old, reference, current) under `sampling`'s distribution."""
+    heads = logprob_heads(sampling)
+    old, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
     adv = [group_advantages(r) for r in rewards_for(trees)]
     info = {}
     if name.startswith("grpo-"):
@@ -190,20 +193,20 @@ def build_logprob_loss(name: str, kind: str, dtype, model, trees):
     if name == "ppo":
         batch = PPOBatch(advantages=token_advantages(trees), old_logprobs=old, clip_eps=0.1)
         # one SGD step of length 0.1 along the gradient: 30-90% of the tokens then clip
-        replay_loss_backward(model, trees, lambda lp: ppo_loss(lp, batch))
+        replay_loss_backward(model, trees, lambda lp: ppo_loss(lp, batch), heads=heads)
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         torch.optim.SGD(model.parameters(), lr=0.1 / float(norm)).step()
         model.zero_grad(set_to_none=True)
-        now, _ = capture_logprobs(model, trees, keep_kv=False)
+        now, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
         ratio = torch.cat([torch.exp(n - o) for tn, to in zip(now, old) for n, o in zip(tn, to)])
         info["clipped"] = float(((ratio - 1).abs() > batch.clip_eps).double().mean())
         return (lambda lp: ppo_loss(lp, batch)), info
     if name.startswith("kl-"):
-        ref = reference_logprobs(_reference(kind, dtype), trees)
+        ref = reference_logprobs(_reference(kind, dtype), trees, sampling)
         batch = GRPOBatch(advantages=adv, old_logprobs=old)
         return with_kl(lambda lp: grpo_loss(lp, batch), ref, kl_coef=0.5, estimator=name[3:]), info
     if name == "dpo":
-        ref = reference_sequence_logprobs(_reference(kind, dtype), trees)
+        ref = reference_sequence_logprobs(_reference(kind, dtype), trees, sampling)
         # pairs inside each tree, several sharing a completion prefix
         pairs = [[(0, 1), (2, 0), (len(t.completions) - 1, 1)] for t in trees]
         return (lambda lp: dpo_loss(lp, pairs, ref, beta=0.5)), info
@@ -395,10 +398,10 @@ def test_bfloat16_smoke(kind, name):
     max|diff|/max|grad| up to 6e-2, losses equal to 4 digits."""
     model = fresh_model(kind, torch.bfloat16)
     trees = make_trees(3)
-    loss_fn, _, _ = build_loss(name, kind, torch.bfloat16, model, trees)
-    replay_loss, _ = replay_loss_backward(model, trees, loss_fn)
+    loss_fn, heads, _ = build_loss(name, kind, torch.bfloat16, model, trees)
+    replay_loss, _ = replay_loss_backward(model, trees, loss_fn, heads=heads)
     replay = grads(model)
-    naive_loss = naive_loss_backward(model, trees, loss_fn)
+    naive_loss = naive_loss_backward(model, trees, loss_fn, heads=heads)
     naive = grads(model)
     assert abs(replay_loss - naive_loss) <= 2e-2 * max(1.0, abs(naive_loss))
     assert replay.keys() == naive.keys()

@@ -15,7 +15,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import RAW_LOGPROB
+
 from lsreplay.core.config import ConfigError
+from lsreplay.models.distribution import RAW
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.backward import replay_plan
 from lsreplay.replay.capture import capture_tree
@@ -68,13 +71,13 @@ def measured(model):
     out = {}
     for g in LEAVES:
         tree = _tree(g)
-        acts = capture_tree(model, tree, keep_hidden=False)
+        acts = capture_tree(model, tree, keep_hidden=False, heads=RAW_LOGPROB)
         weights = _weights(tree)
         model.zero_grad(set_to_none=True)
         replay = replay_backward(model, [tree], weights, prefix_kv=lambda i, node, acts=acts: acts.prefix_kv.get(node.id),
-                                 meter=ActivationMeter(model))
+                                 meter=ActivationMeter(model), heads=RAW_LOGPROB)
         model.zero_grad(set_to_none=True)
-        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
         model.zero_grad(set_to_none=True)
         out[g] = (tree, replay, naive)
     return out
@@ -192,7 +195,7 @@ def test_cascade_run_saves_what_the_byte_model_counts(dtype, lengths):
     with meter.hold(0, tensors=held), meter.measure():
         held_bytes = meter.current
         hidden, _ = forward_cascade(model, segments, start, prefix)
-        objective = sum(target_logprobs(model, hidden[row], range(len(seg) - 1), seg[1:]).sum()
+        objective = sum(target_logprobs(model, hidden[row], range(len(seg) - 1), seg[1:], sampling=RAW).sum()
                         for row, seg in enumerate(segments))
         saved = meter.current - held_bytes
     objective.backward()
@@ -234,7 +237,7 @@ def test_kept_span_holds_what_the_byte_model_counts(dtype, ancestors, layers):
             objective = hidden.sum()  # saves nothing
             kv = tuple([t.detach().requires_grad_() for t in half] for half in own)
             below, _ = forward_cascade(model, [child], start + len(span), [*prefix, kv])
-            child_objective = target_logprobs(model, below[0], range(len(child) - 1), child[1:]).sum()
+            child_objective = target_logprobs(model, below[0], range(len(child) - 1), child[1:], sampling=RAW).sum()
             held = meter.current - base
             child_objective.backward()
             torch.autograd.backward([objective, *own[0], *own[1]],
@@ -272,12 +275,12 @@ def test_span_run_layer_by_layer_holds_what_the_byte_model_counts(dtype, ancesto
     with meter.hold(0, tensors=[t for kv in prefix for half in kv for t in half]), meter.measure():
         base = meter.current
         run = LayerByLayerSpan(model, span, start, prefix, chunk, meter)
-        kv = run.forward(lambda hidden, ids, rows, targets: target_logprobs(model, hidden, rows, targets).sum(),
-                         list(range(len(entries))), entries, [1, 2, 3, 4])
+        score = lambda hidden, ids, rows, targets: target_logprobs(model, hidden, rows, targets, RAW).sum()  # noqa: E731
+        kv = run.forward(score, list(range(len(entries))), entries, [1, 2, 3, 4])
         held, top, grads = meter.current - base, meter.peak - base, kv_bytes(kv)
         with meter.hold(grads):
             below, _ = forward_cascade(model, [child], start + len(span), [*prefix, kv])
-            target_logprobs(model, below[0], range(len(child) - 1), child[1:]).sum().backward()
+            target_logprobs(model, below[0], range(len(child) - 1), child[1:], RAW).sum().backward()
             meter.peak = meter.current
             run.backward()
             again = meter.peak - base - held - grads
@@ -298,14 +301,15 @@ def test_replay_holds_its_budget_as_the_prompt_grows_and_refuses_past_it():
         tree = RolloutTree.from_sequences([rng.randrange(VOCAB) for _ in range(prompt)], _tree(4).completions)
         weights = _weights(tree)
         model.zero_grad(set_to_none=True)
-        replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model))
+        replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model),
+                                 heads=RAW_LOGPROB)
         model.zero_grad(set_to_none=True)
-        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
         assert replay.peak_activation_bytes <= budget, prompt
         assert (naive.peak_activation_bytes > budget) == (prompt >= 256), prompt
         assert replay.layer_by_layer_positions == (prompt if prompt >= 512 else 0), prompt
     with pytest.raises(ConfigError, match=r"replay.budget_mb=1 is too small .* raise replay.budget_mb to at least 2,"):
-        replay_backward(model, [tree], weights, budget_bytes=2**20)
+        replay_backward(model, [tree], weights, budget_bytes=2**20, heads=RAW_LOGPROB)
 
 
 def test_offload_prefix_on_a_cpu_changes_nothing():
@@ -320,7 +324,7 @@ def test_offload_prefix_on_a_cpu_changes_nothing():
         assert replay_plan(model, tree, 0, 3 * 2**20, offload)[1] == replay_plan(model, tree, 0, 3 * 2**20)[1]
         model.zero_grad(set_to_none=True)
         stats = replay_backward(model, [tree], weights, budget_bytes=3 * 2**20, meter=ActivationMeter(model),
-                                offload_prefix=offload)
+                                heads=RAW_LOGPROB, offload_prefix=offload)
         runs[offload] = stats, {n: p.grad.clone() for n, p in model.named_parameters()}
     (off, grads_off), (on, grads_on) = runs[False], runs[True]
     assert on.layer_by_layer_positions == off.layer_by_layer_positions == 512

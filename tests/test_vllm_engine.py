@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lsreplay.models.distribution import SamplingParams, token_logprobs
-from lsreplay.rollout.episodes import VLLMTurns, sample_episodes
+from lsreplay.rollout.episodes import sample_episodes
+from lsreplay.rollout.vllm_turns import VLLMTurns
 from lsreplay.rollout.vllm_engine import EngineError, EngineSpec, VLLMEngine
 from vllm_models import STOP, VLLM_PYTHON, needs_vllm, short_prompts, vllm_installed  # noqa: F401
 from vllm_models import vllm_tied_model_dir  # noqa: F401
@@ -143,21 +144,41 @@ def cache_floor(prompts, trees, branching: list[int], answer: int, turn: int) ->
     return floor, count
 
 
+class Answering:
+    """An environment that answers every reply with `answer` (the sampler's EpisodeEnvironment)."""
+
+    def __init__(self, answer: list[int]):
+        self.answer = answer
+
+    def root(self, tree):
+        return tree
+
+    def branch(self, parent, last):
+        return parent
+
+    def respond(self, state, reply, completion, ending):
+        return None if ending else self.answer
+
+    def close(self, state):
+        pass
+
+
 def test_episodes_branch_at_turns_sample_the_tempered_policy_and_reread_their_history_from_the_prefix_cache(
         engine, model, vllm_tied_model_dir):
-    """Episodes on the engine (VLLMTurns), 3 turns branching [2, 2] at turns, the environment
-    answering every reply: the HF sampler's structure (counts, paths, the environment's tokens
-    flagged with logprob 0, turns); each sampled token's logprob is the tempered policy's,
-    teacher-forced through the whole episode; and each later turn's requests are served from
-    the prefix cache at least the full blocks of their history the turn before computed.
-    Prompts of 38-40 tokens: every second-turn request gets at least the prompt's block, and
-    every third-turn request (no siblings at that turn to share with) at least two, the second
-    holding the first reply and the environment's answer."""
+    """Episodes on the engine (VLLMTurns: one session, each turn's request sent as soon as its
+    answer is in), 3 turns branching [2, 2] at turns, the environment answering every reply:
+    the HF sampler's structure (counts, paths, the environment's tokens flagged with logprob 0,
+    turns); each sampled token's logprob is the tempered policy's, teacher-forced through the
+    whole episode; and the later turns' requests are served from the prefix cache at least the
+    full blocks of their history the turn before computed. Prompts of 38-40 tokens: every
+    second-turn request gets at least the prompt's block, and every third-turn request (no
+    siblings at that turn to share with) at least two, the second holding the first reply and
+    the environment's answer."""
     short, eos = short_prompts(vllm_tied_model_dir, 18), model.generation_config.eos_token_id
     prompts, branching = [a + b + c for a, b, c in zip(short[:6], short[6:12], short[12:])], [2, 2]
     answer = AutoTokenizer.from_pretrained(vllm_tied_model_dir, local_files_only=True)(ANSWER_TEXT)["input_ids"]
-    turns = VLLMTurns(engine, 16, 0.8, 1.0, 0, eos)
-    trees = sample_episodes(turns, prompts, branching, 3, lambda tree, completion: answer)
+    with VLLMTurns(engine, 16, 0.8, 1.0, 0, eos) as turns:
+        trees, figures = sample_episodes(turns, prompts, branching, 3, Answering(answer))
     sampling = SamplingParams(temperature=0.8)
     for prompt, tree in zip(prompts, trees):
         assert sum(tree.counts) == 4 and tree.paths == sorted(tree.paths)
@@ -171,11 +192,12 @@ def test_episodes_branch_at_turns_sample_the_tempered_policy_and_reread_their_hi
             assert (torch.tensor(logprobs)[~mask] == 0).all()
             assert torch.allclose(torch.tensor(logprobs)[mask], teacher_forced(model, prompt, tokens, sampling)[mask],
                                   atol=1e-4)
-    assert max(t for tree in trees for t in tree.turns) == 3 and len(turns.figures) == 3
-    second, requests = cache_floor(prompts, trees, branching, len(answer), 1)
-    assert turns.figures[1]["cached_positions"] >= second >= requests * BLOCK > 0
-    third, requests = cache_floor(prompts, trees, branching, len(answer), 2)
-    assert turns.figures[2]["cached_positions"] >= third >= requests * 2 * BLOCK > 0
+    assert max(t for tree in trees for t in tree.turns) == 3
+    second, second_requests = cache_floor(prompts, trees, branching, len(answer), 1)
+    third, third_requests = cache_floor(prompts, trees, branching, len(answer), 2)
+    assert second >= second_requests * BLOCK > 0 and third >= third_requests * 2 * BLOCK > 0
+    assert figures["cached_positions"] >= second + third
+    assert figures["prompt_positions"] >= figures["cached_positions"] and figures["decode_steps"] > 0
 
 
 def start_stalled_call(engine: VLLMEngine, prompts: list[list[int]]) -> tuple[threading.Thread, list]:

@@ -68,7 +68,7 @@ def test_vllm_episodes_follow_the_policy_speculate_with_the_runs_drafter_and_res
     assert all(sum(t["counts"]) == 8 and len(t["paths"]) == len(t["completions"]) for t in trees)
     # Some replies ended and were told to try again: their second reply followed the environment's tokens.
     assert max(t for step in range(3) for r in tree_records(run_dir, step) for t in r["turns"]) == 2
-    assert any(0 < m["environment_token_share"] < 1 and m["episode_turns_mean"] > 1 for m in metrics), metrics
+    assert any(0 < m["episodes/environment_token_share"] < 1 and m["episodes/turns_mean"] > 1 for m in metrics), metrics
     # Spot-trained during step 1's rollouts (a drafter that found them over trains nothing). How
     # many steps fit in the 10 s stall depends on the machine: 1 on a busy one.
     assert manifest(run_dir, 0, "drafter")["steps_done"] >= 1

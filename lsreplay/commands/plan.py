@@ -30,7 +30,8 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
 
 And for the rollouts, per device (one rollout shard holds one device): what the rollout
 engine allocates at its peak (ROLLOUT_ENGINES, a function per engine; the HF tree sampler:
-each decoding row's own K/V, drafter features, sampling buffers) next to what the other
+each prompt's K/V once and each decoding row's completion K/V, drafter features, sampling
+buffers; vLLM: its KV cache, whose prefix cache holds each prompt once) next to what the other
 stages leave resident there (the policy's compute weights, a one-device update's state,
 the reference, the drafter).
 
@@ -83,6 +84,7 @@ from lsreplay.replay.memory import (
     top_runs,
 )
 from lsreplay.replay.view import joins, replay_view
+from lsreplay.rollout.shared_prompt import PREFILL_CHUNK
 from lsreplay.stages.objectives import updates_per_step
 from lsreplay.stages.prefixes import scores_logprobs, scores_reference
 from lsreplay.tree import RolloutTree
@@ -326,18 +328,20 @@ def projection_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
 
 def lora_params(cfg, dims: ModelDims) -> int:
     """The LoRA adapters' parameters (model.lora): A (rank x in) and B (out x rank) per target
-    projection of every layer; 0 without LoRA."""
-    from lsreplay.core.config import ConfigError
-    from lsreplay.models.families import family
+    projection of every layer (all-linear: all of them; a dotted name by its last part, in
+    every layer); 0 without LoRA."""
+    from lsreplay.core.config import ALL_LINEAR, ConfigError
 
     lora = cfg.model.lora
     if not lora.enabled:
         return 0
     shapes = projection_shapes(dims)
-    if unknown := [t for t in lora.target_modules if t not in shapes]:
+    targets = list(shapes) if lora.target_modules == [ALL_LINEAR] else \
+        list(dict.fromkeys(t.rpartition(".")[2] for t in lora.target_modules))
+    if unknown := [t for t in targets if t not in shapes]:
         raise ConfigError(f"lsreplay plan counts LoRA adapters on {', '.join(shapes)}; model.lora.target_modules "
                           f"names {unknown}: plan with those projections")
-    return dims.layers * lora.rank * sum(sum(shapes[t]) for t in lora.target_modules)
+    return dims.layers * lora.rank * sum(sum(shapes[t]) for t in targets)
 
 
 def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool, extra_params: int = 0,
@@ -390,6 +394,7 @@ class RolloutMemory:
     peak_at: str
     lines: list[tuple[str, str, int]]
     kv_needed: int = 0  # an engine with a KV cache of its own: the bytes the shard's sequences need at once
+    prompt_once: bool = True  # a tree's prompt K/V held once, not by each of its rows
 
     @property
     def total(self) -> int:
@@ -403,11 +408,14 @@ def resident_beside_rollouts(cfg, dims: ModelDims) -> list[tuple[str, str, int]]
     """What a rollout device holds besides the engine (lsreplay.state.resident), at worst, for the
     device that also ran the other stages: the policy's compute weights; the update's state
     where one device of this process runs it (pool.devices_per_step=1: masters, gradients
-    and AdamW moments stay on it between steps); the reference with a KL term; the drafter
-    the long tail decodes with."""
+    and AdamW moments stay on it between steps); the frozen policy versions asynchronous
+    rollouts sample with; the reference with a KL term; the drafter the long tail decodes with."""
     n, elt, adapters = dims.params(), ELT[cfg.model.dtype], lora_params(cfg, dims)
     state = state_bytes(dims, cfg.model.dtype, 1, False, critic_params(cfg, dims), adapters)
     lines = [("weights", "policy weights (the resident compute copy)", state.weights)]
+    if k := cfg.rollout.max_staleness:
+        lines.append(("versions", f"{k + 1} frozen policy versions (rollout.max_staleness={k})",
+                      (k + 1) * state.weights))
     if cfg.pool.devices_per_step == 1:
         lines.append(("state", "the update's state held (masters, gradients, AdamW)",
                       state.grads + state.master + state.moments))
@@ -426,30 +434,39 @@ def speculates(cfg) -> bool:
 
 def hf_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
     """The HF tree sampler (lsreplay.rollout.tree_sampler), worst case: every rollout runs to
-    max_new_tokens. Each row holds its own copy of its prompt's K/V (a fork repeats a row's
-    cache: reorder_cache), grown by a column per decode step, each layer's copied to append
-    it (one layer's transient); with the drafter, the final-norm features of every column,
-    copied once where rows change; per step the float32 logits, log-softmax and sampling
-    probabilities and the float64 CDF. At the prefill instead: the prompts' K/V and one
-    layer's activations over every prompt position (estimate: MLP gate, up and product,
-    the residual and attention rows). The larger phase is the peak."""
+    max_new_tokens. Where the pool's device kind has a cascade kernel for the dtype, each
+    tree's prompt K/V is held once (rollout.shared_prompt) and each row holds its own
+    completion's (a fork repeats those: reorder_cache); otherwise each row holds its own copy
+    of its prompt's too. The rows' cache grows by a column per decode step, each layer's
+    copied to append it (one layer's transient); with the drafter, the final-norm features
+    of every column (each prompt's once where the prompts are shared), the rows' copied once
+    where rows change; per step the float32 logits, log-softmax and sampling probabilities
+    and the float64 CDF. At the prefill instead: the prompts' K/V and one layer's
+    activations over a chunk of PREFILL_CHUNK prompt positions (estimate: MLP gate, up and
+    product, the residual and attention rows), per prompt where they are shared, over every
+    prompt's chunk at once otherwise. The larger phase is the peak."""
     elt, d = ELT[cfg.model.dtype], dims
     trees = -(-cfg.data.prompts_per_step // cfg.rollout.shards)
     rows, columns = trees * shape.rollouts, shape.prompt + shape.completion
     kvpp, features = kv_bytes_per_position(d, elt), d.hidden * elt if speculates(cfg) else 0
-    decode = [("kv", f"K/V cache ({rows} rows x {columns} positions; each row its prompt's own)",
-               rows * columns * kvpp),
-              ("growth", "one layer's K/V copied to append a column", rows * columns * kvpp // d.layers),
-              ("features", "drafter features of every column, and a copy", 2 * rows * columns * features),
+    shared = kernel_for(cfg.pool.accelerator, getattr(torch, cfg.model.dtype), d.head_dim) is not None
+    held, own = (trees * shape.prompt, shape.completion) if shared else (0, columns)
+    kv = (f"K/V cache ({trees} prompts x {shape.prompt} once, {rows} rows x {shape.completion} own)" if shared else
+          f"K/V cache ({rows} rows x {columns} positions; each row its prompt's own)")
+    decode = [("kv", kv, (held + rows * own) * kvpp),
+              ("growth", "one layer's K/V copied to append a column", rows * own * kvpp // d.layers),
+              ("features", "drafter features of every column, and a copy", (held + 2 * rows * own) * features),
               ("sampling", "logits, log-softmax, probabilities (fp32), CDF (fp64)", rows * d.vocab * (3 * 4 + 8))]
     positions = trees * shape.prompt
+    chunk = (1 if shared else trees) * min(shape.prompt, PREFILL_CHUNK)
     layer = (4 * d.intermediate + 4 * d.hidden + 2 * d.q_dim + 2 * d.kv_dim) * elt + 4 * d.hidden
     prefill = [("kv", f"K/V cache ({trees} prompts x {shape.prompt} positions)", positions * kvpp),
-               ("prefill", "one layer's activations over the prompts (est.)", positions * layer),
+               ("prefill", f"one layer's activations over {chunk} prompt positions (est.)", chunk * layer),
                ("features", "drafter features of the prompts", positions * features)]
     phase, lines = max((("the end of decoding", decode), ("the prefill", prefill)),
                        key=lambda p: sum(b for _, _, b in p[1]))
-    return RolloutMemory("hf", cfg.rollout.shards, trees, rows, phase, resident_beside_rollouts(cfg, dims) + lines)
+    return RolloutMemory("hf", cfg.rollout.shards, trees, rows, phase, resident_beside_rollouts(cfg, dims) + lines,
+                         prompt_once=shared)
 
 
 def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
@@ -458,8 +475,8 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
     steps, updated in place; on CPU also the shared buffer the updates go through), its
     drafter, and its KV cache, sized up front
     (rollout.vllm.kv_cache_gb; on CUDA without it, gpu_memory_utilization of the device).
-    Prefix caching stores a tree's prompt once: at the end of decoding a shard needs its
-    prompts plus every row's completion. A cache smaller than that still works (vLLM
+    Prefix caching stores a tree's prompt once (as the HF sampler holds it): at the end of
+    decoding a shard needs its prompts plus every row's completion. A cache smaller than that still works (vLLM
     preempts and recomputes sequences), but slower: the plan counts the positions it holds."""
     elt, r = ELT[cfg.model.dtype], cfg.rollout
     trees = -(-cfg.data.prompts_per_step // r.shards)
@@ -857,7 +874,9 @@ def format_update(p: Plan) -> str:
 def format_rollout(p: Plan) -> list[str]:
     r = p.rollout
     lines = [f"rollouts, per device: engine {r.engine}, {r.trees} trees a shard ({p.trees} prompts over "
-             f"{r.shards} rollout.shards), {r.rows} sequences decoding; the peak is at {r.peak_at}", ""]
+             f"{r.shards} rollout.shards), {r.rows} sequences decoding; the peak is at {r.peak_at}",
+             f"each prompt's K/V {'is held once' if r.prompt_once else 'is held by every row (no cascade kernel here)'}"
+             f"{' (vLLM: its prefix cache)' if r.engine == 'vllm' else ''}", ""]
     rows = [(label, b) for _, label, b in r.lines] + [
         (f"reserve: context/NCCL + {FRAGMENTATION:.0%} fragmentation", p.overhead())]
     lines += [f"{label:<66} {gib(b):>10}" for label, b in rows]

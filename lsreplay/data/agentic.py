@@ -1,6 +1,7 @@
-"""Example tools and environments for multi-turn episodes (configs/agentic.yaml,
-docs/multi-turn.md): a calculator tool, and an arithmetic environment that says "wrong, try
-again". Both deterministic, as the HF sampler's bit-reproducibility needs."""
+"""Example tools and environments for multi-turn episodes (docs/agents.md): a calculator tool
+(configs/agentic-tool.yaml), an environment whose tool takes the final answer and which owns
+the reward, TRL's environment_factory shape (configs/agentic-submit.yaml), and an arithmetic
+environment that says "wrong, try again" (configs/agentic.yaml)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,27 @@ class ArithmeticFeedback:
 
     def get_reward(self) -> float:
         return 0.0 if self.solved_at is None else 1.0 / self.solved_at
+
+
+class SubmitAnswer:
+    """TRL's environment_factory shape: the model submits its final answer with the
+    environment's `submit` tool, and the environment owns the reward (get_reward: 1 for a right
+    answer, 0 for a wrong one or none)."""
+
+    def reset(self, answer: str, **row) -> str:
+        self.answer, self.submitted = str(answer), None
+        return " Submit your final answer with the submit tool."
+
+    def submit(self, answer: str) -> str:
+        """Submit your final answer; only the first submission counts.
+
+        Args:
+            answer: the final answer, a number
+        """
+        if self.submitted is not None:
+            return "An answer was submitted already."
+        self.submitted = answer
+        return "Submitted."
+
+    def get_reward(self) -> float:
+        return float(self.submitted is not None and _correct(f"<answer>{self.submitted}</answer>", self.answer))

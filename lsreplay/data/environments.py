@@ -1,77 +1,68 @@
-"""Tools and environments for multi-turn episodes (docs/multi-turn.md), as TRL and verifiers take them.
+"""Tools and environments of multi-turn episodes (docs/agents.md), as TRL and verifiers take them.
 
 - Tools (`rollout.tools`): plain functions, sync or async, with type hints and a Google-style
-  docstring (their JSON schema: transformers' `get_json_schema`). The model calls one by
-  writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (or in the format the
-  tokenizer's `response_template` parses, where it has one); the result, `str(result)`, or
-  on failure TRL's `{'error': <the exception's message>}`, comes back as a tool message.
-- An environment (`rollout.environment`): a class, one instance per episode. `reset(**row)`
-  (the dataset row, its prompt included) may return a string appended to the last user
-  message; its public methods are tools; `respond(messages)`, if it has one, answers a reply
-  without tool calls in words (the next user message; None ends the episode); `get_reward()`,
-  if it has one, is a reward of the episode.
+  docstring (their JSON schema: transformers' `get_json_schema`). A call's result,
+  `str(result)`, or on failure TRL's `{'error': <the exception's message>}`, comes back as a
+  tool message (lsreplay.data.chat_formats reads the calls in the model's format).
+- An environment (`rollout.environment`): a class, one live instance per episode, from
+  `reset(**row)` (the dataset row, its prompt included; a string it returns is appended to
+  the last user message) to the episode's end, when `close()` is called if it has one (also
+  when the stage fails). The functions its class defines (public, not a hook) are tools;
+  `respond(messages)`, if it has one, answers a reply without tool calls in words (the next
+  user message; None ends the episode); `get_reward()`, if it has one, is a reward of the
+  episode (None: none).
 
-A reply with tool calls gets their results; one without gets the environment's `respond`
-(if any) or ends the episode. The environment's tokens are the chat template's rendering of
-what it appended: the conversation rendered whole, less its rendering before (trimmed at the
-reply's end-of-turn token, as TRL's `_get_tool_suffix_ids`). A template that renders earlier
-turns differently once more follow is not prefix-preserving, and refused.
+Where the tree branches after a turn, each branch gets its own copy of the instance:
+`instance.fork()` where the class has one (an environment holding a sandbox, a browser, a
+subprocess: a snapshot), else `copy.deepcopy`; the last branch keeps the original. So no tool
+is ever called twice for the same turn, and an environment's answers need not be a function
+of the calls (a random one trains on exactly what the model saw). An environment that can be
+neither forked nor deep-copied is refused at start.
 
-Episodes fork at branch points, and an instance holds one episode's state. So an instance is
-never shared: for every turn a fresh one is built and the episode's earlier actions (its tool
-calls, its `respond` calls) are replayed into it. That costs turns^2 / 2 calls per episode,
-and needs what the HF sampler needs anyway to be bit-reproducible: tools and environments
-must be deterministic (a function of the row and the episode so far; no clock, no unseeded
-randomness, no outside service whose answers change).
+Every call of a tool or of the environment runs through the stage's `Calls`: given
+`rollout.tool_timeout_seconds` (a tool call past it answers as a failed call; an
+environment's hook past it stops the run with an EpisodeError naming it), an async one on
+the stage's one event loop (async tools and environments can share a client). A thread
+cannot be stopped: a sync call that hangs is left behind, logged; an async one is cancelled.
 
-Every call of a tool or of the environment (its construction, reset, respond, get_reward)
-runs on a thread of its own, given `rollout.tool_timeout_seconds`: a tool call past it answers
-as a failed call (`{'error': ...}`, as TRL returns errors) and is not replayed later (its
-effect on the instance is unknown); an environment's hook past it stops the run with an
-EpisodeError naming it (not retried, as a bad config is not). A thread cannot be stopped: the one that hangs is left behind, and the stall is logged.
-A call that times out makes the episodes depend on timing, not only on the draws.
-An environment's answer of more than `rollout.max_environment_tokens` tokens is not shown:
-the episode ends at the reply before it, as at its last turn (logged).
+A `Journal` records every answer as it is given. A trees stage that resumes after an
+interruption reads the recorded results of plain tools instead of calling them again, and
+rebuilds an environment's state by calling it again, comparing each answer with the
+recorded one: the first difference stops the run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import hashlib
 import inspect
 import json
 import logging
 import math
 import numbers
-import re
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from lsreplay.core.config import ConfigError, DataConfig, RolloutConfig
-from lsreplay.data.rendering import prompt_messages, render_messages
+from lsreplay.core.config import RolloutConfig
+from lsreplay.data.chat_formats import Chat, EpisodeError
+from lsreplay.data.rendering import fit_prompt
 from lsreplay.data.reward_functions import callable_name, load_function
-from lsreplay.data.rewards import Overdue, await_all, within
-from lsreplay.data.sources import DatasetError, Prompt
+from lsreplay.data.rewards import Overdue, within
+from lsreplay.data.sources import Prompt
 
 log = logging.getLogger(__name__)
 
-# The documented tool-call format, for templates without a response parser (Hermes' and Qwen2.5's).
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-# An environment's methods that are not tools.
-ENVIRONMENT_HOOKS = ("reset", "respond", "get_reward")
-# For templates that ignore `tools=` (SmolLM2's): the tools described in the system message.
-TOOLS_SYSTEM_MESSAGE = (
-    "You can call these functions (JSON schemas):\n<tools>\n{schemas}\n</tools>\n"
-    "To call one, write <tool_call>{{\"name\": <its name>, \"arguments\": <a JSON object of its arguments>}}"
-    "</tool_call>; its result comes back in a tool message.")
-
-
-class EpisodeError(ConfigError):
-    """A tool, environment or chat template that multi-turn episodes cannot use as given."""
-
-
-# ---------------------------------------------------------------- tools and environments
+# An environment's methods that are not tools (respond too, where it takes `messages`).
+ENVIRONMENT_HOOKS = ("reset", "get_reward", "close", "fork")
 
 
 def tool_schema(function: Callable, what: str) -> dict:
@@ -84,12 +75,30 @@ def tool_schema(function: Callable, what: str) -> dict:
                            "transformers' get_json_schema writes its JSON schema") from None
 
 
+def answers_in_words(factory) -> bool:
+    """Whether the environment class has the hook respond(messages) (a `respond` taking
+    anything else is a tool, as TRL offers every public method)."""
+    function = getattr(factory, "respond", None)
+    if not inspect.isfunction(function):
+        return False
+    params = [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+    return [p.name for p in params] == ["messages"]
+
+
+def environment_tools(factory) -> list[str]:
+    """The names of the environment's tools: the public functions its class defines (and
+    inherits) that are not hooks; attributes an instance sets (a client, a callable) are not."""
+    hooks = ENVIRONMENT_HOOKS + (("respond",) if answers_in_words(factory) else ())
+    return [name for name, member in inspect.getmembers(factory, inspect.isfunction)
+            if not name.startswith("_") and name not in hooks]
+
+
 @dataclass
 class Play:
     """What episodes are played with: the tool functions, the environment class (None: none),
     every tool's schema (the functions', then the environment's methods'), the names of
-    the environment's tool methods, the seconds a call may take (0: no limit) and the most
-    tokens an answer of the environment may add."""
+    the environment's tool methods, the seconds a call may take (0: no limit), the most
+    tokens an answer of the environment may add, and the format replies write calls in."""
 
     functions: dict[str, Callable]
     factory: Callable | None = None
@@ -97,16 +106,21 @@ class Play:
     methods: list[str] = field(default_factory=list)
     timeout: float = 0.0
     max_answer_tokens: int = 256
+    format: str = "auto"
 
     @property
     def answers(self) -> bool:
-        """Whether the environment answers replies in words (has `respond`)."""
-        return self.factory is not None and callable(getattr(self.factory, "respond", None))
+        """Whether the environment answers replies in words (has respond(messages))."""
+        return self.factory is not None and answers_in_words(self.factory)
 
     @property
     def rewards(self) -> bool:
         """Whether the environment scores its episode (has `get_reward`)."""
         return self.factory is not None and callable(getattr(self.factory, "get_reward", None))
+
+    @property
+    def name(self) -> str:
+        return callable_name(self.factory) if self.factory is not None else "none"
 
     def tools(self, instance) -> dict[str, Callable]:
         """The tools of one episode: the functions and its environment instance's methods."""
@@ -115,7 +129,8 @@ class Play:
 
 def load_play(r: RolloutConfig) -> Play:
     """The configured tools and environment, their schemas checked."""
-    play = Play({}, timeout=r.tool_timeout_seconds, max_answer_tokens=r.max_environment_tokens)
+    play = Play({}, timeout=r.tool_timeout_seconds, max_answer_tokens=r.max_environment_tokens,
+                format=r.tool_call_format)
     for i, spec in enumerate(r.tools):
         function = load_function(spec, f"tool rollout.tools[{i}] =")
         name = callable_name(function)
@@ -126,19 +141,24 @@ def load_play(r: RolloutConfig) -> Play:
         play.schemas.append(tool_schema(function, f"tool rollout.tools[{i}] = {spec!r}"))
     if r.environment:
         play.factory = load_function(r.environment, "environment rollout.environment =")
-        probe = instance_of(play.factory)
-        play.methods = [name for name, _ in inspect.getmembers(probe, callable)
-                        if not name.startswith("_") and name not in ENVIRONMENT_HOOKS]
+        play.methods = environment_tools(play.factory)
         for name in play.methods:
             if name in play.functions:
                 raise EpisodeError(f"environment {r.environment!r}: its method {name!r} has the name of a tool in "
                                    "rollout.tools; rename one of them")
-            play.schemas.append(tool_schema(getattr(probe, name), f"environment {r.environment!r}, method {name!r}"))
+            play.schemas.append(tool_schema(getattr(play.factory, name),
+                                            f"environment {r.environment!r}, method {name!r}"))
     return play
 
 
+def environment_rewards(r: RolloutConfig) -> bool:
+    """Whether the configured environment scores its episodes (has get_reward)."""
+    return bool(r.environment) and callable(getattr(load_function(r.environment, "environment rollout.environment ="),
+                                                    "get_reward", None))
+
+
 def instance_of(factory: Callable):
-    """A new instance of the environment class, for one episode (or a look at its methods)."""
+    """A new instance of the environment class, for one episode."""
     try:
         return factory()
     except Exception as e:
@@ -146,165 +166,136 @@ def instance_of(factory: Callable):
                            "class is built with no arguments, one instance per episode (rollout.environment)") from e
 
 
-def _resolved(value):
-    """An async tool's (or environment method's) result awaited; a sync one's as it is."""
-    return await_all({0: value})[0] if inspect.isawaitable(value) else value
+def fork_of(instance):
+    """An independent copy of an episode's instance, for a branch: its fork(), else a deep copy."""
+    fork = getattr(instance, "fork", None)
+    try:
+        return fork() if callable(fork) else copy.deepcopy(instance)
+    except Exception as e:
+        how = "its fork()" if callable(fork) else "copy.deepcopy"
+        raise EpisodeError(f"environment {type(instance).__name__}: {how} raised {type(e).__name__}: {e}. Episodes "
+                           "fork where the tree branches, each branch with an instance of its own: give the class a "
+                           "fork() method that returns an independent copy (a sandbox's snapshot, a new connection "
+                           "with the same state), or make its state deep-copyable") from e
 
 
-def _run(seconds: float, function: Callable, *args, **kwargs):
-    """function(*args, **kwargs), awaited if async, given `seconds` (0: no limit): Overdue past them."""
-    def run():
-        return _resolved(function(*args, **kwargs))
+# ---------------------------------------------------------------- where calls run
 
-    return within(seconds, run) if seconds else run()
+
+class Calls:
+    """Where one stage's tool and environment calls run: sync calls on the calling thread (a
+    thread of their own under a timeout), coroutines on the stage's one event loop; `submit`
+    runs work on a pool of `workers` threads (episodes' turns of the environment side)."""
+
+    def __init__(self, timeout: float = 0.0, workers: int = 32):
+        self.timeout = timeout
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="lsreplay-episode-loop", daemon=True)
+        self._thread.start()
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lsreplay-episode")
+
+    def run(self, function: Callable, *args, **kwargs):
+        """function(*args, **kwargs), awaited on the loop if it returns an awaitable, within
+        the timeout (0: none): Overdue past it (a coroutine is cancelled)."""
+        started = time.monotonic()
+        value = within(self.timeout, lambda: function(*args, **kwargs)) if self.timeout else function(*args, **kwargs)
+        if not inspect.isawaitable(value):
+            return value
+        future = asyncio.run_coroutine_threadsafe(_awaited(value), self.loop)
+        try:
+            return future.result(max(0.0, self.timeout - (time.monotonic() - started)) if self.timeout else None)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise Overdue(f"not done within {self.timeout:g} s") from None
+
+    def submit(self, function: Callable, *args) -> concurrent.futures.Future:
+        return self.pool.submit(function, *args)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    def __enter__(self) -> Calls:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 @dataclass(frozen=True)
 class ToolAnswer:
     """The tool message answering one call; whether the call failed (TRL's tool_failure: an
-    unknown tool, bad arguments, an exception, no answer in time), and whether it ran out of
-    time (its effect on the instance unknown: not replayed)."""
+    unknown tool, bad arguments, an unreadable call, an exception, no answer in time), and
+    whether it ran out of time."""
 
     message: dict
     failed: bool
     timed_out: bool = False
 
 
-def call_tool(tools: dict[str, Callable], call: dict, timeout: float = 0.0) -> ToolAnswer:
-    """The answer to one parsed call, given `timeout` seconds (0: no limit)."""
+def call_tool(tools: dict[str, Callable], call: dict, calls: Calls) -> ToolAnswer:
+    """The answer to one parsed call: the one place a tool runs."""
     function = call.get("function", {})
     name = function.get("name") or "unknown"
     try:
-        if "error" in call:  # a call the parser could not read
+        if "error" in call:  # a call the format could not read
             raise ValueError(call["error"])
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
-        return ToolAnswer(_tool_message(name, _run(timeout, tools[name], **function.get("arguments", {}))), False)
+        return ToolAnswer(_tool_message(name, calls.run(tools[name], **function.get("arguments", {})), call), False)
     except Overdue:
-        log.warning("tool %s did not answer within rollout.tool_timeout_seconds=%g s: answered as a failed call "
-                    "(its thread is left running)", name, timeout)
-        return ToolAnswer(_tool_message(name, {"error": f"Tool {name} did not answer within {timeout:g} s."}), True,
-                          True)
+        log.warning("tool %s did not answer within rollout.tool_timeout_seconds=%g s: answered as a failed call",
+                    name, calls.timeout)
+        return ToolAnswer(_tool_message(name, {"error": f"Tool {name} did not answer within {calls.timeout:g} s."},
+                                        call), True, True)
     except Exception as e:
-        return ToolAnswer(_tool_message(name, {"error": str(e)}), True)
+        return ToolAnswer(_tool_message(name, {"error": str(e)}, call), True)
 
 
-def _tool_message(name: str, result) -> dict:
-    return {"role": "tool", "name": name, "content": str(result)}
-
-
-# ---------------------------------------------------------------- the chat template's side
-
-
-def parse_reply(tokenizer, text: str, schemas: list[dict]) -> dict:
-    """The assistant message of a reply: its content and tool calls in TRL's form
-    ({"type": "function", "function": {"name", "arguments"}}; an unreadable call holds
-    "error"). The tokenizer's own parser where it has a response_template, else the
-    documented <tool_call> format; no calls at all where no tool is offered (an environment
-    that only answers in words sees every reply)."""
-    if not schemas:
-        return _assistant(text.strip(), [])
-    if getattr(tokenizer, "response_template", None) is not None:
-        # prefix="": the reply holds all the turn's text; a template that pre-writes part of
-        # the reply in its generation prompt (an opening <think>) would want that text here.
-        message = tokenizer.parse_response(text, prefix="", tools=schemas)
-        calls = [c if "function" in c else {"type": "function", "function": c} for c in message.get("tool_calls") or []]
-        return _assistant(message.get("content") or "", calls)
-    return _assistant(TOOL_CALL.sub("", text).strip(), [_call(body) for body in TOOL_CALL.findall(text)])
-
-
-def _assistant(content: str, calls: list[dict]) -> dict:
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-
-
-def _call(body: str) -> dict:
-    fix = 'write <tool_call>{"name": <the tool>, "arguments": {<name>: <value>, ...}}</tool_call>'
-    try:
-        parsed = json.loads(body)
-    except json.JSONDecodeError as e:
-        return {"type": "function", "function": {}, "error": f"the tool call is not JSON ({e}); {fix}"}
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) \
-            or not isinstance(parsed.get("arguments", {}), dict):
-        return {"type": "function", "function": {}, "error": f"the tool call has no name or arguments; {fix}"}
-    return {"type": "function", "function": {"name": parsed["name"], "arguments": parsed.get("arguments", {})}}
-
-
-def renders_tools(tokenizer, schemas: list[dict], template_kwargs: dict) -> bool:
-    """Whether the chat template shows `tools=` to the model (SmolLM2's ignores them)."""
-    probe = [{"role": "user", "content": "?"}]
-    with_tools = tokenizer.apply_chat_template(probe, tools=schemas, tokenize=False, **template_kwargs)
-    return with_tools != tokenizer.apply_chat_template(probe, tokenize=False, **template_kwargs)
-
-
-class Chat:
-    """Conversations as the chat template renders them, the tools shown its way."""
-
-    def __init__(self, tokenizer, play: Play, data: DataConfig, eos: list[int]):
-        self.tokenizer, self.play, self.data, self.eos = tokenizer, play, data, set(eos)
-        self.native = bool(play.schemas) and renders_tools(tokenizer, play.schemas, data.chat_template_kwargs)
-
-    @property
-    def tools(self) -> list[dict] | None:
-        return self.play.schemas if self.native else None
-
-    def opening(self, prompt: Prompt, reset: str | None) -> list[dict]:
-        """The prompt's messages, the environment's reset string appended to the last user
-        message (as TRL), and the tools described in the system message for a template that
-        does not render them."""
-        messages = prompt_messages(prompt, self.data)
-        if messages is None:
-            raise DatasetError(f"prompt {prompt.index}: multi-turn episodes are conversations, but string prompts go "
-                               "to the model as they are (data.chat_template=false); set data.chat_template=true")
-        users = [m for m in messages if m["role"] == "user"]
-        if reset and users:
-            users[-1]["content"] += reset
-        if self.play.schemas and not self.native:
-            described = TOOLS_SYSTEM_MESSAGE.format(schemas="\n".join(json.dumps(s) for s in self.play.schemas))
-            if messages[0]["role"] == "system":
-                messages[0]["content"] += "\n\n" + described
-            else:
-                messages.insert(0, {"role": "system", "content": described})
-        return messages
-
-    def prompt_ids(self, prompt: Prompt, opening: list[dict]) -> list[int]:
-        return render_messages(self.tokenizer, opening, prompt, self.data, self.tools)
-
-    def continuation(self, before: list[dict], after: list[dict]) -> list[int]:
-        """The token ids the template puts after the model's last reply (`before` ends with
-        it) to render `after`, up to the next generation prompt."""
-        prefix, full = self._ids(before, False), self._ids(after, True)
-        ends = [i for i, t in enumerate(prefix) if t in self.eos]
-        if ends:  # the model's reply ended at its end-of-turn token; what the template adds after it is ours
-            prefix = prefix[:ends[-1] + 1]
-        if full[:len(prefix)] != prefix:
-            raise EpisodeError(
-                "the chat template is not prefix-preserving: rendering the next turn changes how it renders the "
-                "turns before (e.g. it drops earlier reasoning), so the episode's tokens would not be the "
-                "conversation the model reads. Use a model whose chat template renders each turn the same whatever "
-                "follows (TRL swaps in such a training template for Qwen3), or single-turn rollouts "
-                "(rollout.max_turns=1, no rollout.tools or rollout.environment)")
-        return full[len(prefix):]
-
-    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=generation_prompt,
-                                                       tokenize=True, return_dict=True,
-                                                       **self.data.chat_template_kwargs)["input_ids"])
+def _tool_message(name: str, result, call: dict) -> dict:
+    return {"role": "tool", "name": name, "content": str(result),
+            **({"tool_call_id": call["id"]} if "id" in call else {})}  # Mistral's template pairs them by id
 
 
 # ---------------------------------------------------------------- episodes
 
 
+class Journal(Protocol):
+    """The environment's answers of a trees stage, by reply (journal_key): recorded as they are
+    given, read again by a stage that resumes."""
+
+    def get(self, key: str) -> dict | None: ...
+
+    def put(self, key: str, entry: dict) -> None: ...
+
+
+def journal_key(tree: int, completion: list[int]) -> str:
+    """The key of the answer to an episode's reply: its tree and its completion up to the reply."""
+    return hashlib.sha256(json.dumps([tree, completion]).encode()).hexdigest()[:32]
+
+
 @dataclass
 class Episode:
-    """An episode up to the model's next reply (or its end): its messages after the opening
-    (TRL's multi-turn completion), the environment's actions to replay ("tools", calls) or
-    ("respond", messages seen), and its tool calls and their failures."""
+    """One episode as the environment sees it, up to the model's next reply (or its end): its
+    tree, its live environment instance (None: no environment), its messages after the opening
+    (TRL's multi-turn completion), its tool calls and their failures, and once it ended the
+    environment's reward (None: none)."""
 
+    tree: int
+    instance: object = None
     messages: list[dict] = field(default_factory=list)
-    actions: list[tuple[str, object]] = field(default_factory=list)
     tool_calls: int = 0
     tool_errors: int = 0
     reward: float | None = None
+    opening: list[dict] = field(default_factory=list)  # the prompt's messages, with the reset string
+    reset: str | None = None  # what reset() returned
 
     @property
     def answer(self) -> str:
@@ -313,108 +304,187 @@ class Episode:
 
 
 class Episodes:
-    """One batch of prompts' episodes: their prompt ids, the environment's answers to the
-    sampler (`respond`, rollout.episodes' callback) and each episode's outcome."""
+    """One batch of prompts' episodes on the environment's side (rollout.episodes'
+    EpisodeEnvironment): each tree's first episode (its instance built and reset, the opening
+    rendered), a branch's copy, the environment's answer to each reply, and every instance's
+    close. Calls run through `calls`; `journal`, if given, records the answers and holds
+    those of an interrupted stage."""
 
-    def __init__(self, play: Play, chat: Chat, prompts: list[Prompt]):
-        self.play, self.chat, self.prompts = play, chat, prompts
+    def __init__(self, play: Play, chat: Chat, prompts: list[Prompt], calls: Calls, journal: Journal | None = None):
+        self.play, self.chat, self.prompts, self.calls, self.journal = play, chat, list(prompts), calls, journal
         self.rows = [{"prompt": p.question, **p.columns} for p in prompts]
-        self.openings = [chat.opening(p, self._reset(i)[1]) for i, p in enumerate(prompts)]
-        # Per tree: the episodes waiting for the model's reply, by their completion so far.
-        self.waiting: list[dict[tuple[int, ...], Episode]] = [{(): Episode()} for _ in prompts]
+        self.roots: list[Episode] = []
+        self._prompt_ids: list[list[int]] = []
+        self._closed: dict[int, object] = {}  # the instances closed, by id (a branch's last reply shares its parent's)
+        try:
+            for tree in range(len(prompts)):
+                self.roots.append(self._start(tree))
+        except BaseException:
+            for episode in self.roots:
+                self.close(episode)
+            raise
+
+    def _start(self, tree: int) -> Episode:
+        """The tree's first episode: a fresh instance, reset with the row; its opening, within
+        data.max_prompt_tokens: refused, or its prompt's text cut (data.prompt_truncation)."""
+        episode = Episode(tree)
+        if self.play.factory is not None:
+            episode.instance = self._hook(tree, "construction", instance_of, self.play.factory)
+            if callable(getattr(episode.instance, "reset", None)):
+                said = self._hook(tree, "reset", episode.instance.reset, **self.rows[tree])
+                episode.reset = None if said is None else str(said)
+        chat = self.chat
+        self.prompts[tree], ids = fit_prompt(self.prompts[tree],
+                                             lambda p: chat.prompt_ids(p, chat.opening(p, episode.reset)),
+                                             chat.tokenizer, chat.data)
+        self._prompt_ids.append(ids)
+        episode.opening = chat.opening(self.prompts[tree], episode.reset)
+        return episode
 
     def prompt_ids(self) -> list[list[int]]:
-        return [self.chat.prompt_ids(p, o) for p, o in zip(self.prompts, self.openings)]
+        return self._prompt_ids
 
-    def respond(self, tree: int, completion: list[int]) -> list[int] | None:
-        """The environment's tokens after the episode's last reply, or None: it ends."""
-        episode, reply = self._replied(tree, completion)
-        instance, errors = self._replayed(tree, episode), 0
-        if "tool_calls" in reply:
-            answers, errors, replayed = self._tools(instance, reply["tool_calls"])
-            action = ("tools", replayed)
-        elif self.play.answers:
-            said = self._hook(tree, "respond", instance.respond, self.openings[tree] + episode.messages + [reply])
-            answers = None if said is None else [{"role": "user", "content": str(said)}]
-            action = ("respond", len(episode.messages) + 1)
-        else:
+    def reward_prompts(self) -> list[Prompt]:
+        """The prompts as reward functions see them: the reset string appended (TRL's prompts)."""
+        return [dataclasses.replace(p, question=_with_reset(p.question, e.reset)) for p, e in zip(self.prompts,
+                                                                                                    self.roots)]
+
+    def root(self, tree: int) -> Episode:
+        return self.roots[tree]
+
+    def branch(self, parent: Episode, last: bool) -> Episode:
+        """The episode of one reply to `parent`: the parent's instance for its last reply, a
+        fork of it for the others."""
+        instance = parent.instance if last or parent.instance is None else fork_of(parent.instance)
+        return dataclasses.replace(parent, instance=instance, messages=list(parent.messages))
+
+    def respond(self, episode: Episode, reply: list[int], completion: list[int], ending: bool) -> list[int] | None:
+        """The environment's tokens answering the episode's reply (its token ids; `completion`:
+        the episode's tokens up to it), or None: the episode ended (`ending`: it ends whatever
+        the answer: its last turn, or a reply cut at max_new_tokens). An ended episode has its
+        messages, tool figures and the environment's reward."""
+        message = self.chat.reply(reply)
+        before = episode.messages + [message]
+        if ending and "tool_calls" in message:  # no turn left to read the results (TRL's: no iterations left)
             answers = None
-        if answers is None:
+        else:
+            answers = self._answers(episode, message, before, journal_key(episode.tree, completion))
+        ids = None if answers is None or ending else self._fitted(episode, before, answers)
+        if ids is None:
+            episode.messages = before
+            episode.reward = self._reward(episode) if self.play.rewards else None
             return None
-        before = episode.messages + [reply]
-        ids = self.chat.continuation(self.openings[tree] + before, self.openings[tree] + before + answers)
-        if len(ids) > self.play.max_answer_tokens:
-            log.warning("the environment's answer to an episode of prompt %d is %d tokens, more than "
-                        "rollout.max_environment_tokens=%d: not shown, the episode ends at the reply before it",
-                        self.prompts[tree].index, len(ids), self.play.max_answer_tokens)
-            return None
-        calls = len(reply.get("tool_calls", []))
-        self.waiting[tree][tuple(completion + ids)] = Episode(before + answers, episode.actions + [action],
-                                                              episode.tool_calls + calls, episode.tool_errors + errors)
+        episode.messages = before + answers
         return ids
 
-    def outcome(self, tree: int, completion: list[int]) -> Episode:
-        """The ended episode whose completion this is: its messages, tool figures and the
-        environment's reward. A respond-style environment sees the last reply too (its
-        answer unused), so that get_reward can judge it; the last reply's tool calls are not
-        run (TRL's: no iterations left)."""
-        episode, reply = self._replied(tree, completion)
-        ended = Episode(episode.messages + [reply], episode.actions, episode.tool_calls, episode.tool_errors)
-        if self.play.factory is not None:
-            instance = self._replayed(tree, episode)
-            if self.play.answers and "tool_calls" not in reply:
-                self._hook(tree, "respond", instance.respond, self.openings[tree] + ended.messages)
-            if self.play.rewards:
-                ended.reward = self._reward(tree, self._hook(tree, "get_reward", instance.get_reward))
-        return ended
+    def _answers(self, episode: Episode, message: dict, before: list[dict], key: str) -> list[dict] | None:
+        """The messages answering a reply: its tool calls' results, or the environment's words
+        (None: it has none, the episode ends). Recorded in the journal, or read from it."""
+        recorded = self.journal.get(key) if self.journal is not None else None
+        if "tool_calls" in message:
+            answers = self._tool_answers(episode, message["tool_calls"], recorded)
+            episode.tool_calls += len(answers)
+            episode.tool_errors += sum(a.failed for a in answers)
+            entry = {"tools": [dataclasses.asdict(a) for a in answers]}
+            messages = [a.message for a in answers]
+        elif self.play.answers:
+            said = self._hook(episode.tree, "respond", episode.instance.respond, episode.opening + before)
+            said = None if said is None else str(said)
+            if recorded is not None and recorded.get("said", said) != said:
+                self._diverged(episode, "respond", said, recorded["said"])
+            entry = {"said": said}
+            messages = None if said is None else [{"role": "user", "content": said}]
+        else:
+            return None
+        if self.journal is not None and recorded is None:
+            self.journal.put(key, entry)
+        return messages
 
-    def _reward(self, tree: int, value) -> float:
+    def _tool_answers(self, episode: Episode, tool_calls: list[dict], recorded: dict | None) -> list[ToolAnswer]:
+        """Each call's answer, in order: a plain tool's (or a timed-out call's) recorded answer
+        as it was; the environment's methods called again, to rebuild its state, and checked."""
+        tools, answers = self.play.tools(episode.instance), []
+        for i, call in enumerate(tool_calls):
+            old = ToolAnswer(**recorded["tools"][i]) if recorded and i < len(recorded.get("tools", [])) else None
+            if old is not None and (old.timed_out or call.get("function", {}).get("name") not in self.play.methods):
+                answers.append(old)
+                continue
+            answer = call_tool(tools, call, self.calls)
+            if old is not None and (answer.message, answer.failed) != (old.message, old.failed):
+                self._diverged(episode, f"tool {call['function'].get('name')}", answer.message["content"],
+                               old.message["content"])
+            answers.append(answer)
+        return answers
+
+    def _diverged(self, episode: Episode, what: str, now, then) -> None:
+        raise EpisodeError(
+            f"environment {self.play.name}: on resume its {what} answered {str(now)[:120]!r} to an episode of prompt "
+            f"{self.prompts[episode.tree].index}, where the interrupted stage recorded {str(then)[:120]!r}. A resumed "
+            "trees stage rebuilds each episode's environment by calling it again, which needs the same answers to "
+            "the same calls; make the environment a function of the row and the calls (seed its randomness from "
+            "them), or start the step's trees stage afresh (delete its journal, trees/journal_*)")
+
+    def _fitted(self, episode: Episode, before: list[dict], answers: list[dict]) -> list[int] | None:
+        """The tokens of the answers, their contents cut (at the end, logged) until they fit in
+        rollout.max_environment_tokens; None where not even an empty answer fits."""
+        opening, limit, tokenizer = episode.opening, self.play.max_answer_tokens, self.chat.tokenizer
+        ids = self.chat.continuation(opening + before, opening + before + answers)
+        for _ in range(4):
+            if len(ids) <= limit:
+                return ids
+            log.warning("the environment's answer to an episode of prompt %d is %d tokens, more than "
+                        "rollout.max_environment_tokens=%d: its longest message is cut",
+                        self.prompts[episode.tree].index, len(ids), limit)
+            longest = max(range(len(answers)), key=lambda i: len(answers[i]["content"]))
+            content = tokenizer.encode(answers[longest]["content"], add_special_tokens=False)
+            kept = content[:max(0, len(content) - (len(ids) - limit) - 2)]  # 2: the ellipsis, and a token's drift
+            answers[longest] = {**answers[longest], "content": tokenizer.decode(kept) + "…"}
+            ids = self.chat.continuation(opening + before, opening + before + answers)
+        if len(ids) <= limit:
+            return ids
+        log.warning("the environment's answer to an episode of prompt %d does not fit in rollout.max_environment_tokens"
+                    "=%d even cut: the episode ends at the reply before it", self.prompts[episode.tree].index, limit)
+        return None
+
+    def _reward(self, episode: Episode) -> float | None:
+        value = self._hook(episode.tree, "get_reward", episode.instance.get_reward)
+        if value is None:
+            return None
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise EpisodeError(f"environment {callable_name(self.play.factory)}.get_reward() returned {value!r} for an "
-                               f"episode of prompt {self.prompts[tree].index}; it must return a finite float")
+            raise EpisodeError(f"environment {self.play.name}.get_reward() returned {value!r} for an episode of prompt "
+                               f"{self.prompts[episode.tree].index}; it must return a finite float (or None: no "
+                               "reward from the environment)")
         return float(value)
 
-    def _replied(self, tree: int, completion: list[int]) -> tuple[Episode, dict]:
-        """The episode the completion continues (the longest waiting history it extends)
-        and the model's reply after it, as an assistant message."""
-        history = max((h for h in self.waiting[tree] if completion[:len(h)] == list(h)), key=len)
-        text = self.chat.tokenizer.decode(completion[len(history):], skip_special_tokens=True)
-        return self.waiting[tree][history], parse_reply(self.chat.tokenizer, text, self.play.schemas)
-
-    def _reset(self, tree: int):
-        """A fresh environment instance for the tree's row, reset; and what reset returned."""
-        if self.play.factory is None:
-            return None, None
-        instance = self._hook(tree, "construction", instance_of, self.play.factory)
-        resets = callable(getattr(instance, "reset", None))
-        said = self._hook(tree, "reset", instance.reset, **self.rows[tree]) if resets else None
-        return instance, None if said is None else str(said)
+    def close(self, episode: Episode) -> None:
+        """The episode's instance closed (its close(), sync or async, where it has one), once; a
+        failure is logged (the episode is over; it must not hide another error)."""
+        instance = episode.instance
+        if instance is None or id(instance) in self._closed:
+            return
+        self._closed[id(instance)] = instance
+        if callable(close := getattr(instance, "close", None)):
+            try:
+                self.calls.run(close)
+            except Exception:  # noqa: BLE001
+                log.warning("environment %s: close() raised", self.play.name, exc_info=True)
 
     def _hook(self, tree: int, hook: str, function: Callable, *args, **kwargs):
         """A call of the environment (`hook`: its construction, reset, respond, get_reward) for
-        an episode of the tree's prompt, given rollout.tool_timeout_seconds: EpisodeError past them."""
+        an episode of the tree's prompt, within rollout.tool_timeout_seconds: EpisodeError past them."""
         try:
-            return _run(self.play.timeout, function, *args, **kwargs)
+            return self.calls.run(function, *args, **kwargs)
         except Overdue:
-            raise EpisodeError(f"environment {callable_name(self.play.factory)}: its {hook} did not return "
-                               f"within rollout.tool_timeout_seconds={self.play.timeout:g} s (an episode of "
-                               f"prompt {self.prompts[tree].index}); a call that hangs stops the rollouts here: fix "
-                               "it, or raise rollout.tool_timeout_seconds if it is only slow") from None
+            raise EpisodeError(f"environment {self.play.name}: its {hook} did not return within "
+                               f"rollout.tool_timeout_seconds={self.play.timeout:g} s (an episode of prompt "
+                               f"{self.prompts[tree].index}); a call that hangs stops the rollouts here: fix it, or "
+                               "raise rollout.tool_timeout_seconds if it is only slow") from None
 
-    def _replayed(self, tree: int, episode: Episode):
-        """A fresh instance brought to the episode's state by replaying its actions."""
-        instance, _ = self._reset(tree)
-        for kind, detail in episode.actions:
-            if kind == "tools":
-                self._tools(instance, detail)
-            else:
-                self._hook(tree, "respond", instance.respond, self.openings[tree] + episode.messages[:detail])
-        return instance
 
-    def _tools(self, instance, calls: list[dict]) -> tuple[list[dict], int, list[dict]]:
-        """The tool messages answering the calls, how many of the calls failed, and the calls
-        to replay into a later instance (those that answered in time)."""
-        tools = self.play.tools(instance)
-        answers = [call_tool(tools, call, self.play.timeout) for call in calls]
-        return ([a.message for a in answers], sum(a.failed for a in answers),
-                [call for call, a in zip(calls, answers) if not a.timed_out])
+def _with_reset(question: str | list[dict], reset: str | None) -> str | list[dict]:
+    if not reset:
+        return question
+    if isinstance(question, str):
+        return question + reset
+    users = [i for i, m in enumerate(question) if m["role"] == "user"]
+    return [{**m, "content": m["content"] + reset} if users and i == users[-1] else m for i, m in enumerate(question)]

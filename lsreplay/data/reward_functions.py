@@ -4,9 +4,11 @@ them (`reward.styles`, else told by their parameters):
 - TRL's (GRPOTrainer._calculate_rewards, TRL 1.16): once per batch, `f(prompts=,
   completions=, completion_ids=, trainer_state=, log_extra=, log_metric=, **columns)`, every
   dataset column but the prompt's (and but `completion` and `completion_ids`, as TRL) a
-  keyword holding one value per completion. It returns one float (or None: it does not
-  apply) per completion. `log_metric(name, value)` logs a scalar, `log_extra(column,
-  values)` a column of the completions table (one value per completion).
+  keyword holding one value per completion; with an environment (rollout.environment) also
+  `environments=`, each completion's episode's instance (TRL's environment_factory). It
+  returns one float (or None: it does not apply) per completion. `log_metric(name, value)`
+  logs a scalar, `log_extra(column, values)` a column of the completions table (one value
+  per completion).
 - verl's (its naive reward manager and single-turn agent loop): once per completion,
   `compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`, returning a float
   or a dict with "score" whose other keys are logged per completion.
@@ -39,6 +41,8 @@ from lsreplay.data.sources import Prompt, jsonable, lookup
 
 # What a TRL-style function is given besides the dataset's columns (TRL's GRPOTrainer).
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+# What TRL adds with an environment_factory (lsreplay: rollout.environment): one instance per completion.
+ENVIRONMENTS_KEYWORD = "environments"
 # Dataset columns TRL does not pass as keywords (GRPOTrainer._calculate_rewards).
 TRL_UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids")
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -208,19 +212,22 @@ def trl_columns(columns: list[str]) -> list[str]:
     return [c for c in columns if c not in TRL_UNPASSED_COLUMNS]
 
 
-def check_trl_keywords(rf: RewardFunction, columns: list[str]) -> None:
+def check_trl_keywords(rf: RewardFunction, columns: list[str], environments: bool = False) -> None:
     """A TRL-style function takes every keyword it is given (or **kwargs) and is given every
-    one it needs: TRL's own and the dataset's columns (but the prompt's)."""
+    one it needs: TRL's own, `environments` with an environment, and the dataset's columns
+    (but the prompt's)."""
     params = parameters(rf.function)
     if params is None or rf.style != "trl":
         return
-    given = [*TRL_KEYWORDS, *trl_columns(columns), *rf.kwargs]
+    own = [*TRL_KEYWORDS, *([ENVIRONMENTS_KEYWORD] if environments else [])]
+    given = [*own, *trl_columns(columns), *rf.kwargs]
     for name, p in params.items():
         if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in given:
             near = get_close_matches(name, given, n=1)
+            hint = (" (environments: with rollout.environment only)" if name == ENVIRONMENTS_KEYWORD else
+                    f"; did you mean {near[0]!r}?" if near else "")
             raise RewardError(f"{rf.describe()}: {rf.signature()} needs {name!r}, which TRL-style functions are not "
-                              f"given: they get {', '.join(TRL_KEYWORDS)} and the dataset's columns {columns}"
-                              + (f"; did you mean {near[0]!r}?" if near else ""))
+                              f"given: they get {', '.join(own)} and the dataset's columns {columns}{hint}")
     if not takes_any_keyword(params):
         extra = [k for k in given if k not in params]
         if extra:
@@ -260,11 +267,12 @@ class CallLog:
 
 
 def trl_keywords(rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, log: CallLog,
-                 messages: list[list[dict]] | None = None) -> dict:
+                 messages: list[list[dict]] | None = None, environments: list | None = None) -> dict:
     """Every keyword TRL's GRPOTrainer passes a reward function, for a batch of (prompt,
     completion text, completion token ids): for message prompts each completion is
     [{"role": "assistant", "content": text}], or for episodes their `messages` (the assistant,
-    tool and environment messages after the prompt, as TRL passes multi-turn completions)."""
+    tool and environment messages after the prompt, as TRL passes multi-turn completions) and
+    with an environment each episode's instance (`environments`)."""
     columns = trl_columns(list(flat[0][0].columns))
     return {"prompts": [p.question for p, _, _ in flat],
             "completions": messages if messages is not None else
@@ -272,7 +280,7 @@ def trl_keywords(rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], 
             "completion_ids": [list(i) for _, _, i in flat],
             **{k: [p.columns.get(k) for p, _, _ in flat] for k in columns},
             "trainer_state": state, "log_extra": log.extra_logger(rf), "log_metric": log.metric_logger(rf),
-            **rf.kwargs}
+            **({ENVIRONMENTS_KEYWORD: environments} if environments is not None else {}), **rf.kwargs}
 
 
 def verl_keywords(rf: RewardFunction, prompt: Prompt, completion: str, answer_column: str, source_column: str) -> dict:

@@ -33,6 +33,7 @@ from lsreplay.data.reward_functions import (RewardError, RewardFunction, CallLog
                                             check_trl_keywords, detect_style, load_function, trl_keywords,
                                             verl_keywords)
 from lsreplay.data.reward_models import RewardModel
+from lsreplay.data.long_context import TASKS as LONG_CONTEXT_TASKS
 from lsreplay.data.sources import DatasetError, Prompt, reasoning_gym_tasks
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ CORRECT = 1.0
 # Rows of this task carry their own verifiable answer: scored 1 when the extracted answer
 # equals it, without reasoning-gym.
 EXACT_ANSWER = "exact_answer"
+# Tasks scored so: exact answers, and lsreplay's long-context task (lsreplay.data.long_context).
+EXACT_TASKS = (EXACT_ANSWER, *LONG_CONTEXT_TASKS)
 # The name the default reward's figures are logged under (rewards/reasoning_gym/mean).
 DEFAULT_NAME = "reasoning_gym"
 # The name an episode environment's get_reward() is logged under (rewards/environment/mean).
@@ -84,10 +87,10 @@ def _checker(task: str, args_json: str):
 
 
 def unscorable_tasks(tasks: set[str]) -> list[str]:
-    """Those of `tasks` the default reward cannot score: neither exact answers nor
-    reasoning-gym's. reasoning-gym is imported only when a task other than exact answers
-    asks for it, so that a prompt file of exact answers needs none (the GPU check's)."""
-    others = set(tasks) - {EXACT_ANSWER}
+    """Those of `tasks` the default reward cannot score: neither exact answers (EXACT_TASKS)
+    nor reasoning-gym's. reasoning-gym is imported only when another task asks for it, so
+    that a prompt file of exact answers needs none (the GPU check's)."""
+    others = set(tasks) - set(EXACT_TASKS)
     return sorted(others - set(reasoning_gym_tasks())) if others else []
 
 
@@ -96,7 +99,7 @@ _warned_tasks: set[str] = set()
 
 def score(prompt: Prompt, completion: str, task_args: dict | None = None) -> float:
     """Reward in [0, 1] from reasoning-gym's own checker for `prompt.task` (exact match for
-    EXACT_ANSWER rows).
+    the rows of EXACT_TASKS).
 
     Pass the `task_args` the prompt was generated with when the task's checker depends
     on its config (see `_checker`); the others ignore it.
@@ -104,7 +107,7 @@ def score(prompt: Prompt, completion: str, task_args: dict | None = None) -> flo
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    if prompt.task == EXACT_ANSWER:
+    if prompt.task in EXACT_TASKS:
         return float(answer.strip() == prompt.answer.strip())
     checker = _checker(prompt.task, json.dumps(task_args or {}, sort_keys=True))
     entry = {"question": prompt.question, "answer": prompt.answer, "metadata": prompt.metadata}
@@ -200,21 +203,23 @@ class Reward:
         """The names each function's figures are logged under; the default reward's is reasoning_gym."""
         return [rf.name for rf in self.functions] or [DEFAULT_NAME]
 
-    def check_columns(self, columns: list[str]) -> None:
-        """The TRL-style functions take the keywords this dataset gives them (preflight)."""
+    def check_columns(self, columns: list[str], environments: bool = False) -> None:
+        """The TRL-style functions take the keywords this dataset gives them, and `environments`
+        where the rollouts have an environment (preflight)."""
         for rf in self.functions:
-            check_trl_keywords(rf, columns)
+            check_trl_keywords(rf, columns, environments)
 
     def score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
               state, messages: list[list[list[dict]]] | None = None,
-              environment: list[list[float | None]] | None = None) -> Scores:
+              environment: list[list[float | None]] | None = None, environments: list[list] | None = None) -> Scores:
         """Every completion of every prompt scored; `state` is the transformers.TrainerState
         TRL-style functions get as trainer_state (lsreplay.stages.trainer_state). Episodes give
-        their `messages` (TRL-style functions get them as completions) and, where the
-        environment scores them, its rewards: one more reward of weight 1 (rewards/environment),
-        and the only one when reward.functions is empty (no default checker then). A RewardError
+        their `messages` (TRL-style functions get them as completions), their environments'
+        instances (TRL-style functions' `environments`) and, where the environment scores
+        them, its rewards (None: none): one more reward of weight 1 (rewards/environment), and
+        the only one when reward.functions is empty (no default checker then). A RewardError
         if the functions take longer than reward.timeout_seconds (a function that hangs)."""
-        args = (prompts, completions, completion_ids, state, messages, environment)
+        args = (prompts, completions, completion_ids, state, messages, environment, environments)
         if not self.timeout:
             return self._score(*args)
         try:
@@ -227,14 +232,16 @@ class Reward:
                               "or raise reward.timeout_seconds if it is only slow") from None
 
     def _score(self, prompts: list[Prompt], completions: list[list[str]], completion_ids: list[list[list[int]]],
-               state, messages: list[list[list[dict]]] | None, environment: list[list[float | None]] | None) -> Scores:
+               state, messages: list[list[list[dict]]] | None, environment: list[list[float | None]] | None,
+               environments: list[list] | None) -> Scores:
         if not self.functions and environment is not None:
             return Scores(environment, {ENVIRONMENT_NAME: environment}, {}, {})
         if not self.functions:
             values = [[score(p, c, self.task_args.get(p.task)) for c in cs] for p, cs in zip(prompts, completions)]
             return Scores(values, {DEFAULT_NAME: values}, {}, {})
         flat = [(p, c, i) for p, cs, ids in zip(prompts, completions, completion_ids) for c, i in zip(cs, ids)]
-        calls, logged = self._calls(flat, state, None if messages is None else [m for ms in messages for m in ms])
+        calls, logged = self._calls(flat, state, None if messages is None else [m for ms in messages for m in ms],
+                                    None if environments is None else [e for es in environments for e in es])
         by_function = {rf.name: self._values(rf, calls[k], flat, logged) for k, rf in enumerate(self.functions)}
         weighted = [(rf.weight, by_function[rf.name]) for rf in self.functions]
         if environment is not None:
@@ -244,11 +251,11 @@ class Reward:
         return Scores(_nest(totals, completions), {name: _nest(v, completions) for name, v in by_function.items()},
                       {column: _nest(v, completions) for column, v in logged.extras.items()}, logged.metrics)
 
-    def _calls(self, flat: list[tuple[Prompt, str, list[int]]], state,
-               messages: list[list[dict]] | None) -> tuple[dict[int, object], CallLog]:
+    def _calls(self, flat: list[tuple[Prompt, str, list[int]]], state, messages: list[list[dict]] | None,
+               environments: list | None) -> tuple[dict[int, object], CallLog]:
         """Every function's raw results (async ones awaited together) and what they logged."""
         logged = CallLog(len(flat))
-        calls = {k: self._call(rf, flat, state, logged, messages) for k, rf in enumerate(self.functions)}
+        calls = {k: self._call(rf, flat, state, logged, messages, environments) for k, rf in enumerate(self.functions)}
         pending = {k: v for k, v in calls.items() if inspect.isawaitable(v)}
         if pending:
             try:
@@ -261,14 +268,14 @@ class Reward:
         return calls, logged
 
     def _call(self, rf: RewardFunction, flat: list[tuple[Prompt, str, list[int]]], state, logged: CallLog,
-              messages: list[list[dict]] | None):
+              messages: list[list[dict]] | None, environments: list | None):
         """The function's raw results: one list (TRL's style, a reward model) or one value per
         completion; a coroutine stands for what async functions return."""
         if rf.style == "model":
             return self._guarded(rf, sorted({p.index for p, _, _ in flat}), rf.function, [(p, c) for p, c, _ in flat])
         if rf.style == "trl":
             return self._guarded(rf, sorted({p.index for p, _, _ in flat}), rf.function,
-                                 **trl_keywords(rf, flat, state, logged, messages))
+                                 **trl_keywords(rf, flat, state, logged, messages, environments))
         if rf.style == "verl":
             values = [self._guarded(rf, [p.index], rf.function,
                                     **verl_keywords(rf, p, c, self.answer_column, self.source_column))

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward
-from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
+from lsreplay.replay.heads import Heads, per_head
 from lsreplay.tree import RolloutTree
 
 
@@ -190,8 +190,8 @@ def all_reduce_grads(params: list[torch.Tensor], group=None, bucket_bytes: int =
 def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: int, world_size: int,
                            mode: str = "replay", fsdp: bool | None = None,
                            prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                           join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None,
-                           heads: Heads | None = None, offload_prefix: bool = False) -> BackwardStats:
+                           join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None, *,
+                           heads: Heads, offload_prefix: bool = False) -> BackwardStats:
     """This rank's share of the batch gradient, summed over ranks into `.grad`.
 
     `trees` and `weights` are the WHOLE batch (same on every rank; weights computed
@@ -223,9 +223,9 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     if mode == "replay":
         source = None if prefix_kv is None else (lambda j, node: prefix_kv(mine[j], node))
         stats = replay_backward(model, local_trees, local_w, prefix_kv=source, budget_bytes=budget_bytes,
-                                join_below=join_below, heads=heads or LOGPROB_HEADS, offload_prefix=offload_prefix)
+                                join_below=join_below, heads=heads, offload_prefix=offload_prefix)
     else:
-        stats = naive_backward(model, local_trees, local_w, heads=heads or LOGPROB_HEADS)
+        stats = naive_backward(model, local_trees, local_w, heads=heads)
     if fsdp:
         _fsdp_reduce(model)
     else:

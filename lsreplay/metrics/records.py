@@ -48,8 +48,9 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
     per-token entropy; not for a preference dataset's answers, which nothing sampled), and the
     mean of each numeric column the reward functions logged per completion (extras/COLUMN/mean)."""
     counts = [r.get("counts", [1] * len(r["completions"])) for r in records]
-    leaves = [(len(c), f, n, lps) for r, ns in zip(records, counts)
-              for c, f, n, lps in zip(r["completions"], r["finished"], ns, r["logprobs"] or [None] * len(ns))]
+    # Lengths in the model's tokens: an episode's replies, not the environment's answers between them.
+    leaves = [(sum(flags), f, n, lps) for r, ns in zip(records, counts)
+              for flags, f, n, lps in zip(sampled_flags(r), r["finished"], ns, r["logprobs"] or [None] * len(ns))]
     out = _reward_figures(records, counts)
     for key, chosen in (("", leaves), ("_terminated", [leaf for leaf in leaves if leaf[1]])):
         samples = sum(n for _, _, n, _ in chosen)
@@ -71,10 +72,11 @@ def rollout_metrics(records: list[dict], max_new_tokens: int) -> dict:
 
 
 def episode_metrics(records: list[dict]) -> dict:
-    """Episodes' figures, each leaf counted as the samples it stands for: turns per episode,
-    tool calls per episode, the share of tool calls that failed, and the share of completion
-    tokens the environment wrote (tool results, its messages, the template around them).
-    Nothing for single-turn rollouts."""
+    """Episodes' figures (episodes/NAME), each leaf counted as the samples it stands for: turns
+    per episode, tool calls per episode, the share of tool calls that failed, and the share
+    of completion tokens the environment wrote (tool results, its messages, the template
+    around them; every length figure counts the model's tokens only). Nothing for
+    single-turn rollouts."""
     if not any("turns" in r for r in records):
         return {}
     leaves = [(n, t, calls, errors, len(flags) - sum(flags), len(flags))
@@ -82,10 +84,10 @@ def episode_metrics(records: list[dict]) -> dict:
                                                                       r["tool_errors"], r["sampled"])]
     samples, calls = sum(leaf[0] for leaf in leaves), sum(n * c for n, _, c, *_ in leaves)
     tokens = sum(n * k for n, *_, k in leaves)
-    return {"episode_turns_mean": sum(n * t for n, t, *_ in leaves) / samples,
-            "tool_calls_mean": calls / samples,
-            "tool_error_share": sum(n * e for n, _, _, e, _, _ in leaves) / calls if calls else 0.0,
-            "environment_token_share": sum(n * e for n, *_, e, _ in leaves) / tokens if tokens else 0.0}
+    return {"episodes/turns_mean": sum(n * t for n, t, *_ in leaves) / samples,
+            "episodes/tool_calls_mean": calls / samples,
+            "episodes/tool_error_share": sum(n * e for n, _, _, e, _, _ in leaves) / calls if calls else 0.0,
+            "episodes/environment_token_share": sum(n * e for n, *_, e, _ in leaves) / tokens if tokens else 0.0}
 
 
 def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
@@ -105,23 +107,32 @@ def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
     return out
 
 
+# Episodes' figures (episode_metrics; the engine's counters, stages.trees.EPISODE_COUNTERS).
+EPISODE_KEYS = ("episodes/turns_mean", "episodes/tool_calls_mean", "episodes/tool_error_share",
+                "episodes/environment_token_share", "episodes/prefill_positions", "episodes/history_positions")
 # Figures a stage's manifest holds only for some configs, copied into the step's record
-# where present. trees: the trees that train nothing (with dynamic sampling, prompts_drawn -
-# trees were dropped for that), and the tree shape per tree (stages.trees.group_stats;
+# where present. trees: the most K/V bytes the HF sampler held (rollout.shared_prompt: each
+# prompt's once), the trees that train nothing (with dynamic sampling, prompts_drawn -
+# trees were dropped for that), the policy version that sampled them, and the tree shape
+# per tree (stages.trees.group_stats;
 # absent from rollouts sampled before leaves carried counts). prefixes: the rollout
 # engine's logprobs against the trainer's, per token. policy: the algorithm's figures
 # (docs/algorithms.md): KL, updates, the critic's, DPO's pairs and implicit rewards, the
 # trees dynamic sampling left out of the loss, what truncated importance sampling capped,
-# and TRL's learning rate and clip fractions.
+# and TRL's learning rate and clip fractions; with asynchronous rollouts (docs/async.md)
+# the trees dropped as too stale, the others' staleness, and the behaviour ratio's figures
+# per staleness (OFF_POLICY_PREFIX).
 OPTIONAL_KEYS = {
-    "trees": ("trees_all_alike", "prompts_drawn", "trees_dropped", "leaves_per_tree", "group_size",
-              "effective_group_size", "episode_turns_mean", "tool_calls_mean", "tool_error_share",
-              "environment_token_share"),
+    "trees": ("kv_bytes_peak", "trees_all_alike", "prompts_drawn", "trees_dropped", "policy_version",
+              "leaves_per_tree", "group_size",
+              "effective_group_size", *EPISODE_KEYS),
     "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
     "policy": ("kl", "updates", "layer_by_layer_positions", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
                "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", "trees_left_out",
-               "tis_capped_fraction", "tis_weight_mean", *TRL_POLICY_KEYS),
+               "tis_capped_fraction", "tis_weight_mean", "trees_stale_dropped", "staleness_mean", "staleness_max",
+               *TRL_POLICY_KEYS),
 }
+OFF_POLICY_PREFIX = "off_policy/"
 
 
 def step_record(step: int, manifests: dict[str, dict]) -> dict:
@@ -152,6 +163,7 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     for stage, keys in OPTIONAL_KEYS.items():
         record.update({k: manifests[stage][k] for k in keys if k in manifests[stage]})
     record.update({k: v for k, v in trees.items() if k in TRL_ROLLOUT_KEYS or k.startswith(TRL_ROLLOUT_PREFIXES)})
+    record.update({k: v for k, v in policy.items() if k.startswith(OFF_POLICY_PREFIX)})
     if prefixes.get("seconds"):
         record["prefixes_positions_per_s"] = prefixes["unique_positions"] / max(prefixes["seconds"], 1e-9)
     # Loading and saving state next to the compute: the stages' waits for models to load

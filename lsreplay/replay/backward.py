@@ -4,8 +4,8 @@ Both accumulate into each parameter's `.grad` the gradient of
 
     sum over trees i, completions j, tokens t of weights[i][j][t] * log p(token t of completion j)
 
-or, with `heads` (heads.py), of sum over heads h of weights[h][i][j][t] * head_h(the
-hidden state that predicts token t): any per-position loss on the last hidden states
+(p the distribution the logprob head of `heads` names, heads.py) or, with several heads,
+of sum over heads h of weights[h][i][j][t] * head_h(the hidden state that predicts token t): any per-position loss on the last hidden states
 (a critic's value loss, a logprob loss, both at once) reduces to such weights.
 
 Replay walks each tree depth first. A branching node kept by memory.kept_spans runs
@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 from lsreplay.models.families import family
 from lsreplay.models.summed_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
-from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
+from lsreplay.replay.heads import Heads, per_head
 from lsreplay.replay.layerwise import LayerByLayerSpan, layer_by_layer_applies
 from lsreplay.replay.memory import (ActivationMeter, KeptLayers, LayerByLayer, ModelDims, default_budget,
                                     device_peak_bytes, kept_spans, leaf_batch_rows, reset_device_peak)
@@ -79,7 +79,7 @@ class _Replay:
     """State of one replay_backward call."""
 
     def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None,
-                 join_below: int, heads: Heads = LOGPROB_HEADS, offload_prefix: bool = False):
+                 join_below: int, heads: Heads, offload_prefix: bool = False):
         family(model.config)  # replay is exact on its family, or refuses it
         self.model, self.meter, self.prefix_kv, self.join_below, self.heads = model, meter, prefix_kv, join_below, heads
         self.offload_prefix = offload_prefix
@@ -304,12 +304,13 @@ def _weighted_positions(trees: list[RolloutTree], weights: dict) -> int:
 
 def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                     prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                    meter: ActivationMeter | None = None, join_below: int = 0,
-                    heads: Heads | None = None, offload_prefix: bool = False) -> BackwardStats:
+                    meter: ActivationMeter | None = None, join_below: int = 0, *,
+                    heads: Heads, offload_prefix: bool = False) -> BackwardStats:
     """Accumulate the weighted-score gradient of `trees` into `.grad`, branch replay style.
 
-    heads: what is scored (heads.py); None = the token logprob alone, with `weights` the
-    nested per-token weights, else `weights[name]` per head.
+    heads: what is scored (heads.py), the logprob under the distribution its head names;
+    for the logprob alone `weights` may be the nested per-token weights, else
+    `weights[name]` per head.
     prefix_kv: where cached K/V of branching nodes come from (None: computed here without
     grad). budget_bytes: memory allowed to one micro-batch of sibling leaves, the K/V held
     for them included (default: what the per-rollout backward saves for the longest rollout).
@@ -336,7 +337,7 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
 
 
 def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
-                   meter: ActivationMeter | None = None, heads: Heads | None = None) -> BackwardStats:
+                   meter: ActivationMeter | None = None, *, heads: Heads) -> BackwardStats:
     """The per-rollout reference: every completion's full sequence, forward and backward
     (those that carry weight). `heads`, `weights`: as for replay_backward."""
     weights, heads = per_head(weights, heads)

@@ -291,6 +291,22 @@ class VLLMEngine:
                    "generated_positions": reply["generated_tokens"]}
         return trees, figures
 
+    @contextlib.contextmanager
+    def episode_session(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos: list[int]):
+        """A session of episodes' turns (the worker's `episodes`), holding the engine: an
+        `EpisodeSession` to add requests to as the episodes' answers come back and to poll for
+        the leaves as they end. Leaving it ends the session (what is in flight is dropped)."""
+        with self._lock:
+            if self._closed:
+                raise EngineError("the vLLM engine is closed (episodes not sent); a new one must be started")
+            session = EpisodeSession(self, next(self._calls))
+            session.send(op="episodes", max_new_tokens=max_new_tokens, sampling=_sampling(temperature, top_p, top_k),
+                         eos=eos)
+            try:
+                yield session
+            finally:
+                session.end()
+
     def generate(self, prompts: list[list[int]], max_tokens: int, eos: list[int], temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per prompt (greedy by default): tokens and each token's logprob."""
@@ -337,6 +353,81 @@ class VLLMEngine:
     def spec_counters(self) -> dict:
         """vLLM's speculative counters since the start: drafts, draft_tokens, accepted_tokens."""
         return self._request("metrics")
+
+
+class EpisodeSession:
+    """One `episodes` call in flight (VLLMEngine.episode_session): requests go as they come,
+    leaves come back as they end. Any failure (an error answered, the process ended, no
+    message for rollout.vllm.timeout_s while requests are in flight) closes the engine."""
+
+    def __init__(self, engine: VLLMEngine, call: int):
+        self.engine, self.call, self.pending = engine, call, 0  # requests with leaves to come
+        self.heard = time.monotonic()
+        self.figures: dict = {}
+
+    def send(self, **message) -> None:
+        self._guarded(lambda: self.engine._conn.send({"call": self.call, **message}))
+
+    def add(self, requests: list[dict]) -> None:
+        """Requests ({key, prompt, branching, segment_tokens}), each growing a tree of replies."""
+        if not self.pending:
+            self.heard = time.monotonic()
+        self.pending += len(requests)
+        self.send(add=requests)
+
+    def poll(self, wait: float) -> list[dict]:
+        """The leaves that ended, waiting up to `wait` seconds for the first."""
+        leaves: list[dict] = []
+        while self._guarded(lambda: self.engine._conn.poll(0 if leaves else wait)):
+            reply = self._receive()
+            leaves += reply["leaves"]
+        if not leaves and self.pending and time.monotonic() - self.heard > self.engine.spec.timeout_s:
+            self._guarded(self._overdue)
+        return leaves
+
+    def end(self) -> None:
+        """End the call (the engine drops what is still in flight) and read its figures."""
+        if self.engine._closed:
+            return
+        self.send(end=True)
+        while "leaves" in (reply := self._receive()):
+            pass
+        self.figures = reply
+
+    def _receive(self) -> dict:
+        def receive() -> dict:
+            if not self.engine._conn.poll(self.engine.spec.timeout_s):
+                self._overdue()
+            reply = self.engine._conn.recv()
+            if reply.get("call") != self.call:
+                raise EngineError(f"the vLLM engine answered call {reply.get('call')} to call {self.call} (episodes)")
+            if "error" in reply:
+                log.debug("vLLM engine traceback:\n%s", reply["traceback"])
+                raise EngineError(f"vLLM engine: episodes failed: {reply['error']} ({reply['aborted']} requests in "
+                                  f"flight aborted; the engine is closed; its log: {self.engine._log_path})")
+            return reply
+
+        reply = self._guarded(receive)
+        self.heard = time.monotonic()
+        self.figures = {k: v for k, v in reply.items() if k not in ("call", "leaves")}
+        self.pending -= sum(leaf["last"] for leaf in reply.get("leaves", []))  # a request's last leaf
+        return reply
+
+    def _overdue(self) -> None:
+        raise EngineError(f"the vLLM engine sent nothing for {self.engine.spec.timeout_s:g} s with episodes' "
+                          "requests in flight and is killed (rollout.vllm.timeout_s sets the deadline)")
+
+    def _guarded(self, op: Callable):
+        if self.engine._closed:
+            raise EngineError("the vLLM engine is closed (episodes); a new one must be started")
+        try:
+            return op()
+        except (EOFError, OSError) as e:
+            self.engine._fail()
+            raise EngineError(f"the vLLM engine process ended during episodes ({self.engine._log_tail()})") from e
+        except BaseException:
+            self.engine._fail()
+            raise
 
 
 def check_engine(cfg, model_dir: Path) -> None:

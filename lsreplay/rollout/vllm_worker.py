@@ -15,8 +15,9 @@ With LoRA (`lora_rank` at the start) the engine keeps the base model it started 
 serves every request through the policy's adapters, which arrive as a PEFT folder
 (`load_adapter`, megabytes) after each update.
 
-Requests (dicts with "op" and "call"): start, trees, load_weights, load_adapter, sleep,
-wake_up, load_drafter, metrics, shutdown. A failure aborts every vLLM request in flight and is answered {"error": "Type:
+Requests (dicts with "op" and "call"): start, trees, episodes (a session: the client adds
+requests and receives leaves until it ends it), load_weights, load_adapter, sleep, wake_up,
+load_drafter, metrics, shutdown. A failure aborts every vLLM request in flight and is answered {"error": "Type:
 message", "traceback": ..., "aborted": how many}; the client then closes the engine.
 """
 
@@ -116,66 +117,41 @@ class Server:
 
     def trees(self, prompts: list[list[int]], branching: list[int], segment_tokens: list[int], max_new_tokens: int,
               sampling: dict, eos: list[int]) -> dict:
-        """Every prompt's rollout tree (lsreplay.rollout.tree_sampler's semantics): each node's
-        children are requests that continue its tokens, added as soon as it reaches its branch
-        point, so their shared prefix is in the prefix cache; a sequence that stops before a
-        branch point (EOS or another of the model's stop tokens, or the context's end) is a
-        leaf, finished if it stopped. Per tree, the positions the engine computed: prompt
-        tokens its prefix cache did not hold, plus the tokens generated. Request ids are
-        unique per call ("call:tree/path")."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        engine, started = self.llm.llm_engine, time.perf_counter()
-        ends = [sum(segment_tokens[:i + 1]) for i in range(len(segment_tokens))] + [max_new_tokens]
-        nodes, leaves = {}, [[] for _ in prompts]
-        computed, counted = [0] * len(prompts), {"prompt": 0, "cached": 0, "generated": 0}
-
-        def expand(tree: int, path: tuple, tokens: list, logprobs: list) -> None:
-            level = len(path)
-            params = SamplingParams(max_tokens=ends[level] - len(tokens), logprobs=0, stop_token_ids=eos,
-                                    detokenize=False, output_kind=RequestOutputKind.DELTA, **sampling)
-            for child in range(branching[level]):
-                request_id = f"{self.call}:{tree}/{'.'.join(map(str, path + (child,)))}"
-                nodes[request_id] = (tree, path + (child,), list(tokens), list(logprobs))
-                engine.add_request(request_id, {"prompt_token_ids": prompts[tree] + tokens}, params,
-                                   lora_request=self.adapter)
-                self.in_flight.add(request_id)
-
-        for tree in range(len(prompts)):
-            expand(tree, (), [], [])
-        last_report, steps = 0.0, 0  # the first step reports at once
-        while engine.has_unfinished_requests():
-            steps += 1
-            for out in engine.step():
-                tree, path, tokens, logprobs = nodes[out.request_id]
-                delta = out.outputs[0]
-                tokens += delta.token_ids
-                logprobs += [entry[token].logprob for token, entry in zip(delta.token_ids, delta.logprobs)]
-                counted["generated"] += len(delta.token_ids)
-                computed[tree] += len(delta.token_ids)
-                if not out.finished:
-                    continue
-                del nodes[out.request_id]
-                self.in_flight.discard(out.request_id)
-                cached = out.num_cached_tokens or 0
-                counted["prompt"] += len(out.prompt_token_ids)
-                counted["cached"] += cached
-                computed[tree] += len(out.prompt_token_ids) - cached
-                if delta.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM request {out.request_id} ended with {delta.finish_reason!r}")
-                stopped = delta.finish_reason == "stop"
-                at_the_end = len(path) == len(branching) or len(prompts[tree]) + len(tokens) >= self.max_model_len
-                if stopped or at_the_end or len(tokens) < ends[len(path) - 1]:
-                    leaves[tree].append({"path": list(path), "tokens": tokens, "logprobs": logprobs,
-                                         "finished": stopped, "seconds": time.perf_counter() - started})
-                else:  # at its branch point
-                    expand(tree, path, tokens, logprobs)
+        """Every prompt's rollout tree (lsreplay.rollout.tree_sampler's semantics, `_Trees`).
+        Per tree, the positions the engine computed: prompt tokens its prefix cache did not
+        hold, plus the tokens generated."""
+        trees = _Trees(self, max_new_tokens, sampling, eos)
+        for tree, prompt in enumerate(prompts):
+            trees.add(tree, prompt, branching, segment_tokens)
+        leaves, last_report = [[] for _ in prompts], 0.0  # the first step reports at once
+        while trees.unfinished():
+            for leaf in trees.step():
+                leaves[leaf["key"]].append(leaf)
             if time.perf_counter() - last_report > 0.5:
-                self.conn.send({"call": self.call, "progress": counted["generated"]})
+                self.conn.send({"call": self.call, "progress": trees.counted["generated"]})
                 last_report = time.perf_counter()
-        return {"leaves": leaves, "computed": computed, "seconds": time.perf_counter() - started, "steps": steps,
-                **{f"{k}_tokens": v for k, v in counted.items()}}
+        return {"leaves": leaves, "computed": [trees.computed.get(tree, 0) for tree in range(len(prompts))],
+                **trees.figures()}
+
+    def episodes(self, max_new_tokens: int, sampling: dict, eos: list[int]) -> dict:
+        """A session of episodes' turns (lsreplay.rollout.vllm_turns): the client adds
+        requests as its episodes' answers come back ({"call", "add": [{key, prompt, branching,
+        segment_tokens}]}), each grows a tree as `trees` does, and every leaf goes back as soon
+        as it ends ({"call", "leaves": [...]}), until the client's {"call", "end": true}. The
+        engine steps whenever a request is in flight; it waits for the client otherwise."""
+        trees = _Trees(self, max_new_tokens, sampling, eos)
+        while True:
+            while self.conn.poll(0 if trees.unfinished() else 1.0):
+                message = self.conn.recv()
+                if message.get("call") != self.call:
+                    raise RuntimeError(f"message of call {message.get('call')} during call {self.call} (episodes)")
+                if message.get("end"):  # what is still in flight (the client failed) is dropped
+                    self.abort_in_flight()
+                    return trees.figures()
+                for request in message["add"]:
+                    trees.add(request["key"], request["prompt"], request["branching"], request["segment_tokens"])
+            if trees.unfinished() and (leaves := trees.step()):
+                self.conn.send({"call": self.call, "leaves": leaves, **trees.figures()})
 
     def load_weights(self, buffer: str, size: int, layout: list) -> dict:
         """The policy's new weights, in place, from views of the shared buffer `buffer` (a
@@ -254,6 +230,87 @@ class Server:
         if aborted and self.llm is not None:
             self.llm.llm_engine.abort_request(aborted)
         return len(aborted)
+
+
+class _Trees:
+    """Requests growing rollout trees in the engine: each node's children are requests that
+    continue its tokens, added as soon as it reaches its branch point, so their shared prefix
+    is in the prefix cache; a sequence that stops before a branch point (EOS or another of the
+    model's stop tokens, or the context's end) is a leaf, finished if it stopped. A tree is
+    named by its `key` (the caller's); request ids are unique per call ("call:key/path")."""
+
+    def __init__(self, server: Server, max_new_tokens: int, sampling: dict, eos: list[int]):
+        self.server, self.max_new_tokens, self.sampling, self.eos = server, max_new_tokens, sampling, eos
+        self.engine, self.started, self.steps = server.llm.llm_engine, time.perf_counter(), 0
+        self.nodes: dict[str, tuple] = {}  # request id -> (key, path, tokens, logprobs)
+        self.shapes: dict = {}  # key -> (prompt, branching, level ends)
+        self.live: dict = {}  # key -> requests in flight
+        self.computed: dict = {}  # key -> positions computed
+        self.counted = {"prompt": 0, "cached": 0, "generated": 0}
+
+    def add(self, key, prompt: list[int], branching: list[int], segment_tokens: list[int]) -> None:
+        ends = [sum(segment_tokens[:i + 1]) for i in range(len(segment_tokens))] + [self.max_new_tokens]
+        self.shapes[key], self.live[key], self.computed[key] = (prompt, branching, ends), 0, 0
+        self._expand(key, (), [], [])
+
+    def unfinished(self) -> bool:
+        return bool(self.nodes)
+
+    def _expand(self, key, path: tuple, tokens: list, logprobs: list) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt, branching, ends = self.shapes[key]
+        level = len(path)
+        params = SamplingParams(max_tokens=ends[level] - len(tokens), logprobs=0, stop_token_ids=self.eos,
+                                detokenize=False, output_kind=RequestOutputKind.DELTA, **self.sampling)
+        for child in range(branching[level]):
+            request_id = f"{self.server.call}:{key}/{'.'.join(map(str, path + (child,)))}"
+            self.nodes[request_id] = (key, path + (child,), list(tokens), list(logprobs))
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt + tokens}, params,
+                                    lora_request=self.server.adapter)
+            self.server.in_flight.add(request_id)
+        self.live[key] += branching[level]
+
+    def step(self) -> list[dict]:
+        """One engine step: the leaves that ended in it, each with its tree's key, path,
+        tokens, logprobs, whether it stopped (else its length), whether it is its tree's last
+        (then its tree's computed positions), and the seconds since the start."""
+        self.steps += 1
+        leaves = []
+        for out in self.engine.step():
+            key, path, tokens, logprobs = self.nodes[out.request_id]
+            delta = out.outputs[0]
+            tokens += delta.token_ids
+            logprobs += [entry[token].logprob for token, entry in zip(delta.token_ids, delta.logprobs)]
+            self.counted["generated"] += len(delta.token_ids)
+            self.computed[key] += len(delta.token_ids)
+            if not out.finished:
+                continue
+            del self.nodes[out.request_id]
+            self.server.in_flight.discard(out.request_id)
+            self.live[key] -= 1
+            cached = out.num_cached_tokens or 0
+            self.counted["prompt"] += len(out.prompt_token_ids)
+            self.counted["cached"] += cached
+            self.computed[key] += len(out.prompt_token_ids) - cached
+            if delta.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request {out.request_id} ended with {delta.finish_reason!r}")
+            prompt, branching, ends = self.shapes[key]
+            stopped = delta.finish_reason == "stop"
+            at_the_end = len(path) == len(branching) or len(prompt) + len(tokens) >= self.server.max_model_len
+            if stopped or at_the_end or len(tokens) < ends[len(path) - 1]:
+                last = self.live[key] == 0
+                leaves.append({"key": key, "path": list(path), "tokens": tokens, "logprobs": logprobs,
+                               "finished": stopped, "last": last, "computed": self.computed[key] if last else 0,
+                               "seconds": time.perf_counter() - self.started})
+            else:  # at its branch point
+                self._expand(key, path, tokens, logprobs)
+        return leaves
+
+    def figures(self) -> dict:
+        return {"seconds": time.perf_counter() - self.started, "steps": self.steps,
+                **{f"{k}_tokens": v for k, v in self.counted.items()}}
 
 
 def probe() -> dict:

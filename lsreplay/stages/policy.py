@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 
 import torch
 
@@ -21,6 +22,7 @@ from lsreplay.models.train_state import TrainState, local, master_dtype
 from lsreplay.stages.common import StateClock, all_alike, left_out, load_trees, policy_heads, training_rewards
 from lsreplay.stages.objectives import Objective, objective, updates_per_step
 from lsreplay.stages.prefixes import StoredPrefixKV, capture_now
+from lsreplay.stages.versions import too_stale
 from lsreplay.state.resident import RESIDENT, policy_model, policy_train_state
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,9 @@ def _trains_nothing(cfg, step: int, records: list[dict]) -> None:
     alike = sum(all_alike(training_rewards(cfg, r)) for r in records)
     why = [f"{alike} of {len(records)} trees have leaves that all got the same reward"
            + ("" if cfg.algo.dynamic_sampling else " (algo.dynamic_sampling=true replaces them by other prompts)")]
-    if out := sum(left_out(cfg, records)):
+    if stale := sum(map(partial(too_stale, cfg), records)):
+        why.append(f"{stale} trees were older than rollout.max_staleness allows, and dropped")
+    if out := sum(left_out(cfg, records)) - stale:
         why.append(f"dynamic sampling left {out} trees out of the loss (all alike on "
                    f"{cfg.algo.dynamic_sampling_metric} after algo.dynamic_sampling_draws rounds)")
     if cfg.algo.overlong == "mask":
@@ -84,7 +88,7 @@ def _update(run: Run, step: int, trees, goal: Objective, prefixes: dict, device:
     replay = cfg.replay.mode == "replay"
     try:
         done = minibatch_updates(
-            train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, goal.heads,
+            train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, heads=goal.heads,
             first=(goal.old, StoredPrefixKV(run, prefixes, device) if replay else None),
             budget_bytes=cfg.replay.budget_mb * 2**20 or None, join_below=cfg.replay.join_below,
             offload_prefix=cfg.replay.offload_prefix,

@@ -4,15 +4,17 @@ message that says what to do, not after the first steps."""
 
 from __future__ import annotations
 
+import math
 import posixpath
 
 import torch
 
 from lsreplay.commands.plan import TreeShape, kept_view, model_dims
-from lsreplay.core.config import Config, ConfigError, multi_turn
+from lsreplay.core.config import Config, ConfigError, completion_tokens, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
-from lsreplay.data.environments import Chat, Episodes, load_play
+from lsreplay.data.chat_formats import Chat
+from lsreplay.data.environments import Calls, Episodes, load_play
 from lsreplay.data.preferences import check_preferences, offline
 from lsreplay.data.prompt_sets import check_prompts
 from lsreplay.data.rendering import render_prompt
@@ -21,14 +23,15 @@ from lsreplay.drafter.export import exported_format
 from lsreplay.drafter.model import FORMAT
 from lsreplay.metrics.trackers import check_trackers
 from lsreplay.models.families import family
-from lsreplay.models.loading import check_weights, hf_config, load_tokenizer, resolve_model_dir
+from lsreplay.models.loading import check_positions, check_weights, hf_config, load_tokenizer, resolve_model_dir
 from lsreplay.models.lora import check_lora
 from lsreplay.rollout.vllm_engine import check_engine
 
 
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
-    run, the model folder is there and of a family replay is exact on, the trackers are installed, the reward functions import
+    run, the model folder is there, of a family replay is exact on, and reaches the positions
+    the prompts and completions need (model.rope_scaling), the trackers are installed, the reward functions import
     and take what the data gives them, the tools and environment import, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
     (lsreplay.data.prompt_sets.check_prompts), and the replay backward fits its budget.
@@ -42,6 +45,9 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     if not cfg.model.arch:  # a random model of that shape otherwise, no weights
         check_weights(model_dir)
     family(hf_config(cfg.model))  # replay is exact on it, or it is refused here
+    completion = completion_tokens(cfg.rollout)
+    check_positions(cfg.model, cfg.data.max_prompt_tokens + completion,
+                    f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {completion} completion tokens")
     check_lora(cfg.model)
     check_replay_budget(cfg)
     if cfg.rollout.engine == "vllm":
@@ -72,12 +78,23 @@ def check_replay_budget(cfg: Config) -> None:
 def prompt_renderer(cfg: Config, tokenizer):
     """How a prompt reaches the model: rendered alone, or for episodes as their opening (the
     environment's reset string added, the tools shown); loading the tools and environment
-    checks they import and have schemas."""
+    checks they import and have schemas, and an instance reset with the prompt's row must fork."""
     if not multi_turn(cfg.rollout):
         return lambda prompt: render_prompt(tokenizer, prompt, cfg.data)
     play = load_play(cfg.rollout)
-    chat = Chat(tokenizer, play, cfg.data, [tokenizer.eos_token_id])  # the end-of-turn matters for later turns only
-    return lambda prompt: Episodes(play, chat, [prompt]).prompt_ids()[0]
+    chat = Chat(tokenizer, play.schemas, cfg.data, [tokenizer.eos_token_id], play.format)  # end-of-turn: later turns
+
+    def render(prompt):
+        with Calls(play.timeout, 1) as calls:
+            episodes = Episodes(play, chat, [prompt], calls)
+            try:  # a reset instance forks (or the error names fork()), where the episodes branch
+                if math.prod(cfg.rollout.branching) > 1:
+                    episodes.close(episodes.branch(episodes.root(0), last=False))
+                return episodes.prompt_ids()[0]
+            finally:
+                episodes.close(episodes.root(0))
+
+    return render
 
 
 def check_drafters(run: Run) -> None:
