@@ -302,3 +302,14 @@ def test_a_drafter_of_an_older_format_stops_a_resume(prefect_server, tiny_model_
     export.write_text(json.dumps({**config, "lsreplay_drafter": {**config["lsreplay_drafter"], "format": "eagle1"}}))
     assert cli.main(["resume", str(run_dir), "--steps", "3", unique_pool()]) == 2
     assert "holds a drafter of format 'eagle1'" in error(capsys)
+
+
+def test_a_replay_budget_too_small_for_the_prompts_stops_before_any_work(tmp_path, tiny_model_dir, capsys):
+    """Prompts of up to 2000 tokens whose layer inputs and K/V alone take more than
+    replay.budget_mb: the preflight refuses, with the budget that would do."""
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+                     "data.max_prompt_tokens=2000", "replay.budget_mb=1"]) == 2
+    err = error(capsys)
+    assert re.search(r"replay.budget_mb=1 is too small for this tree: .*\(its prompt of 2000 tokens, run layer by "
+                     r"layer, holds [0-9.]+ MiB .*; raise replay.budget_mb to at least 2,", err), err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

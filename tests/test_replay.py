@@ -28,6 +28,14 @@ def random_trees(vocab=64, seed=1):
     return trees, weights
 
 
+def fallback_model(arch: str = "llama"):
+    """A tiny model cascade attention does not take (float16: the CPU's flash kernel has
+    none), whose branching nodes a budget of a byte sends to the fallback: their K/V read
+    from the source, each run again after its subtree (memory.kept_spans). A model it takes
+    refuses such a budget."""
+    return tiny_model(arch, dtype=torch.float16)
+
+
 def grads_of(model, fn, *args, **kwargs):
     """`fn` (replay_backward or naive_backward) of the policy's own logprobs, and the gradient."""
     model.zero_grad()
@@ -101,7 +109,7 @@ def test_stored_prefix_kv_corrupt_or_missing_is_recomputed(tmp_path, caplog):
     from lsreplay.core.run import Run
     from lsreplay.stages.prefixes import StoredPrefixKV, kv_key, kv_tensors
 
-    model = tiny_model("llama")
+    model = fallback_model()
     trees, weights = random_trees()
     run = Run(load_config(None, [f"run_dir={tmp_path}"]))
     acts = [capture_tree(model, t, heads=RAW_LOGPROB) for t in trees]
@@ -134,7 +142,7 @@ def test_host_offloaded_prefix_kv_is_served_from_memory(tmp_path):
     from lsreplay.core.run import Run
     from lsreplay.stages.prefixes import HOST_KV, StoredPrefixKV, kv_key, kv_tensors
 
-    model = tiny_model("llama")
+    model = fallback_model()
     trees, weights = random_trees()
     run = Run(load_config(None, [f"run_dir={tmp_path}", "replay.kv_offload=host"]))
     acts = [capture_tree(model, t, heads=RAW_LOGPROB) for t in trees]

@@ -424,6 +424,10 @@ class ReplayConfig:
     # processes and after a crash); "host": also keep them in CPU memory between the
     # caching and backward stages of one process, read from storage only if missing.
     kv_offload: str = "store"
+    # A branching node run layer by layer (one whose graph does not fit replay.budget_mb: a
+    # long prompt) keeps its layer inputs in pinned host memory on CUDA, each fetched back one
+    # layer ahead of its backward on a side stream; on a CPU it changes nothing.
+    offload_prefix: bool = False
     # Join a branching node into its children when (children - 1) x its tokens is below
     # this: every replay run costs about this many positions' worth on top of its length
     # (a pass over all weight gradients; ~100 for SmolLM2-135M on 2 CPU cores). 0: never.
@@ -495,6 +499,10 @@ class PoolConfig:
     accelerator: str = "cpu"
     # Memory per device in GiB for `lsreplay plan` (0 = unknown: no fit verdict).
     device_memory_gb: float = 0.0
+    # Memory per host in GiB for `lsreplay plan`, and how many of the pool's devices a host
+    # holds (0 = all of them: one host). 0 = unknown: no fit verdict for the host.
+    host_memory_gb: float = 0.0
+    devices_per_host: int = 0
     # Data-parallel ranks of the policy update (whole trees per rank).
     devices_per_step: int = 1
     # The pool devices the rollout shards sample on; the caching pass, the update, the
@@ -1207,6 +1215,9 @@ def _validate_pool(cfg: Config) -> None:
            "> 0 with pool.accelerator=cuda under pool.task_runner=ray (each device's Ray host asks Ray for "
            "its GPU: pool.ray_gpus=1)", p.ray_gpus)
     _check(p.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)", p.device_memory_gb)
+    _check(p.host_memory_gb >= 0, "pool.host_memory_gb", "must be >= 0 (0 = unknown)", p.host_memory_gb)
+    _check(0 <= p.devices_per_host <= p.slots, "pool.devices_per_host",
+           f"between 0 (all on one host) and pool.slots = {p.slots}", p.devices_per_host)
     for key, value in (("pool.stage_timeout_seconds", p.stage_timeout_seconds), ("pool.wait_seconds", p.wait_seconds)):
         _check(value >= 0, key, "must be >= 0 (0 = no limit)", value)
     _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",

@@ -127,7 +127,7 @@ OPTIONAL_KEYS = {
               "leaves_per_tree", "group_size",
               "effective_group_size", *EPISODE_KEYS),
     "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
-    "policy": ("kl", "updates", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
+    "policy": ("kl", "updates", "layer_by_layer_positions", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
                "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", "trees_left_out",
                "tis_capped_fraction", "tis_weight_mean", "trees_stale_dropped", "staleness_mean", "staleness_max",
                *TRL_POLICY_KEYS),

@@ -91,6 +91,7 @@ def _update(run: Run, step: int, trees, goal: Objective, prefixes: dict, device:
             train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, heads=goal.heads,
             first=(goal.old, StoredPrefixKV(run, prefixes, device) if replay else None),
             budget_bytes=cfg.replay.budget_mb * 2**20 or None, join_below=cfg.replay.join_below,
+            offload_prefix=cfg.replay.offload_prefix,
             capture=lambda sub: capture_now(run, train.model, sub, goal.heads))
     except BaseException:
         if norms:  # the held state is part of the way through the update: unusable
@@ -117,7 +118,8 @@ def _stats_fields(stats: list) -> dict:
     return {"objective": sum(s.objective for s in stats), "positions": positions,
             "per_rollout_positions": per_rollout, "positions_ratio": per_rollout / max(positions, 1),
             "peak_activation_bytes": max(s.peak_activation_bytes for s in stats),
-            "device_peak_bytes": max(peaks) if peaks else None, "backward_seconds": sum(s.seconds for s in stats)}
+            "device_peak_bytes": max(peaks) if peaks else None, "backward_seconds": sum(s.seconds for s in stats),
+            "layer_by_layer_positions": sum(s.layer_by_layer_positions for s in stats)}
 
 
 def _commit_step(run: Run, step: int, train: TrainState, loss: float, forget, sharded: bool = False) -> float:
@@ -222,7 +224,8 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     stats = data_parallel_backward(model, trees, weights, rank, world, mode=cfg.replay.mode, fsdp=fsdp,
                                    prefix_kv=StoredPrefixKV(run, prefixes, device),
                                    budget_bytes=cfg.replay.budget_mb * 2**20 or None,
-                                   join_below=cfg.replay.join_below, grad_params=train.masters,
+                                   join_below=cfg.replay.join_below, offload_prefix=cfg.replay.offload_prefix,
+                                   grad_params=train.masters,
                                    heads=policy_heads(cfg))
     try:
         if fsdp or rank == 0:

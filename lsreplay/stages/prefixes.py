@@ -148,10 +148,12 @@ def capture_now(run: Run, model, trees, heads: Heads):
 
 def kv_read(run: Run, model, tree) -> set[int]:
     """The tree nodes whose K/V the replay backward will read: those of its branching spans
-    whose graphs it does not keep (replay_plan), none for the per-rollout baseline."""
+    it neither keeps the graph of nor runs layer by layer (replay_plan), none for the
+    per-rollout baseline."""
     if run.cfg.replay.mode != "replay":
         return set()
-    spans, kept, _ = replay_plan(model, tree, run.cfg.replay.join_below, run.cfg.replay.budget_mb * 2**20 or None)
+    spans, kept, _ = replay_plan(model, tree, run.cfg.replay.join_below, run.cfg.replay.budget_mb * 2**20 or None,
+                                 run.cfg.replay.offload_prefix)
     return read_kv_nodes(spans, kept)
 
 
