@@ -46,8 +46,10 @@ sys.path.insert(0, str(REPO))
 from lsreplay.algos.backward import activations_kv, capture_logprobs, naive_loss_backward  # noqa: E402
 from lsreplay.algos.dpo import dpo_loss, sequence_logprobs  # noqa: E402
 from lsreplay.algos.weights import loss_and_weights  # noqa: E402
+from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.replay.backward import replay_backward  # noqa: E402
 from lsreplay.replay.capture import capture_rollouts  # noqa: E402
+from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import ActivationMeter, device_peak_bytes, reset_device_peak  # noqa: E402
 from lsreplay.tree import RolloutTree  # noqa: E402
 
@@ -83,12 +85,13 @@ def reference_of(model, seed: int):
 
 def replay_step(model, reference, trees: list[RolloutTree]) -> dict:
     """The reference's and the policy's caching passes, DPO's weights, the replay backward."""
-    ref_lp, _ = capture_logprobs(reference, trees, keep_kv=False)
+    ref_lp, _ = capture_logprobs(reference, trees, keep_kv=False, heads=logprob_heads(RAW))
     ref = [s.detach() for s in sequence_logprobs(ref_lp)]
-    logprobs, acts = capture_logprobs(model, trees)
+    logprobs, acts = capture_logprobs(model, trees, heads=logprob_heads(RAW))
     pairs = PAIR * len(trees)
     loss, weights = loss_and_weights(lambda lp: dpo_loss(lp, pairs, ref, BETA), logprobs)
-    stats = replay_backward(model, trees, weights, prefix_kv=activations_kv(acts), meter=ActivationMeter(model))
+    stats = replay_backward(model, trees, weights, prefix_kv=activations_kv(acts), meter=ActivationMeter(model),
+                            heads=logprob_heads(RAW))
     return {"loss": loss, "positions": stats.positions, "peak": stats.peak_activation_bytes}
 
 
@@ -97,8 +100,10 @@ def per_pair_step(model, reference, trees: list[RolloutTree]) -> dict:
     meter, loss, positions = ActivationMeter(model), 0.0, 0
     with meter.measure():
         for tree in trees:
-            ref = [sequence_logprobs([tree.completion_values(capture_rollouts(reference, tree).entry_logprobs)])[0]]
-            loss += naive_loss_backward(model, [tree], lambda lp, ref=ref: dpo_loss(lp, PAIR, ref, BETA) / len(trees))
+            scored = capture_rollouts(reference, tree, heads=logprob_heads(RAW))
+            ref = [sequence_logprobs([tree.completion_values(scored.entry_logprobs)])[0]]
+            loss += naive_loss_backward(model, [tree], lambda lp, ref=ref: dpo_loss(lp, PAIR, ref, BETA) / len(trees),
+                                        heads=logprob_heads(RAW))
             positions += tree.total_positions  # forward and backward, each sequence whole
     return {"loss": loss, "positions": positions, "peak": meter.peak}
 

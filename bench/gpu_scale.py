@@ -53,8 +53,10 @@ from synthetic import qwen_model, random_weights  # noqa: E402
 
 from lsreplay.commands.plan import ModelDims, RunPeak, TreeShape, make_plan, plan_values  # noqa: E402
 from lsreplay.core.config import load_config  # noqa: E402
+from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.capture import capture_tree  # noqa: E402
+from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import ActivationMeter  # noqa: E402
 from lsreplay.tree import RolloutTree  # noqa: E402
 
@@ -128,7 +130,7 @@ def throughput(model, dims: ModelDims, s: Setting, device, dtype, rounds: int) -
 
     sync(device)
     t = time.perf_counter()
-    acts = [capture_tree(model, tree, keep_hidden=False)]
+    acts = [capture_tree(model, tree, keep_hidden=False, heads=logprob_heads(RAW))]
     sync(device)
     cache_s = time.perf_counter() - t
     prefix_kv = lambda i, node: acts[i].prefix_kv.get(node.id)  # noqa: E731
@@ -137,11 +139,11 @@ def throughput(model, dims: ModelDims, s: Setting, device, dtype, rounds: int) -
     def replay():
         model.zero_grad(set_to_none=True)
         stats["replay"] = replay_backward(model, trees, weights, prefix_kv=prefix_kv, meter=ActivationMeter(model),
-                                          budget_bytes=s.budget_bytes)
+                                          budget_bytes=s.budget_bytes, heads=logprob_heads(RAW))
 
     def naive():
         model.zero_grad(set_to_none=True)
-        stats["naive"] = naive_backward(model, trees, weights, meter=ActivationMeter(model))
+        stats["naive"] = naive_backward(model, trees, weights, meter=ActivationMeter(model), heads=logprob_heads(RAW))
 
     runs = {"replay": replay, "naive": naive}
     seconds = alternating({k: (lambda k=k: peaks[k].append(peak_measured(device, runs[k]))) for k in runs},
@@ -187,9 +189,10 @@ def trains(model, dims: ModelDims, s: Setting, mode: str, prompt: int, dtype) ->
     try:
         meter = ActivationMeter(model)
         if mode == "replay":
-            stats = replay_backward(model, [tree], weights, meter=meter, budget_bytes=s.budget_bytes)
+            stats = replay_backward(model, [tree], weights, meter=meter, budget_bytes=s.budget_bytes,
+                                    heads=logprob_heads(RAW))
         else:
-            stats = naive_backward(model, [tree], weights, meter=meter)
+            stats = naive_backward(model, [tree], weights, meter=meter, heads=logprob_heads(RAW))
         sync(device)
         peak = stats.device_peak_bytes or stats.peak_activation_bytes
         if s.cap_bytes is not None and stats.peak_activation_bytes > s.cap_bytes:

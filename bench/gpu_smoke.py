@@ -48,15 +48,24 @@ What it does, each part on its own (a failing part is reported and the next stil
    smaller tree (prompt 1024, branching [4, 4] after 128 tokens, 512-token completions):
    CUDA attends to the prefix with the memory-efficient kernel there (bf16 takes flash);
    passes at grad_rel <= 1e-3 with the cascade path taken.
-
 6. attention variants: replay_backward vs naive_backward in float32 on small Gemma 2 (a
    sliding window shorter than the prompt, attention and final logit softcapping) and GPT-OSS
    (attention sinks, a sliding window, experts) models: on CUDA a masked part of cascade
    attention and a softcapped one run the plain torch kernel (replay/attention/kernels.py);
    passes at grad_rel <= 1e-3 with the cascade path taken.
+7. a long prompt layer by layer: Qwen2.5-0.5B dimensions in bf16, a 16384-token prompt and 4
+   leaves of 256 tokens, at a budget its graph does not fit (the least the tree runs at, and
+   room for a layer over 2048 positions at a time: memory.least_budget), so the prompt runs
+   layer by layer (replay/layerwise.py); then the same with replay.offload_prefix (its layer
+   inputs in pinned host memory, fetched back a layer ahead on a side stream); then the
+   per-rollout backward. Passes where both replay runs took the prompt layer by layer, their
+   float32 master gradients agree with the per-rollout ones as part 2's do, and offloading
+   lowered the device peak by at least half of the layer inputs it moved (on the CPU: the
+   same peak, bit-identical gradients: offload changes nothing there).
 
 The last line: gpu_ok= grad_rel= replay_speedup= peak_gib= plan_gib= f32_grad_rel=
-variants_grad_rel= (gpu_ok: parts 1, 2, 5 and 6 passed; peak_gib is nan on the CPU).
+variants_grad_rel= long_grad_rel= offload_saved_gib= (gpu_ok: parts 1, 2, 5, 6 and 7 passed;
+peak_gib and offload_saved_gib are nan on the CPU).
 """
 
 from __future__ import annotations
@@ -91,15 +100,19 @@ from synthetic import QWEN, qwen_model, random_weights  # noqa: E402
 from lsreplay import stages
 
 from lsreplay.commands.plan import TreeShape, make_plan, plan_values  # noqa: E402
-from lsreplay.core.config import ModelConfig, load_config  # noqa: E402
+from lsreplay.core.config import ModelConfig, OptimConfig, load_config  # noqa: E402
 from lsreplay.core.devices import cuda_determinism  # noqa: E402
 from lsreplay.metrics.records import step_record  # noqa: E402
+from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.attention.kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402
-from lsreplay.replay.memory import ModelDims  # noqa: E402
+from lsreplay.replay.heads import logprob_heads  # noqa: E402
+from lsreplay.replay.memory import (ModelDims, layer_run_bytes, layer_workspace_bytes,  # noqa: E402
+                                    least_budget)
+from lsreplay.replay.view import replay_view  # noqa: E402
 from lsreplay.rollout.sampling import draw  # noqa: E402
 from lsreplay.stages.prefixes import release_read  # noqa: E402
 from lsreplay.stages.preflight import preflight  # noqa: E402
@@ -274,11 +287,12 @@ def backwards(name: str, device: torch.device, rounds: int, smoke: bool) -> dict
 
     def replay():
         train.zero_grad()
-        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below)
+        last["stats"] = replay_backward(model, [tree], weights, budget_bytes=budget, join_below=cfg.replay.join_below,
+                                        heads=logprob_heads(RAW))
 
     def naive():
         train.zero_grad()
-        naive_backward(model, [tree], weights)
+        naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
 
     replay()
     train.step()  # AdamW's moments now exist: the state a training step holds
@@ -346,18 +360,23 @@ def report_backwards(out: dict) -> dict[str, float]:
 
 
 # -- 5. float32: the memory-efficient kernel on CUDA ----------------------------------------
+def replay_against_naive(model, shape: TreeShape, seed: int) -> dict:
+    """gradient_agreement of replay_backward and naive_backward on one random tree of `shape`."""
+    tree = shape.random_tree(model.config.vocab_size, seed=seed)
+    weights = random_weights(tree, seed=seed)
+    replay_backward(model, [tree], weights, heads=logprob_heads(RAW))
+    replay_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    naive_backward(model, [tree], weights, heads=logprob_heads(RAW))
+    return gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+
+
 def float32_backwards(name: str, device: torch.device, smoke: bool) -> dict:
     """replay_backward vs naive_backward of one float32 tree (the smoke run: tiny lengths)."""
     shape = TreeShape.from_rollout(*((64, [4, 4], [16], 48) if smoke else (1024, [4, 4], [128], 512)))
     model = qwen_model(name, device, torch.float32, shape.prompt + shape.completion + 64)
     dims = ModelDims.from_hf(model.config)
-    tree = shape.random_tree(dims.vocab, seed=2)
-    weights = random_weights(tree, seed=2)
-    replay_backward(model, [tree], weights)
-    replay_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    naive_backward(model, [tree], weights)
-    a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+    a = replay_against_naive(model, shape, seed=2)
     kernel = kernel_for(device.type, torch.float32, dims.head_dim)
     out = {"grad_rel": a["rel"], "cosine": a["cosine"], "cascade": cascade_applies(model),
            "kernel": kernel.name if kernel else "none"}
@@ -387,18 +406,54 @@ def variant_backwards(device: torch.device, smoke: bool) -> dict:
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **keys)
         config._attn_implementation = "eager"
         model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
-        tree = shape.random_tree(1024, seed=3)
-        weights = random_weights(tree, seed=3)
-        replay_backward(model, [tree], weights)
-        replay_grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        naive_backward(model, [tree], weights)
-        a = gradient_agreement(replay_grads, [p.grad for p in model.parameters()])
+        a = replay_against_naive(model, shape, seed=3)
         print(f"  {family} {keys}: cascade {cascade_applies(model)}; gradients rel {a['rel']:.2e}", flush=True)
         if not cascade_applies(model):
             return {"grad_rel": math.inf}
         worst = max(worst, a["rel"])
     return {"grad_rel": worst}
+
+
+# -- 7. a long prompt layer by layer, its layer inputs on the device or in host memory -------
+def long_prompt(name: str, device: torch.device, smoke: bool) -> dict:
+    """Replay with the prompt run layer by layer, without and with replay.offload_prefix, and
+    the per-rollout backward: float32 master gradients and device peaks."""
+    prompt, leaves, suffix, chunk = (256, 4, 16, 32) if smoke else (16384, 4, 256, 2048)
+    shape = TreeShape(prompt, ((leaves, suffix),))
+    model = qwen_model(name, device, torch.bfloat16, prompt + suffix + 64)
+    dims = ModelDims.from_hf(model.config)
+    tree = shape.random_tree(dims.vocab, seed=3)
+    weights = random_weights(tree, seed=3)
+    budget = (least_budget(replay_view(tree, 0), dims, 2)
+              + chunk * (layer_run_bytes(dims, 2, 1) + layer_workspace_bytes(dims, 2, 1)))
+    train, runs = TrainState(model, OptimConfig()), {}
+    for offload in (False, True):
+        train.zero_grad()
+        stats = {}
+        peak = peak_measured(device, lambda: stats.update(out=replay_backward(
+            model, [tree], weights, budget_bytes=budget, heads=logprob_heads(RAW), offload_prefix=offload)))
+        runs[offload] = (stats["out"], peak, [m.grad.clone() for m in train.masters])
+    train.zero_grad()
+    naive_peak = peak_measured(device, lambda: naive_backward(model, [tree], weights, heads=logprob_heads(RAW)))
+    naive = [m.grad.clone() for m in train.masters]
+    (on_device, peak_on, grads_on), (offloaded, peak_off, grads_off) = runs[False], runs[True]
+    moved = (dims.layers - 1) * prompt * dims.hidden * 2
+    agreement = [gradient_agreement(g, naive) for g in (grads_on, grads_off)]
+    out = {"layer_by_layer": on_device.layer_by_layer_positions == offloaded.layer_by_layer_positions == prompt,
+           "grad_rel": max(a["rel"] for a in agreement), "cosine": min(a["cosine"] for a in agreement),
+           "saved": math.nan if peak_on is None else peak_on - peak_off}
+    out["offload_ok"] = (out["saved"] >= moved / 2 if device.type == "cuda" else
+                         all(torch.equal(a, b) for a, b in zip(grads_on, grads_off))
+                         and on_device.peak_activation_bytes == offloaded.peak_activation_bytes)
+    print(f"  Qwen2.5-{name} shape, bf16, prompt {prompt} + {leaves} leaves x {suffix}, budget "
+          f"{budget / 2**20:.1f} MiB: layer by layer {out['layer_by_layer']}; gradients rel {out['grad_rel']:.2e} "
+          f"(<= {GRAD_REL_MAX}), cosine {out['cosine']:.6f}; device peak {_gib(peak_on)} GiB, offloaded {_gib(peak_off)} GiB (layer inputs moved "
+          f"{moved / GiB:.2f} GiB), per-rollout {_gib(naive_peak)} GiB; offload ok {out['offload_ok']}", flush=True)
+    return out
+
+
+def _gib(n: int | None) -> str:
+    return "nan" if n is None else f"{n / GiB:.2f}"
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -451,16 +506,22 @@ def main(argv: list[str] | None = None) -> int:
                lambda: float32_backwards("smoke" if args.smoke else "0.5b", device, args.smoke))
     variants = part("6. attention variants: windows, softcaps, sinks (CUDA: the plain kernel's masked parts)",
                     lambda: variant_backwards(device, args.smoke))
+    long = part("7. a long prompt layer by layer, its layer inputs on the device and in host memory",
+                lambda: long_prompt("smoke" if args.smoke else "0.5b", device, args.smoke))
     ok = (checks is not None and all(checks.values()) and out is not None
           and out["grad_rel"] <= GRAD_REL_MAX and out["cosine"] >= COSINE_MIN
           and f32 is not None and f32["cascade"] and f32["grad_rel"] <= F32_GRAD_REL_MAX
-          and variants is not None and variants["grad_rel"] <= F32_GRAD_REL_MAX)
+          and variants is not None and variants["grad_rel"] <= F32_GRAD_REL_MAX
+          and long is not None and long["layer_by_layer"] and long["offload_ok"]
+          and long["grad_rel"] <= GRAD_REL_MAX and long["cosine"] >= COSINE_MIN)
     out = out or dict.fromkeys(("grad_rel", "replay_speedup", "peak_gib", "plan_gib"), math.nan)
     print(f"\nwall {time.perf_counter() - wall:.0f} s")
     print(f"gpu_ok={str(ok).lower()} grad_rel={out['grad_rel']:.3e} replay_speedup={out['replay_speedup']:.3f} "
           f"peak_gib={out['peak_gib']:.3g} plan_gib={out['plan_gib']:.3g} "
           f"f32_grad_rel={(f32 or {}).get('grad_rel', math.nan):.3e} "
-          f"variants_grad_rel={(variants or {}).get('grad_rel', math.nan):.3e}", flush=True)
+          f"variants_grad_rel={(variants or {}).get('grad_rel', math.nan):.3e} "
+          f"long_grad_rel={(long or {}).get('grad_rel', math.nan):.3e} "
+          f"offload_saved_gib={(long or {}).get('saved', math.nan) / GiB:.3g}", flush=True)
     return 0 if ok else 1
 
 

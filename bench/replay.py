@@ -55,8 +55,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from lsreplay.core.config import ModelConfig
 from lsreplay.models.loading import resolve_model_dir
 
+from lsreplay.models.distribution import RAW
 from lsreplay.replay.backward import naive_backward, replay_backward, replay_plan
 from lsreplay.replay.capture import capture_tree
+from lsreplay.replay.heads import logprob_heads
 from lsreplay.replay.memory import ActivationMeter
 from lsreplay.replay.view import read_kv_nodes
 from lsreplay.tree import RolloutTree
@@ -230,12 +232,13 @@ def run_shape(model, shape: Shape, reps: int, seed: int) -> dict:
     rel = 0.0
     for _ in range(reps):  # interleaved, so both see the same machine load
         model.zero_grad(set_to_none=True)
-        naive, _, cpu = timed(lambda: naive_backward(model, trees, weights, meter=ActivationMeter(model)))
+        naive, _, cpu = timed(lambda: naive_backward(model, trees, weights, meter=ActivationMeter(model),
+                                                     heads=logprob_heads(RAW)))
         naive_s, naive_cpu = min(naive_s, naive.seconds), min(naive_cpu, cpu)
         g_naive = grads(model)
         model.zero_grad(set_to_none=True)
         replay, _, cpu = timed(lambda: replay_backward(model, trees, weights, prefix_kv=prefix_kv,
-                                                       meter=ActivationMeter(model)))
+                                                       meter=ActivationMeter(model), heads=logprob_heads(RAW)))
         replay_s, replay_cpu = min(replay_s, replay.seconds), min(replay_cpu, cpu)
         g_replay = grads(model)
         model.zero_grad(set_to_none=True)

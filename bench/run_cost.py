@@ -32,7 +32,8 @@ import torch  # noqa: E402
 
 from lsreplay.core.config import load_config  # noqa: E402
 from lsreplay.models.summed_grads import summed_in_place  # noqa: E402
-from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS  # noqa: E402
+from lsreplay.models.distribution import RAW  # noqa: E402
+from lsreplay.replay.heads import LogprobHead  # noqa: E402
 from lsreplay.replay.memory import RUN_POSITIONS  # noqa: E402
 from lsreplay.replay.segments import forward_segments  # noqa: E402
 from lsreplay.state.resident import policy_model  # noqa: E402
@@ -44,7 +45,7 @@ def leaf_run(model, tokens: list[int]) -> None:
     the token after it."""
     hidden, _ = forward_segments(model, [tokens], 0, None)
     at = list(range(len(tokens) - 1))
-    LOGPROB_HEADS[LOGPROB](model, hidden[0], at, tokens[1:]).sum().backward()
+    LogprobHead(RAW)(model, hidden[0], at, tokens[1:]).sum().backward()
 
 
 def run_seconds(model, lengths: list[int], rounds: int, seed: int) -> dict[int, float]:

@@ -29,13 +29,16 @@ def peak_measured(device: torch.device, fn: Callable[[], object]) -> int | None:
     return torch.cuda.max_memory_allocated(device)
 
 
-def alternating(runs: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, list[float]]:
+def alternating(runs: dict[str, Callable[[], object]], rounds: int, device: torch.device,
+                warm_up: bool = True) -> dict[str, list[float]]:
     """Seconds of each run in each of `rounds`, the order reversed every round (so neither
     always runs first, into a cooler or warmer device), after a warm-up round at the same
-    shape whose times are dropped (kernel choice, allocator growth, lazy init)."""
+    shape whose times are dropped (kernel choice, allocator growth, lazy init); without
+    `warm_up` (runs of minutes, after others warmed the process up) none."""
     names = list(runs)
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(rounds + 1):
+    first = 0 if warm_up else 1
+    for round_ in range(first, rounds + 1):
         for name in names if round_ % 2 == 0 else names[::-1]:
             sync(device)
             start = time.perf_counter()

@@ -3,6 +3,11 @@ r"""The training flow: the RL step loop, one task per stage.
     [eval] -> prompts -> rollout shards -> trees -> prefix cache -> policy update
                             \-> (slots freed) drafter distillation of the previous step
 
+With rollout.max_staleness = K > 0 the rollouts run ahead of the updates: those of step t
+sample with the policy after update t - K (lsreplay.stages.versions), and are submitted as
+soon as that update has ended, so that steps t + 1 .. t + K sample while step t's update
+runs (flows.rollouts); pool.rollout_devices gives them devices of their own.
+
 With eval.every > 0, the policy is evaluated on the held-out prompts before steps 0,
 eval.every, ... and after the last update (lsreplay.stages.evaluate).
 
@@ -27,6 +32,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from flows import artifacts
+from flows.rollouts import RolloutsAhead, ended
 from lsreplay.core import run_lock
 from lsreplay.core.config import Config, ConfigError, load_config
 from lsreplay.core.layout import STAGES
@@ -105,17 +111,19 @@ def _run_locked(run, force: bool, lock) -> list[dict]:
     submitted: list = []
     tasks = {name: _Recorded(task, submitted) for name, task in configured(cfg).items()}
     trackers = Trackers(cfg)  # report_to: this process reports, the stages' never do
+    ahead = RolloutsAhead(tasks, cfg)
     try:
         with ray_session(cfg), _settled(submitted):
-            return _run_steps(run, tasks, cfg, trackers, lock)
+            return _run_steps(run, tasks, cfg, trackers, lock, ahead)
     finally:
+        ahead.wait()  # rollouts submitted ahead write into the run: not past its lock
         release_parked()  # the slots the last stage left for a next one: there is none
         checkpointing.WRITER.wait()
         RESIDENT.release(run)
         trackers.close()
 
 
-def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers, lock) -> list[dict]:
+def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers, lock, ahead: RolloutsAhead) -> list[dict]:
     logger = get_run_logger()
     progress = artifacts.Progress(f"RL steps finished of {cfg.steps}", every=0)
     progress(0.0)
@@ -130,7 +138,7 @@ def _run_steps(run, tasks: dict, cfg: Config, trackers: Trackers, lock) -> list[
                 table()
             if step == cfg.steps:
                 break
-            manifests = _step(run, tasks, cfg, step, trackers)
+            manifests = _step(run, tasks, cfg, step, trackers, ahead)
         except InputCorrupt as e:
             _count(recomputes, (e.step, e.stage), e)
             logger.warning("%s", e)
@@ -217,13 +225,16 @@ def _result(future, stage: str, step: int) -> dict:
         raise StageFailed(stage, step, e) from e
 
 
-def _step(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> dict[str, dict]:
+def _step(run, tasks: dict, cfg: Config, step: int, trackers: Trackers, ahead: RolloutsAhead) -> dict[str, dict]:
     """prompts -> rollout shards (with the previous step's drafter on freed slots) -> trees
-    -> prefix cache -> policy; the last step then trains its own drafter to the end."""
+    -> prefix cache -> policy; the last step then trains its own drafter to the end. The
+    rollouts of the next rollout.max_staleness steps are submitted first: they run while
+    this step's update does."""
     def stage(name: str) -> dict:
         return _result(tasks[name].submit(cfg=cfg, step=step), name, step)
 
-    manifests = {"prompts": stage("prompts"), "trees": _rollouts(run, tasks, cfg, step, trackers)}
+    ahead.submit_through(step)
+    manifests = _rollouts(run, tasks, cfg, step, trackers, ahead)
     manifests["prefixes"] = stage("prefixes")
     manifests["policy"] = stage("policy")
     release_read(run, step, "policy")
@@ -233,25 +244,28 @@ def _step(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> dict[
     return manifests
 
 
-def _rollouts(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> dict:
-    """The step's rollout shards, then their collected trees. The previous step's drafter
-    starts on a free slot (an idle one, or the first a finished shard frees while others
-    still run) and trains until the last shard is collected (lsreplay.stages.drafter); then its metrics join the
-    previous step's line. If a shard fails, the drafter trains its full budget before the
-    flow stops."""
-    shards = [tasks["trees"].submit(cfg=cfg, step=step, shard=k) for k in range(cfg.rollout.shards)]
+def _rollouts(run, tasks: dict, cfg: Config, step: int, trackers: Trackers, ahead: RolloutsAhead) -> dict:
+    """The step's prompts and rollout shards (submitted by `ahead`), then their collected
+    trees. The previous step's drafter starts on a free slot (an idle one, or the first a
+    finished shard frees while others still run; with pool.rollout_devices, the update's,
+    idle until these trees are there) and trains until the last shard is collected
+    (lsreplay.stages.drafter); then its metrics join the previous step's line. If a shard
+    fails, the drafter trains its full budget before the flow stops."""
+    prompts, shards = ahead.take(step)
+    manifests = {"prompts": _result(prompts, "prompts", step)}
     spot = cfg.drafter.enabled and step > 0
     start_drafter = partial(tasks["drafter"].submit, cfg=cfg, step=step - 1)
-    # Slots no shard needs are idle from the start. Otherwise the drafter waits for a shard
-    # to finish, so that it never holds a slot a shard is still waiting for.
-    drafter = start_drafter() if spot and cfg.pool.slots > cfg.rollout.shards else None
-    running = len(shards)
+
+    def idle() -> bool:  # a slot that no shard holds or waits for, of this step or one ahead
+        running = sum(not ended(f) for f in shards)
+        return running > 0 and (bool(cfg.pool.rollout_devices) or cfg.pool.slots > running + ahead.running())
+
+    drafter = start_drafter() if spot and idle() else None
     for future in as_completed(shards):
         _result(future, "trees", step)
-        running -= 1
-        if drafter is None and spot and running:
+        if drafter is None and spot and idle():
             drafter = start_drafter()
-    trees = _result(tasks["collect-trees"].submit(cfg=cfg, step=step), "trees", step)
+    manifests["trees"] = _result(tasks["collect-trees"].submit(cfg=cfg, step=step), "trees", step)
     if drafter is None and spot:  # no rollouts were left to overlap: it finds them over, trains nothing
         drafter = start_drafter()
     if drafter is not None:
@@ -260,4 +274,4 @@ def _rollouts(run, tasks: dict, cfg: Config, step: int, trackers: Trackers) -> d
         release_read(run, step - 1, "drafter")
         if None not in previous.values():
             _record(run, trackers, step_record(step - 1, previous))
-    return trees
+    return manifests

@@ -139,19 +139,23 @@ class Handoff:
     def take(self, pool: PoolConfig, count: int, on: list[int] | None = None) -> list[_Holding] | None:
         """Parked holdings of exactly `count` slots in all, the lowest devices first (as
         hold_devices takes them), only devices of `on` if given; or None. If the parked ones
-        do not add up to `count`, they go back: they would keep the server's slots from us."""
+        of `on`'s devices do not add up to `count`, they go back: they would keep the server's
+        slots and the devices from us. Those of other devices (the update's, to a rollout
+        shard on pool.rollout_devices) stay for their own next stage."""
         with self._lock:
             parked, taken, slots = self._parked[pool.name], [], 0
-            for holding in sorted(parked, key=lambda h: min(h.devices)):
-                if slots + len(holding.devices) <= count and (on is None or set(holding.devices) <= set(on)):
+            mine = [h for h in parked if on is None or set(h.devices) <= set(on)]
+            for holding in sorted(mine, key=lambda h: min(h.devices)):
+                if slots + len(holding.devices) <= count:
                     taken.append(holding)
                     slots += len(holding.devices)
             if slots == count:
                 for holding in taken:
                     parked.remove(holding)
                 return taken
-            left = self._parked.pop(pool.name)
-        for holding in left:
+            for holding in mine:
+                parked.remove(holding)
+        for holding in mine:
             holding.give_back()
         return None
 

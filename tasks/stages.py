@@ -62,32 +62,35 @@ def _on_pool(stage: str, cfg: Config, step: int, count: int = 1, done_as: str | 
         return run_on_host(stage, cfg, step, devices, **kwargs)
 
 
-@task(name="sample-prompts", **OPTIONS)
+# Each task run is named with its step: with asynchronous rollouts (rollout.max_staleness > 0)
+# the UI's timeline shows those of several steps at once.
+@task(name="sample-prompts", task_run_name="sample-prompts step {step}", **OPTIONS)
 def sample_prompts(cfg: Config, step: int) -> dict:
     return stages.sample_prompts(Run(cfg), step)
 
 
-@task(name="generate-tree-shard", task_run_name="generate-tree-shard-{shard}", **OPTIONS)
+@task(name="generate-tree-shard", task_run_name="generate-tree-shard-{shard} step {step}", **OPTIONS)
 def generate_tree_shard(cfg: Config, step: int, shard: int) -> dict:
     from flows.artifacts import Progress  # the UI side; lsreplay itself never imports Prefect
 
     # A Ray host cannot report to Prefect: the shard's live progress bar is this process's.
     progress = Progress(f"step {step}: rollout tokens sampled (shard {shard})") \
         if cfg.pool.task_runner == "thread" else None
-    return _on_pool("trees", cfg, step, done_as=stages.shard_name(shard), shard=shard, progress=progress)
+    return _on_pool("trees", cfg, step, done_as=stages.shard_name(shard), on=cfg.pool.rollout_devices or None,
+                    shard=shard, progress=progress)
 
 
-@task(name="collect-trees", **OPTIONS)
+@task(name="collect-trees", task_run_name="collect-trees step {step}", **OPTIONS)
 def collect_trees(cfg: Config, step: int) -> dict:
     return stages.collect_trees(Run(cfg), step)
 
 
-@task(name="cache-prefixes", **OPTIONS)
+@task(name="cache-prefixes", task_run_name="cache-prefixes step {step}", **OPTIONS)
 def cache_prefixes(cfg: Config, step: int) -> dict:
     return _on_pool("prefixes", cfg, step, on=update_devices(cfg, step - 1))
 
 
-@task(name="train-policy", **OPTIONS)
+@task(name="train-policy", task_run_name="train-policy step {step}", **OPTIONS)
 def train_policy(cfg: Config, step: int) -> dict:
     # One slot (device) per data-parallel rank of the backward.
     return _on_pool("policy", cfg, step, count=cfg.pool.devices_per_step, on=update_devices(cfg, step - 1))
@@ -97,23 +100,31 @@ def update_devices(cfg: Config, step: int) -> list[int] | None:
     """Under Ray, the pool devices of `step`'s policy update, if as many as an update takes:
     their host holds the next step's policy and its optimizer state, which any other host
     would fetch, load from a checkpoint or recompute (a drafter that took the lowest free
-    device sent the next caching pass and update elsewhere). None on the thread runner,
-    whose one process moves the state to any device."""
+    device sent the next caching pass and update elsewhere). Otherwise those the update
+    may take: all but pool.rollout_devices (None: any; the thread runner's one process
+    moves the state to any device)."""
     if cfg.pool.task_runner != "ray" or step < 0 or not (done := Run(cfg).done(step, "policy")):
-        return None
+        return training_devices(cfg)
     devices = done.get("devices")
-    return devices if devices and len(devices) == cfg.pool.devices_per_step else None
+    return devices if devices and len(devices) == cfg.pool.devices_per_step else training_devices(cfg)
 
 
-@task(name="distill-drafter", **OPTIONS)
+def training_devices(cfg: Config) -> list[int] | None:
+    """The pool devices of every stage but the rollouts: those not in pool.rollout_devices;
+    None (any device) when the rollouts have none of their own."""
+    rollout = cfg.pool.rollout_devices
+    return [d for d in range(cfg.pool.slots) if d not in rollout] if rollout else None
+
+
+@task(name="distill-drafter", task_run_name="distill-drafter step {step}", **OPTIONS)
 def distill_drafter(cfg: Config, step: int) -> dict:
     # Submitted while the next step's rollout shards run: it waits for the slot one frees.
-    return _on_pool("drafter", cfg, step)
+    return _on_pool("drafter", cfg, step, on=training_devices(cfg))
 
 
-@task(name="evaluate", **OPTIONS)
+@task(name="evaluate", task_run_name="evaluate step {step}", **OPTIONS)
 def evaluate_policy(cfg: Config, step: int) -> dict:
-    return _on_pool("eval", cfg, step)
+    return _on_pool("eval", cfg, step, on=training_devices(cfg))
 
 
 # The tasks by stage name (lsreplay.core.layout.STAGES, and "eval"); "trees" is its shards, then their collection.

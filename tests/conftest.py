@@ -12,7 +12,13 @@ from s3server import s3_endpoint, store  # noqa: F401  (for every test module: o
 
 from lsreplay.core import faults
 from lsreplay.core.config import ModelConfig
+from lsreplay.models.distribution import RAW
 from lsreplay.models.loading import resolve_model_dir
+from lsreplay.replay.heads import logprob_heads
+
+# What a test scores where the distribution is beside the point (replay's exactness, memory,
+# kernels): the policy's own. No scoring function defaults to it; a test names it.
+RAW_LOGPROB = logprob_heads(RAW)
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, attn_implementation="sdpa")

@@ -59,10 +59,11 @@ def setup():
     return target, drafter.eval(), prompts
 
 
-def _trees(setup, params, eos, speculation=None, seed=0, progress=None):
+def _trees(setup, params, eos, speculation=None, seed=0, progress=None, share_prompt=None):
     target, _, prompts = setup
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
-    return sample_trees(target, prompts, BRANCHING, SEGMENT, MAX_NEW, params, eos, generators, progress, speculation)
+    return sample_trees(target, prompts, BRANCHING, SEGMENT, MAX_NEW, params, eos, generators, progress, speculation,
+                        share_prompt)
 
 
 def _spec_start(trace) -> int:
@@ -103,26 +104,32 @@ def test_greedy_adaptive_trees_equal_plain_trees(setup, draft_len, draft_vocab):
     assert {True, False} == {f for t in adaptive for f in t.finished}
 
 
-def test_handoff_reencodes_nothing(setup):
+@pytest.mark.parametrize("share_prompt", [True, False], ids=["shared-prompts", "repeated-prompts"])
+def test_handoff_reencodes_nothing(setup, share_prompt):
     """Target forwards: the adaptive run's are the plain run's up to the switch, then verify blocks only."""
-    target, drafter, _ = setup
+    target, drafter, prompts = setup
     calls = []
     hook = target.base_model.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
-        plain, _ = _trees(setup, GREEDY, GREEDY_EOS)
+        plain, _ = _trees(setup, GREEDY, GREEDY_EOS, share_prompt=share_prompt)
         plain_calls, calls[:] = list(calls), []
-        adaptive, trace = _trees(setup, GREEDY, GREEDY_EOS, Speculation(drafter, GREEDY_THRESHOLD, 3))
+        adaptive, trace = _trees(setup, GREEDY, GREEDY_EOS, Speculation(drafter, GREEDY_THRESHOLD, 3),
+                                 share_prompt=share_prompt)
     finally:
         hook.remove()
     spec = _spec_start(trace)
-    # Prefill plus one forward per plain step, except the switching step, which encodes nothing.
-    assert calls[:spec] == plain_calls[:spec]
-    assert calls[spec:] == [(trace.live[i], trace.draft_len[i] + 1) for i in range(spec, len(trace.mode))]
+    # The prefill: each prompt on its own where they are shared, all in one batch otherwise.
+    prefill = len(prompts) if share_prompt else 1
+    assert calls[:prefill] == ([(1, len(p)) for p in prompts] if share_prompt else [(len(prompts), max(PROMPT_LENGTHS))])
+    # Then one forward per plain step, except the switching step, which encodes nothing.
+    switch = prefill + spec - 1
+    assert calls[:switch] == plain_calls[:switch]
+    assert calls[switch:] == [(trace.live[i], trace.draft_len[i] + 1) for i in range(spec, len(trace.mode))]
     # forward_positions counts each prompt's real tokens, not the prefill's left padding.
     for trees, forwards in ((adaptive, calls), (plain, plain_calls)):
         prompts = sum(len(t.prompt_ids) for t in trees)
-        assert sum(t.forward_positions for t in trees) == prompts + sum(r * w for r, w in forwards[1:])
+        assert sum(t.forward_positions for t in trees) == prompts + sum(r * w for r, w in forwards[prefill:])
 
 
 def test_spec_tokens_carry_teacher_forced_logprobs(setup):

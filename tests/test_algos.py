@@ -9,6 +9,8 @@ import pytest
 import torch
 import transformers
 
+from conftest import RAW_LOGPROB
+
 import lsreplay.algos.backward as naive_module
 import lsreplay.algos.ppo as ppo_module
 from lsreplay.algos.backward import capture_logprobs, naive_logprobs, naive_loss_backward, replay_loss_backward
@@ -21,6 +23,7 @@ from lsreplay.algos.overlong import length_penalty
 from lsreplay.algos.ppo import PPOBatch, ppo_loss, ppo_update
 from lsreplay.algos.weights import loss_and_weights
 from lsreplay.core.config import LOSS_AGGS, OptimConfig
+from lsreplay.models.distribution import RAW
 from lsreplay.models.train_state import lr_factor
 from lsreplay.replay.capture import capture_tree
 from lsreplay.tree import RolloutTree
@@ -131,7 +134,7 @@ def test_grpo_at_ratio_one_needs_no_old_logprobs():
     token's weight are the same whatever the old logprobs are, so the caching pass does not
     score them without a KL term; unscored, it still caches the same prefix K/V."""
     model, trees = tiny_llama(), small_trees()
-    scored = [capture_tree(model, t, keep_hidden=False) for t in trees]
+    scored = [capture_tree(model, t, keep_hidden=False, heads=RAW_LOGPROB) for t in trees]
     unscored = [capture_tree(model, t, keep_hidden=False, heads={}) for t in trees]
     for a, b in zip(scored, unscored):
         assert b.entry_logprobs is None and a.prefix_kv.keys() == b.prefix_kv.keys()
@@ -188,15 +191,15 @@ def test_counts_survive_identical_leaves_in_the_trie():
     rewards = torch.tensor([1.0, 1.0, 0.0])
 
     def gradient(trees, counts, mode):
-        old, acts = capture_logprobs(model, trees)
+        old, acts = capture_logprobs(model, trees, heads=RAW_LOGPROB)
         r = rewards if counts else torch.tensor([1.0, 1.0, 1.0, 0.0])
         batch = GRPOBatch(advantages=[group_advantages(r, counts=counts and counts[0])], old_logprobs=old,
                           counts=counts)
         model.zero_grad(set_to_none=True)
         if mode == "replay":
-            replay_loss_backward(model, trees, lambda lp: grpo_loss(lp, batch), activations=acts)
+            replay_loss_backward(model, trees, lambda lp: grpo_loss(lp, batch), activations=acts, heads=RAW_LOGPROB)
         else:
-            naive_loss_backward(model, trees, lambda lp: grpo_loss(lp, batch))
+            naive_loss_backward(model, trees, lambda lp: grpo_loss(lp, batch), heads=RAW_LOGPROB)
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     reference = gradient(copied, None, "naive")
@@ -265,9 +268,9 @@ def test_with_kl_composes():
 
 def test_reference_logprobs_match_per_rollout_forward():
     model, trees = tiny_llama(), small_trees()
-    ref = reference_logprobs(model, trees)
+    ref = reference_logprobs(model, trees, sampling=RAW)
     with torch.no_grad():
-        direct = naive_logprobs(model, trees)
+        direct = naive_logprobs(model, trees, sampling=RAW)
     for a_tree, b_tree in zip(ref, direct):
         for a, b in zip(a_tree, b_tree):
             assert torch.allclose(a, b, rtol=0, atol=1e-12)
@@ -307,8 +310,8 @@ def test_dpo_prefers_chosen():
 
 def test_reference_sequence_logprobs():
     model, trees = tiny_llama(), small_trees()
-    seq = reference_sequence_logprobs(model, trees)
-    lps, _ = capture_logprobs(model, trees)
+    seq = reference_sequence_logprobs(model, trees, sampling=RAW)
+    lps, _ = capture_logprobs(model, trees, heads=RAW_LOGPROB)
     for s, tree_lps in zip(seq, lps):
         assert torch.allclose(s, torch.stack([x.sum() for x in tree_lps]))
 
@@ -322,7 +325,7 @@ def advantages_for(trees, seed=0):
 
 def test_ppo_update_rebuilds_cache_after_every_step(monkeypatch, caplog):
     model, trees = tiny_llama(), small_trees()
-    initial, _ = capture_logprobs(model, trees)
+    initial, _ = capture_logprobs(model, trees, heads=RAW_LOGPROB)
     captures = []  # (tree, a parameter's value when the caching pass ran)
     seen = []  # (old logprobs, current logprobs) the loss was evaluated at, per minibatch
     probe = model.model.layers[0].self_attn.q_proj.weight
@@ -342,7 +345,7 @@ def test_ppo_update_rebuilds_cache_after_every_step(monkeypatch, caplog):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # later minibatches clip 70-85% of tokens
     with caplog.at_level(logging.WARNING):
         losses = ppo_update(model, optimizer, trees, advantages_for(trees), epochs=2, minibatch_trees=2,
-                            mode="replay", clip_eps=0.1)
+                            mode="replay", clip_eps=0.1, sampling=RAW)
     assert len(losses) == 4 and len(seen) == 4
     assert not [r for r in caplog.records if "recomputed" in r.getMessage()]  # the fresh K/V was used
     # One initial pass over all 4 trees (old logprobs; its K/V also serves minibatch 1,
@@ -365,7 +368,7 @@ def test_ppo_update_rebuilds_cache_after_every_step(monkeypatch, caplog):
 def test_ppo_update_replay_matches_naive():
     """2 epochs x 2 minibatches, shuffled, with a KL term: the same weights either way."""
     base, trees = tiny_llama(), small_trees()
-    ref = reference_logprobs(base, trees)
+    ref = reference_logprobs(base, trees, sampling=RAW)
     adv = advantages_for(trees)
     results = {}
     for mode in ("replay", "naive"):
@@ -373,7 +376,7 @@ def test_ppo_update_replay_matches_naive():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         losses = ppo_update(model, optimizer, trees, adv, epochs=2, minibatch_trees=2, mode=mode, clip_eps=0.1,
                             loss_agg="seq-mean", ref_logprobs=ref, kl_coef=0.1, max_grad_norm=10.0,
-                            generator=torch.Generator().manual_seed(3))
+                            generator=torch.Generator().manual_seed(3), sampling=RAW)
         results[mode] = (losses, dict(model.named_parameters()))
     (loss_r, params_r), (loss_n, params_n) = results["replay"], results["naive"]
     assert loss_r == pytest.approx(loss_n, rel=1e-6, abs=1e-9)
@@ -390,9 +393,9 @@ def test_ppo_update_rejects_bad_arguments():
     model, trees = tiny_llama(), small_trees()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="mode"):
-        ppo_update(model, optimizer, trees, advantages_for(trees), mode="fast")
+        ppo_update(model, optimizer, trees, advantages_for(trees), mode="fast", sampling=RAW)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        ppo_update(model, optimizer, trees, advantages_for(trees), kl_coef=0.1)
+        ppo_update(model, optimizer, trees, advantages_for(trees), kl_coef=0.1, sampling=RAW)
 
 
 # -- the refinements: clip-higher, overlong, dynamic sampling's test, LR schedules ---------------

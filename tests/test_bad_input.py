@@ -189,12 +189,16 @@ def test_task_args_of_tasks_not_asked_for_do_not_stop_a_run(overrides, tmp_path,
 @pytest.mark.parametrize("overrides, message", [
     (["data.task_args={basic_arithmetic: {digits: 3}}"],
      "data.task_args.basic_arithmetic = {'digits': 3} rejected by reasoning-gym task 'basic_arithmetic'"),
-    (["data.tasks=[gsm_symbolik]"], "data.tasks: unknown reasoning-gym task 'gsm_symbolik'; valid names include "
-                                    "gsm_symbolic"),
+    (["data.tasks=[gsm_symbolik]"], "data.tasks: unknown task 'gsm_symbolik': neither lsreplay's (kv_retrieval) nor "
+                                    "reasoning-gym's; valid names include gsm_symbolic"),
     (["reward.function=no_such_module_15:score"], "reward function 'no_such_module_15:score': no module named"),
     (["eval.every=1", "eval.size=300", "data.size=304", "data.max_prompt_tokens=1024"],
      "distinct questions, fewer than eval.size=300; lower eval.size, or raise data.size"),
     (["data.max_prompt_tokens=40"], "tokens, more than data.max_prompt_tokens=40; raise the limit"),
+    # The tiny model's 2,048 positions (LlamaConfig's default).
+    (["data.max_prompt_tokens=4096"], "needs 4144 positions (data.max_prompt_tokens=4096 + 48 completion tokens) but "),
+    (["data.max_prompt_tokens=4096"], "reaches 2048 (max_position_embeddings); stretch its rotary positions with "
+                                      "model.rope_scaling={rope_type: yarn, factor: 3}"),
 ])
 def test_data_problems_stop_before_prefect_starts(overrides, message, tmp_path, tiny_model_dir, capsys):
     """One line, exit status 2, and nothing written to the run directory."""
@@ -298,3 +302,14 @@ def test_a_drafter_of_an_older_format_stops_a_resume(prefect_server, tiny_model_
     export.write_text(json.dumps({**config, "lsreplay_drafter": {**config["lsreplay_drafter"], "format": "eagle1"}}))
     assert cli.main(["resume", str(run_dir), "--steps", "3", unique_pool()]) == 2
     assert "holds a drafter of format 'eagle1'" in error(capsys)
+
+
+def test_a_replay_budget_too_small_for_the_prompts_stops_before_any_work(tmp_path, tiny_model_dir, capsys):
+    """Prompts of up to 2000 tokens whose layer inputs and K/V alone take more than
+    replay.budget_mb: the preflight refuses, with the budget that would do."""
+    assert cli.main(["train", f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+                     "data.max_prompt_tokens=2000", "replay.budget_mb=1"]) == 2
+    err = error(capsys)
+    assert re.search(r"replay.budget_mb=1 is too small for this tree: .*\(its prompt of 2000 tokens, run layer by "
+                     r"layer, holds [0-9.]+ MiB .*; raise replay.budget_mb to at least 2,", err), err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

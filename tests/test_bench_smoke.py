@@ -59,6 +59,34 @@ def test_replay_bench_smoke():
     assert float(pairs["grad_rel_diff"]) <= 1e-4
 
 
+def test_long_context_bench_smoke():
+    """bench/long_context.py --smoke: replay against the per-rollout backward as the prompt
+    grows; the longest runs layer by layer, replay's peak stays within its bound and at or
+    below the per-rollout peak, and per prompt position it shrinks as the prompt grows."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert kv["within_bound"] == kv["below_naive"] == "true"
+    assert {"time_ratio_128", "time_ratio_256", "naive_peak_mib_256", "replay_peak_mib_512"} <= kv.keys()
+    assert "time_ratio_512" not in kv  # replay alone at the longest
+    per_position = [float(kv[f"replay_bytes_per_position_{p}"]) for p in (128, 256, 512)]
+    assert per_position == sorted(per_position, reverse=True)
+    assert "512 positions layer by layer" in proc.stdout
+
+
+def test_shared_prompt_bench_smoke():
+    """bench/shared_prompt.py --smoke: both rollout layouts on a kv_retrieval prompt, the K/V
+    each held, the same leaves."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "shared_prompt.py"), "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
+    assert float(pairs["kv_ratio"]) == float(pairs["kv_ratio_256"]) > 4  # G=8 rows of a 256-token prompt
+    assert float(pairs["kv_shared_mib_256"]) < float(pairs["kv_repeated_mib_256"])
+    assert math.isfinite(float(pairs["stage_speedup_256"])) and float(pairs["same_leaves_256"]) > 0
+
+
 def test_run_cost_bench_smoke(tiny_model_dir):
     """bench/run_cost.py times runs of each length and fits their fixed cost, next to the
     constant the replay planner uses."""
@@ -98,7 +126,8 @@ def test_gpu_smoke_on_cpu():
     s3fs, gguf unimportable): the GPU check's code with tiny sizes on the CPU, the real
     SmolLM2 tokenizer: every stage ran where the pool put it, the resident policy and the
     checkpoints held up, replay and naive gradients agree in bf16 and in float32 (the
-    cascade path taken, also with windows, softcaps and sinks), the plan has an estimate."""
+    cascade path taken, also with windows, softcaps and sinks), the plan has an estimate, a
+    long prompt ran layer by layer."""
     from lsreplay.core.config import ModelConfig
     from lsreplay.models.loading import resolve_model_dir
 
@@ -107,13 +136,16 @@ def test_gpu_smoke_on_cpu():
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert list(kv) == ["gpu_ok", "grad_rel", "replay_speedup", "peak_gib", "plan_gib", "f32_grad_rel",
-                        "variants_grad_rel"]
+                        "variants_grad_rel", "long_grad_rel", "offload_saved_gib"]
     assert kv["gpu_ok"] == "true" and float(kv["grad_rel"]) <= 3e-2 and float(kv["f32_grad_rel"]) <= 1e-4
     assert float(kv["variants_grad_rel"]) <= 1e-4
     assert "cascade True (cpu-flash)" in proc.stdout
     assert "bit for bit: True as a run computes, True with pool.deterministic=true" in proc.stdout
     assert float(kv["replay_speedup"]) > 0 and float(kv["plan_gib"]) > 0
     assert math.isnan(float(kv["peak_gib"]))  # no allocator peak on the CPU
+    # The long prompt ran layer by layer, offloaded or not (on the CPU: the same, bit for bit).
+    assert float(kv["long_grad_rel"]) <= 3e-2 and "layer by layer True" in proc.stdout
+    assert "offload ok True" in proc.stdout and math.isnan(float(kv["offload_saved_gib"]))
     flow = next(line for line in proc.stdout.splitlines() if line.strip().startswith("flow:"))
     assert "=false" not in flow and "stages_on_device=true" in flow and "restart_weights_equal=true" in flow
 

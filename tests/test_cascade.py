@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
+from conftest import RAW_LOGPROB
+
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.attention.kernels import CUDA_EFFICIENT, CUDA_FLASH, kernel_for
 from lsreplay.replay.backward import _Replay
@@ -177,12 +179,12 @@ def replay_vs_naive(model) -> tuple[float, int]:
     weights = [[torch.randn(len(c), generator=torch.Generator().manual_seed(i), dtype=torch.float64)
                 for i, c in enumerate(t.completions)]]
     model.zero_grad(set_to_none=True)
-    naive_backward(model, [t], weights)
+    naive_backward(model, [t], weights, heads=RAW_LOGPROB)
     naive = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     # A budget that holds all siblings: one micro-batch of leaves per node.
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        replay_backward(model, [t], weights, budget_bytes=2**30)
+        replay_backward(model, [t], weights, budget_bytes=2**30, heads=RAW_LOGPROB)
     calls = sum(e.count for e in prof.key_averages() if e.key == "_CascadeAttention")
     rel = max(((p.grad - g).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), naive))
     return rel, calls
@@ -192,7 +194,7 @@ def replay_vs_naive(model) -> tuple[float, int]:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_replay_runs_cascade_attention_and_equals_naive(arch, device, dtype, tol):
     model = tiny(arch, dtype).to(device)
-    assert _Replay(model, ActivationMeter(model), None, None, join_below=0).cascade
+    assert _Replay(model, ActivationMeter(model), None, None, join_below=0, heads=RAW_LOGPROB).cascade
     rel, calls = replay_vs_naive(model)
     assert rel <= tol
     # Every run after a prefix, in every layer: the two level-1 nodes and the micro-batch of

@@ -163,7 +163,7 @@ def test_task_args_of_tasks_not_generated_are_ignored(tmp_path):
     is no reasoning-gym task at all is still a typo."""
     path = generate_prompt_file(tmp_path / "p.jsonl", ["chain_sum"], 4, 0, {"basic_arithmetic": {"min_terms": 2}})
     assert {json.loads(line)["task"] for line in path.read_text().splitlines()} == {"chain_sum"}
-    with pytest.raises(DatasetError, match="data.task_args: unknown reasoning-gym task 'chain_summ'"):
+    with pytest.raises(DatasetError, match="data.task_args: unknown task 'chain_summ': neither lsreplay's"):
         generate_prompt_file(tmp_path / "q.jsonl", ["chain_sum"], 4, 0, {"chain_summ": {}})
 
 

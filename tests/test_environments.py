@@ -158,7 +158,8 @@ class Driver:
     """Episodes of one prompt, driven by hand as the sampler drives them."""
 
     def __init__(self, tokenizer, overrides: list[str], journal=None, prompt: str = "What is 3 + 4?", answer="7"):
-        cfg = load_config(None, ["rollout.max_turns=3", *overrides])
+        # Openings render at construction, within data.max_prompt_tokens: two tools' schemas take ~330 tokens.
+        cfg = load_config(None, ["rollout.max_turns=3", "data.max_prompt_tokens=512", *overrides])
         self.tokenizer, self.play = tokenizer, load_play(cfg.rollout)
         self.calls = Calls(cfg.rollout.tool_timeout_seconds)
         row = Prompt(0, "basic_arithmetic", prompt, answer, {}, {"answer": answer})

@@ -18,7 +18,7 @@ import functools
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import RAW_LOGPROB, tiny_model
 
 from lsreplay.algos.backward import capture_logprobs, naive_loss_backward, replay_loss_backward
 from lsreplay.algos.critic import VALUE, CriticBatch, attach_value_head, critic_heads, gae
@@ -26,6 +26,7 @@ from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.model_tokens import model_tokens, on_model_tokens, sampled_masks
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
 from lsreplay.algos.weights import loss_and_weights
+from lsreplay.models.distribution import RAW
 from lsreplay.tree import RolloutTree
 
 EOS = 0
@@ -119,7 +120,7 @@ def per_episode_loss(model, loss_agg: str, max_tokens: int = 12) -> torch.Tensor
 
 
 def pipeline_grpo(model, trees, sampled, loss_agg: str, max_tokens: int = 12):
-    old, _ = capture_logprobs(model, trees, keep_kv=False)
+    old, _ = capture_logprobs(model, trees, keep_kv=False, heads=RAW_LOGPROB)
     batch = GRPOBatch(advantages=[group_advantages(r) for r in rewards()], old_logprobs=model_tokens(old, sampled),
                       loss_agg=loss_agg, max_tokens=max_tokens)
     return on_model_tokens(lambda lp: grpo_loss(lp, batch), sampled)
@@ -143,7 +144,7 @@ def test_replay_equals_per_episode_grpo_with_the_tool_mask(arch, loss_agg):
     trees, sampled = episode_trees()
     model = fresh(arch)
     loss_fn = pipeline_grpo(model, trees, sampled, loss_agg)
-    replay_loss, stats = replay_loss_backward(model, trees, loss_fn)
+    replay_loss, stats = replay_loss_backward(model, trees, loss_fn, heads=RAW_LOGPROB)
     replay = grads(model)
     reference = per_episode_loss(model, loss_agg)
     reference.backward()
@@ -153,17 +154,17 @@ def test_replay_equals_per_episode_grpo_with_the_tool_mask(arch, loss_agg):
     assert max_rel_diff(replay, per_episode) <= 1e-6
     assert stats.positions < stats.per_rollout_positions
     # Without the mask the environment's tokens would train: another gradient.
-    unmasked_old, _ = capture_logprobs(model, trees, keep_kv=False)
+    unmasked_old, _ = capture_logprobs(model, trees, keep_kv=False, heads=RAW_LOGPROB)
     unmasked = GRPOBatch(advantages=[group_advantages(r) for r in rewards()], old_logprobs=unmasked_old,
                          loss_agg=loss_agg, max_tokens=24)
-    replay_loss_backward(model, trees, lambda lp: grpo_loss(lp, unmasked))
+    replay_loss_backward(model, trees, lambda lp: grpo_loss(lp, unmasked), heads=RAW_LOGPROB)
     assert max_rel_diff(grads(model), per_episode) > 1e-2
 
 
 def test_environment_tokens_get_no_weight():
     trees, sampled = episode_trees()
     model = fresh("llama")
-    old, _ = capture_logprobs(model, trees, keep_kv=False)
+    old, _ = capture_logprobs(model, trees, keep_kv=False, heads=RAW_LOGPROB)
     _, weights = loss_and_weights(pipeline_grpo(model, trees, sampled, "token-mean"), old)
     for tree_w, tree_s in zip(weights, sampled):
         for w, s in zip(tree_w, tree_s):
@@ -174,14 +175,14 @@ def ppo_critic_loss(model, trees, sampled):
     """PPO with a critic over the model's tokens: old values and logprobs from the caching
     pass, GAE from them on each episode's model tokens, one SGD step away from those
     weights so that ratios and values clip."""
-    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads())
+    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads(RAW))
     old_lp, old_v = model_tokens(scores["logprob"], sampled), model_tokens(scores[VALUE], sampled)
     pairs = [[gae(v, float(r), gamma=0.9, lam=0.8) for v, r in zip(vs, rs)] for vs, rs in zip(old_v, rewards())]
     critic = CriticBatch(old_values=old_v, returns=[[ret for _, ret in row] for row in pairs], clip=0.1)
     batch = PPOBatch(advantages=[[adv for adv, _ in row] for row in pairs], old_logprobs=old_lp, clip_eps=0.1,
                      critic=critic, vf_coef=0.5)
     loss_fn = on_model_tokens(lambda s: ppo_loss(s, batch), sampled)
-    replay_loss_backward(model, trees, loss_fn, heads=critic_heads())
+    replay_loss_backward(model, trees, loss_fn, heads=critic_heads(RAW))
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     torch.optim.SGD(model.parameters(), lr=0.1 / float(norm)).step()
     model.zero_grad(set_to_none=True)
@@ -193,9 +194,9 @@ def test_replay_equals_per_episode_ppo_with_a_critic(arch):
     trees, sampled = episode_trees()
     model = fresh(arch, critic=True)
     loss_fn = ppo_critic_loss(model, trees, sampled)
-    replay_loss, _ = replay_loss_backward(model, trees, loss_fn, heads=critic_heads())
+    replay_loss, _ = replay_loss_backward(model, trees, loss_fn, heads=critic_heads(RAW))
     replay = grads(model)
-    naive_loss = naive_loss_backward(model, trees, loss_fn, heads=critic_heads())
+    naive_loss = naive_loss_backward(model, trees, loss_fn, heads=critic_heads(RAW))
     per_episode = grads(model)
     assert abs(replay_loss - naive_loss) <= 1e-9 * max(1.0, abs(naive_loss))
     assert max_rel_diff(replay, per_episode) <= 1e-6
@@ -207,9 +208,9 @@ def test_episode_replay_is_exact_without_float32_norm(exact_rmsnorm, name):
     trees, sampled = episode_trees()
     model = fresh("llama", critic=name == "ppo-critic")
     if name == "grpo":
-        loss_fn, heads = pipeline_grpo(model, trees, sampled, "token-mean"), None
+        loss_fn, heads = pipeline_grpo(model, trees, sampled, "token-mean"), RAW_LOGPROB
     else:
-        loss_fn, heads = ppo_critic_loss(model, trees, sampled), critic_heads()
+        loss_fn, heads = ppo_critic_loss(model, trees, sampled), critic_heads(RAW)
     replay_loss, _ = replay_loss_backward(model, trees, loss_fn, heads=heads)
     replay = grads(model)
     if name == "grpo":

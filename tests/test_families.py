@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import RAW_LOGPROB
 from families import HYBRIDS, MATRIX, arch, hf_config, tiny
 
 import lsreplay.replay.backward as replay_module
-from lsreplay.core.config import Config, ModelConfig
+from lsreplay.core.config import Config, ConfigError, ModelConfig
 from lsreplay.models.families import FAMILIES, family
 from lsreplay.models.hf_compat import decoder
 from lsreplay.models.loading import ModelError, load_model
@@ -26,6 +27,8 @@ from lsreplay.models.logits import float_logits
 from lsreplay.replay import replay_backward
 from lsreplay.replay.capture import capture_tree
 from lsreplay.replay.cascade import cascade_applies
+from lsreplay.replay.layerwise import layer_by_layer_applies
+from lsreplay.replay.memory import LayerByLayer
 from lsreplay.stages.preflight import preflight
 from lsreplay.tree import RolloutTree
 
@@ -74,9 +77,56 @@ def test_replay_equals_the_family_forward_and_backward(model_type, path, monkeyp
     elif not cascade_applies(model):
         pytest.skip(f"{model_type} runs on HF's own attention (models/families.py: cascade=False)")
     model.zero_grad()
-    replay_backward(model, [tree], weights, budget_bytes=TINY_BUDGET if path == "segments" else None)
+    replay_backward(model, [tree], weights, budget_bytes=TINY_BUDGET if path == "segments" else None,
+                    heads=RAW_LOGPROB)
     got = {name: p.grad for name, p in model.named_parameters()}
     assert worst_relative_gap(got, want) <= 1e-6
+
+
+def layer_by_layer_tree() -> RolloutTree:
+    """A 40-token prompt, two 16-token segments after it, two short leaves after each: long
+    spans next to their leaves, which run layer by layer where their graphs do not fit."""
+    g = torch.Generator().manual_seed(2)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, 64, (n,), generator=g).tolist()
+
+    segments = [tokens(16), tokens(16)]
+    return RolloutTree.from_sequences(tokens(40), [s + tokens(n) for s in segments for n in (2, 3)])
+
+
+@pytest.mark.parametrize("model_type", sorted(MATRIX))
+def test_spans_run_layer_by_layer_equal_the_family_forward_and_backward(model_type):
+    """The prompt and the segments after it run layer by layer (replay/layerwise.py), in
+    chunks shorter than each, at the least budget (of a geometric series) that takes them so,
+    through the family's own decoder layers and cascade attention's windows, softcaps, sinks
+    and latent attention."""
+    model = copy.deepcopy(tiny(model_type))
+    if not cascade_applies(model):
+        pytest.skip(f"{model_type} runs on HF's own attention (models/families.py: cascade=False)")
+    if not layer_by_layer_applies(model):  # Gemma 4: its per-layer inputs come from weights of their own
+        assert model_type == "gemma4_text" and not runs_layer_by_layer(model, layer_by_layer_tree(), 10**9)
+        pytest.skip(f"{model_type}'s decoder layers take inputs other weights compute: the fallback instead")
+    tree = layer_by_layer_tree()
+    weights = per_token_weights(tree)
+    want = family_gradient(model, tree, weights)
+    budget = next(b for b in (int(20_000 * 1.05**k) for k in range(150)) if runs_layer_by_layer(model, tree, b))
+    model.zero_grad()
+    stats = replay_backward(model, [tree], weights, budget_bytes=budget, heads=RAW_LOGPROB)
+    assert stats.layer_by_layer_positions == 40 + 2 * 16
+    got = {name: p.grad for name, p in model.named_parameters()}
+    assert worst_relative_gap(got, want) <= 1e-6
+
+
+def runs_layer_by_layer(model, tree: RolloutTree, budget: int) -> bool:
+    """Whether at `budget` every branching span of `tree` runs layer by layer in chunks
+    shorter than itself."""
+    try:
+        spans, kept, _ = replay_module.replay_plan(model, tree, 0, budget)
+    except ConfigError:
+        return False
+    branching = [s for s in spans if not s.is_leaf]
+    return all(isinstance(kept.get(s.id), LayerByLayer) and kept[s.id].chunk < len(s.tokens) for s in branching)
 
 
 @pytest.mark.parametrize("model_type", sorted(MATRIX))
@@ -91,7 +141,7 @@ def test_the_caching_pass_and_the_logits_are_the_family_ones(model_type):
     # Float64 but for HF's norms, which compute in float32 (DESIGN.md: 1e-7 relative).
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     tree = RolloutTree.from_sequences(PROMPT, COMPLETIONS)
-    scores = capture_tree(model, tree, keep_hidden=False).entry_logprobs
+    scores = capture_tree(model, tree, keep_hidden=False, heads=RAW_LOGPROB).entry_logprobs
     for j, completion in enumerate(tree.completions):
         if completion:
             with torch.no_grad():

@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from conftest import RAW_LOGPROB
 from families import MATRIX, tiny
 from peft.tuners.lora import LoraLayer
 
@@ -123,10 +124,10 @@ def test_replay_trains_the_familys_adapters_exactly(model_type, targets):
                 p.normal_(std=0.1)
     tree = RolloutTree.from_sequences(PROMPTS[0], [[40, 41, 42, 43], [40, 41, 44, 45, 46, 47], [48, 49]])
     weights = [[torch.linspace(-1, 1, len(c), dtype=torch.float64) for c in tree.completions]]
-    naive_backward(model, [tree], weights)
+    naive_backward(model, [tree], weights, heads=RAW_LOGPROB)
     want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    replay_backward(model, [tree], weights)
+    replay_backward(model, [tree], weights, heads=RAW_LOGPROB)
     got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     assert want.keys() == got.keys() and want and all("lora_" in name for name in want)
     assert max(float((got[n] - w).abs().max() / w.abs().max()) for n, w in want.items()) <= 1e-6

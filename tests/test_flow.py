@@ -20,9 +20,10 @@ def overrides(run_dir, model_dir):
             "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[3]",
             "rollout.max_new_tokens=8", "drafter.steps=2", "drafter.batch_size=2", "optim.lr=1e-3",
             "algo.kl_coef=0.05", "eval.every=1", "eval.size=3", "eval.samples=2", POOL,
-            # A budget too small to keep any branching node's graph: the caching pass writes the
-            # K/V of each, and the update reads them back from the store (the other flow tests
-            # keep every node's graph at the default budget, and write no K/V).
+            # A budget too small for one leaf: each branching node holds least beside its leaves
+            # recomputed after them, so the caching pass writes the K/V of each, and the update
+            # reads them back from the store (memory.kept_spans; the other flow tests keep every
+            # node's graph at the default budget, and write no K/V).
             "replay.budget_mb=1"]
 
 

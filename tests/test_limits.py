@@ -46,8 +46,8 @@ def test_a_context_beyond_the_models_positions_is_refused_before_any_work(tiny_m
     assert cli.main(["train", f"run_dir={run_dir}", f"model.path={tiny_model_dir}", "data.size=8",
                      "rollout.max_new_tokens=2000", "drafter.enabled=false"]) == 2
     err = capsys.readouterr().err
-    assert "data.max_prompt_tokens = 256 and a completion of 2000 tokens (rollout.max_new_tokens) need 2256 " \
-           "positions, beyond the model's 2048 (max_position_embeddings of" in err, err
+    assert "the run needs 2256 positions (data.max_prompt_tokens=256 + 2000 completion tokens) but " \
+           f"{tiny_model_dir} reaches 2048 (max_position_embeddings)" in err, err
     assert not (run_dir / "config.json").exists()  # nothing of the run was written
 
 

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import RAW_LOGPROB, tiny_model
 from safetensors.torch import load_file
 
 from lsreplay import stages
@@ -92,7 +92,7 @@ def trees_batch(vocab: int) -> tuple[list[RolloutTree], list]:
 def master_grads(model, trees, weights, backward, **kwargs) -> torch.Tensor:
     train = TrainState(model, OptimConfig())
     train.zero_grad()
-    backward(model, trees, weights, **kwargs)
+    backward(model, trees, weights, heads=RAW_LOGPROB, **kwargs)
     assert all(p.grad is None for p in train.params)  # each call's bf16 gradient went to its master
     assert all(m.grad.dtype == torch.float32 for m in train.masters)
     return torch.cat([m.grad.flatten() for m in train.masters])
@@ -101,7 +101,7 @@ def master_grads(model, trees, weights, backward, **kwargs) -> torch.Tensor:
 def test_replay_and_per_rollout_gradients_agree_in_bf16_compute():
     trees, weights = trees_batch(vocab=64)
     reference = tiny_model(dtype=torch.float64)
-    naive_backward(reference, trees, weights)
+    naive_backward(reference, trees, weights, heads=RAW_LOGPROB)
     exact = torch.cat([p.grad.flatten() for p in reference.parameters()]).float()
     replay = master_grads(tiny_model(dtype=torch.bfloat16), trees, weights, replay_backward)
     naive = master_grads(tiny_model(dtype=torch.bfloat16), trees, weights, naive_backward)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import RAW_LOGPROB
+
 from lsreplay.distributed.parallel import (
     data_parallel_backward,
     full_grads,
@@ -65,22 +67,22 @@ def _rank_fn(rank: int, world: int) -> dict:
     out = {}
     # Plain data parallel, replay with the caching pass's prefix K/V (indexed by batch tree).
     model = make_model()
-    acts = [capture_tree(model, t, keep_hidden=False) for t in trees]
+    acts = [capture_tree(model, t, keep_hidden=False, heads=RAW_LOGPROB) for t in trees]
     opt = adamw(model)
     stats = data_parallel_backward(model, trees, weights, rank, world,
-                                   prefix_kv=lambda i, node: acts[i].prefix_kv.get(node.id))
+                                   prefix_kv=lambda i, node: acts[i].prefix_kv.get(node.id), heads=RAW_LOGPROB)
     out["dp_grads"], out["dp_positions"] = full_grads(model), stats.positions
     opt.step()
     out["dp_params"] = full_state(model)
     # Plain data parallel, the per-rollout (naive) backward.
     model = make_model()
-    data_parallel_backward(model, trees, weights, rank, world, mode="naive")
+    data_parallel_backward(model, trees, weights, rank, world, mode="naive", heads=RAW_LOGPROB)
     out["naive_grads"] = full_grads(model)
     # FSDP2: sharded parameters, gradients and AdamW state.
     model = shard_model(make_model())
     opt = adamw(model)  # over the sharded DTensors
     out["fsdp_local_numel"] = sum(p.to_local().numel() for p in model.parameters())
-    data_parallel_backward(model, trees, weights, rank, world, fsdp=True)
+    data_parallel_backward(model, trees, weights, rank, world, fsdp=True, heads=RAW_LOGPROB)
     out["fsdp_grads"] = full_grads(model)
     opt.step()
     out["fsdp_params"] = full_state(model)
@@ -88,9 +90,9 @@ def _rank_fn(rank: int, world: int) -> dict:
     # the caching pass runs on the gathered model.
     model = shard_model(make_model())
     with gathered(model):
-        acts = [capture_tree(model, trees[0], keep_hidden=False)]
+        acts = [capture_tree(model, trees[0], keep_hidden=False, heads=RAW_LOGPROB)]
     data_parallel_backward(model, trees[:1], weights[:1], rank, world,
-                           prefix_kv=lambda i, node: acts[i].prefix_kv.get(node.id))
+                           prefix_kv=lambda i, node: acts[i].prefix_kv.get(node.id), heads=RAW_LOGPROB)
     out["fsdp_one_tree_grads"] = full_grads(model)
     return out if rank == 0 else {"fsdp_local_numel": out["fsdp_local_numel"]}
 
@@ -123,13 +125,13 @@ def test_split_trees_whole_and_balanced():
 def test_two_gloo_ranks_equal_one_process():
     trees, weights = make_batch()
     model = make_model()
-    ref_stats = replay_backward(model, trees, weights)
+    ref_stats = replay_backward(model, trees, weights, heads=RAW_LOGPROB)
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     adamw(model).step()
     ref_params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     model = make_model()
-    replay_backward(model, trees[:1], weights[:1])
+    replay_backward(model, trees[:1], weights[:1], heads=RAW_LOGPROB)
     one_tree_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     r0, r1 = launch(_rank_fn, 2, threads=1)

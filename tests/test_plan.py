@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import RAW_LOGPROB
+
 from lsreplay.commands.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 
@@ -29,6 +31,12 @@ CASES = {
     "qwen2-f64-3x2": ("qwen2", torch.float64, dict(SMALL, vocab_size=64, num_key_value_heads=1),
                       TreeShape(40, ((3, 6), (2, 10))), None),
     "llama-f32-budget": ("llama", torch.float32, dict(SMALL, vocab_size=2000), TreeShape(16, ((4, 48),)), 150_000),
+    # The prompt run layer by layer (its graph does not fit), 57 positions of a layer at a time.
+    "llama-f32-layer-by-layer": ("llama", torch.float32, dict(SMALL, vocab_size=256), TreeShape(512, ((4, 16),)),
+                                 1_156_000),
+    # The prompt layer by layer, the level below kept with lean layers, three layers.
+    "qwen2-f64-layer-by-layer": ("qwen2", torch.float64, dict(SMALL, vocab_size=256, num_hidden_layers=3),
+                                 TreeShape(384, ((2, 8), (3, 12))), 2_726_000),
 }
 
 
@@ -42,8 +50,9 @@ def test_activation_estimate_matches_meter(name):
     tree = shape.random_tree(dims["vocab_size"])
     assert (tree.total_positions, tree.unique_positions) == (shape.total_positions, shape.unique_positions)
     weights = [[torch.randn(len(c), dtype=torch.float64) for c in tree.completions]]
-    replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model))
-    naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+    replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model),
+                             heads=RAW_LOGPROB)
+    naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
     m = ModelDims.from_hf(config)
     planned_replay = replay_peak(m, dtype, shape, budget).total
     planned_naive = naive_peak(m, torch.tensor([], dtype=dtype).element_size(), shape).total
@@ -99,7 +108,7 @@ def test_production_config_fits(capsys):
     assert int(kv["positions_per_step"]) >= 2_100_000
     assert float(kv["replay_peak_gib"]) <= 96 < float(kv["naive_peak_gib"])  # naive would not fit
     assert re.search(r"qwen2 .*28 layers, hidden 3584, intermediate 18944, heads 28/4 kv.*vocab 152064", out)
-    # replay.budget_mb=12288 keeps the prompt's graph with its layers lean or run again in the
+    # replay.budget_mb=19456 keeps the prompt's graph with its layers lean or run again in the
     # backward (its leaves' level then fits); the level below is recomputed after its subtree
     assert ("branches  replay: prompt forwarded once, graph kept (18 of 28 layers lean, 10 run again whole in its "
             "backward); level-1 segment recomputed after its subtree") in out
@@ -142,13 +151,45 @@ def test_the_plans_adapter_count_is_what_peft_injects():
 @pytest.mark.parametrize("overrides, why", [
     (["replay.fsdp=false"], "replay.fsdp=true"),  # the replicated 7B state alone exceeds 96 GiB
     (["pool.device_memory_gb=40"], "40.00 GiB"),
-    (["data.max_prompt_tokens=32768"], "shorter prompt"),  # 16384 fits, with the prompt's layers run again
+    (["replay.budget_mb=0"], "smaller replay.budget_mb"),  # 37 GiB for a path: more leaves per micro-batch
 ])
 def test_impossible_config_is_refused(capsys, overrides, why):
     assert main([PROD, *overrides]) == 1
     captured = capsys.readouterr()
     assert _last_kv(captured.out)["fits"] == "false"
     assert "does not fit" in captured.err and why in captured.err
+
+
+def test_a_long_prompt_fits_its_budget_and_a_longer_one_is_refused_with_the_budget_it_needs(capsys):
+    """The production shape at a 32k-token prompt: the update fits, its prompt run layer by
+    layer (its whole graph was 196 GiB); at 128k too, its layer inputs in host memory; at 256k
+    even the prompt's layer inputs and K/V exceed replay.budget_mb: the plan refuses, naming
+    the budget that would do."""
+    positions = "model.arch.max_position_embeddings=262144"
+    main([PROD, "data.max_prompt_tokens=32768", positions])
+    captured = capsys.readouterr()
+    assert "branches  replay: prompt layer by layer (its layer inputs and K/V kept" in captured.out
+    assert float(_last_kv(captured.out)["replay_peak_gib"]) <= 96 and "the replay step needs" not in captured.err
+    main([PROD, "data.max_prompt_tokens=131072", positions, "replay.budget_mb=28672", "replay.offload_prefix=true"])
+    captured = capsys.readouterr()
+    assert "branches  replay: prompt layer by layer (its layer inputs (in host memory) and K/V kept" in captured.out
+    assert float(_last_kv(captured.out)["replay_peak_gib"]) <= 96 and "the replay step needs" not in captured.err
+    assert main([PROD, "data.max_prompt_tokens=262144", positions]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"replay.budget_mb=19456 is too small .* prompt of 262144 tokens, run layer by layer, holds "
+                     r"[0-9.]+ MiB .* raise replay.budget_mb to at least [0-9]+", err), err
+
+
+def test_the_128k_config_fits_its_devices_and_host(capsys):
+    """configs/h20x8-qwen2.5-7b-128k.yaml: Qwen2.5-7B at 128k-token prompts x 16 rollouts on
+    8 x 96 GB: its prompt runs layer by layer, its layer inputs in the host's memory, and the
+    step fits the devices and the host (13.5x fewer positions than per rollout)."""
+    assert main([str(Path(PROD).with_name("h20x8-qwen2.5-7b-128k.yaml"))]) == 0
+    out = capsys.readouterr().out
+    kv = _last_kv(out)
+    assert kv["fits"] == "true" and kv["rollouts_per_tree"] == "16" and float(kv["positions_ratio"]) > 13
+    assert float(kv["replay_peak_gib"]) <= 96 and float(kv["host_gib"]) <= 1024
+    assert "tree      prompt 128000" in out and "prompt layer by layer (its layer inputs (in host memory)" in out
 
 
 def test_bad_planner_key_is_a_config_error(capsys):
@@ -215,13 +256,21 @@ def test_the_plan_counts_the_kernels_of_the_pools_device_kind():
 
 
 def test_production_rollouts_fit_one_shard_per_device_and_one_shard_of_all_trees_does_not(capsys):
-    """The plan counts the rollouts too: 8 shards of 3 trees (48 sequences decoding, each row
-    with its own copy of its prompt's K/V) fit; one shard of all 24 trees (384 rows, 126 GiB
-    of K/V) does not, and the message says what to change. The update is the same in both."""
+    """The plan counts the rollouts too, each prompt's K/V once (rollout.shared_prompt): 8
+    shards of 3 trees (48 sequences decoding) fit; so does one shard of all 24 trees (384
+    rows: 47 GiB of K/V, where a copy of its prompt in every row would be 126 GiB); one
+    shard of 48 trees does not, and the message says what to change. The update's peak is
+    the same in all three."""
     assert main([PROD]) == 0
-    kv = _last_kv(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    kv = _last_kv(captured.out)
     assert float(kv["rollout_peak_gib"]) <= 96 and kv["fits"] == "true"
-    assert main([PROD, "rollout.shards=1"]) == 1
+    assert "each prompt's K/V is held once" in captured.out
+    assert main([PROD, "rollout.shards=1"]) == 0
+    captured = capsys.readouterr()
+    assert "K/V cache (24 prompts x 4096 once, 384 rows x 2048 own)                 47.25" in captured.out
+    assert _last_kv(captured.out)["replay_peak_gib"] == kv["replay_peak_gib"]
+    assert main([PROD, "rollout.shards=1", "data.prompts_per_step=48"]) == 1
     captured = capsys.readouterr()
     one = _last_kv(captured.out)
     assert one["fits"] == "false" and one["replay_peak_gib"] == kv["replay_peak_gib"]
@@ -229,10 +278,13 @@ def test_production_rollouts_fit_one_shard_per_device_and_one_shard_of_all_trees
     assert "the replay step needs" not in captured.err  # the update still fits
 
 
-def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
+@pytest.mark.parametrize("shared", [True, False], ids=["prompts-shared", "prompts-repeated"])
+def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch, shared):
     """The planner's K/V cache and drafter features of the HF tree sampler against the
     tensors the sampler holds after each forward (no rollout ends early: the worst case the
-    plan counts). The last sampled token is never encoded: one column fewer than planned."""
+    plan counts), each prompt's once (a cascade kernel for the device and dtype) or every
+    row's (none: the planner told so). The last sampled token is never encoded: one column
+    fewer than planned."""
     from conftest import tiny_model
 
     from lsreplay.commands.plan import hf_rollout_memory
@@ -242,33 +294,39 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch):
     from lsreplay.rollout import tree_sampler
     from lsreplay.models.distribution import SamplingParams
 
+    from lsreplay.commands import plan
+
     model = tiny_model(vocab=64, dtype=torch.float32)
     prompt, branching, segments, new = 10, [2, 3], [4], 12
     cfg = load_config(None, [f"data.max_prompt_tokens={prompt}", "data.prompts_per_step=2", "data.size=8",
                              f"rollout.branching={branching}", f"rollout.segment_tokens={segments}",
                              f"rollout.max_new_tokens={new}", "rollout.spec_threshold=1", "model.dtype=float32"])
-    dims = ModelDims.from_hf(model.config)
+    dims, elt = ModelDims.from_hf(model.config), 4
+    if not shared:
+        monkeypatch.setattr(plan, "kernel_for", lambda *args: None)
     planned = hf_rollout_memory(cfg, dims, TreeShape.from_rollout(prompt, branching, segments, new))
-    held = {"kv": 0, "features": 0}
+    held = {"features": 0}
     forward = tree_sampler._Batch._forward
 
     def measured(batch, *args):
         forward(batch, *args)
-        kv = sum(t.nbytes for layer in batch.cache.layers for t in (layer.keys, layer.values))
-        held["kv"], held["features"] = max(held["kv"], kv), max(held["features"], sum(f.nbytes for f in batch.features))
+        features = sum(f.nbytes for f in batch.features + batch.prompt_features)
+        held["features"] = max(held["features"], features)
 
     monkeypatch.setattr(tree_sampler._Batch, "_forward", measured)
     prompts = [list(range(1, prompt + 1)), list(range(20, 20 + prompt))]
-    trees, _ = tree_sampler.sample_trees(
+    trees, trace = tree_sampler.sample_trees(
         model, prompts, branching, segments, new, SamplingParams(), eos_token_id=64,  # never sampled
         generators=[torch.Generator().manual_seed(i) for i in range(2)],
-        speculation=tree_sampler.Speculation(Drafter.from_target(model), threshold=1))
+        speculation=tree_sampler.Speculation(Drafter.from_target(model), threshold=1), share_prompt=shared)
     assert all(len(c) == new for t in trees for c in t.completions)
-    rows, columns = 2 * 6, prompt + new
-    assert planned.rows == rows and planned.peak_at == "the end of decoding"
-    assert planned.part("kv") == rows * columns * kv_bytes_per_position(dims, 4)
-    assert held["kv"] == planned.part("kv") * (columns - 1) // columns
-    assert held["features"] == planned.part("features") // 2 * (columns - 1) // columns
+    rows, (once, own) = 2 * 6, (2 * prompt, new) if shared else (0, prompt + new)
+    assert planned.rows == rows and planned.peak_at == "the end of decoding" and planned.prompt_once is shared
+    per_position = kv_bytes_per_position(dims, elt)
+    assert planned.part("kv") == (once + rows * own) * per_position
+    assert trace.kv_bytes_peak == (once + rows * (own - 1)) * per_position
+    assert planned.part("features") == (once + 2 * rows * own) * dims.hidden * elt
+    assert held["features"] == (once + rows * (own - 1)) * dims.hidden * elt
 
 
 def test_a_vllm_engine_is_planned_by_its_own_cache(capsys):
@@ -314,3 +372,23 @@ def test_the_plan_counts_the_algorithms_state_and_updates(capsys):
     main([PROD, *one, "algo.name=ppo", "algo.critic=true", "algo.epochs=2"])  # one device holds less than fits
     out = capsys.readouterr().out
     assert "critic: a value head on the policy's trunk" in out and "algo=ppo updates_per_step=2" in out
+
+
+def test_offloaded_layer_inputs_leave_the_device_for_the_hosts_memory(capsys):
+    """The production shape at a 64k prompt, run layer by layer: with replay.offload_prefix
+    the device holds two layers' inputs instead of 27, and each host the pinned inputs of its
+    8 devices, next to two checkpoint snapshots; a host too small says so."""
+    long = [PROD, "data.max_prompt_tokens=65536", "model.arch.max_position_embeddings=262144", "replay.budget_mb=24576"]
+    main([*long, "pool.host_memory_gb=512"])
+    kept = _last_kv(capsys.readouterr().out)
+    main([*long, "replay.offload_prefix=true", "pool.host_memory_gb=512"])
+    out = capsys.readouterr().out
+    offloaded = _last_kv(out)
+    inputs = 27 * 65536 * 3584 * 2  # layers 1-27, bf16
+    assert re.search(rf"layer inputs of prompts run layer by layer, pinned, x 8 devices +{8 * inputs / 2**30:.2f}", out)
+    assert float(offloaded["host_gib"]) == pytest.approx(8 * inputs / 2**30 + 2 * 85.11, abs=0.02)
+    assert "checkpoint snapshots" in out and "fits" in out.split("host memory, per host")[1]
+    assert float(kept["host_gib"]) == pytest.approx(2 * 85.11, abs=0.02)  # the snapshots alone
+    assert float(offloaded["replay_peak_gib"]) < float(kept["replay_peak_gib"]) - 7  # 27 - 2 inputs of 0.44 GiB
+    assert main([*long, "replay.offload_prefix=true", "pool.host_memory_gb=256"]) == 1
+    assert "a host needs" in capsys.readouterr().err

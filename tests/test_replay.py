@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import RAW_LOGPROB, tiny_model
 
 from lsreplay.replay import naive_backward, replay_backward
 from lsreplay.replay.capture import capture_rollouts, capture_tree
@@ -28,9 +28,18 @@ def random_trees(vocab=64, seed=1):
     return trees, weights
 
 
+def fallback_model(arch: str = "llama"):
+    """A tiny model cascade attention does not take (float16: the CPU's flash kernel has
+    none), whose branching nodes a budget of a byte sends to the fallback: their K/V read
+    from the source, each run again after its subtree (memory.kept_spans). A model it takes
+    refuses such a budget."""
+    return tiny_model(arch, dtype=torch.float16)
+
+
 def grads_of(model, fn, *args, **kwargs):
+    """`fn` (replay_backward or naive_backward) of the policy's own logprobs, and the gradient."""
     model.zero_grad()
-    stats = fn(model, *args, **kwargs)
+    stats = fn(model, *args, heads=RAW_LOGPROB, **kwargs)
     return stats, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -64,7 +73,7 @@ def test_replay_with_micro_batched_leaves_float32():
 def test_cached_prefix_kv_gives_identical_gradients():
     model = tiny_model("llama")
     trees, weights = random_trees()
-    acts = [capture_tree(model, t) for t in trees]
+    acts = [capture_tree(model, t, heads=RAW_LOGPROB) for t in trees]
     _, g_self = grads_of(model, replay_backward, trees, weights)
     _, g_cached = grads_of(model, replay_backward, trees, weights,
                            prefix_kv=lambda i, node: acts[i].prefix_kv[node.id])
@@ -75,7 +84,8 @@ def test_per_rollout_logprob_pass_matches_the_tree_pass():
     model = tiny_model("qwen2")
     trees, _ = random_trees(seed=4)
     for tree in trees:
-        per_rollout, tree_pass = capture_rollouts(model, tree, batch=3), capture_tree(model, tree)
+        per_rollout = capture_rollouts(model, tree, batch=3, heads=RAW_LOGPROB)
+        tree_pass = capture_tree(model, tree, heads=RAW_LOGPROB)
         assert not per_rollout.prefix_kv and not per_rollout.hidden
         assert torch.allclose(per_rollout.entry_logprobs, tree_pass.entry_logprobs, rtol=0, atol=1e-10)
 
@@ -84,7 +94,7 @@ def test_caching_pass_logprobs_match_per_rollout_forward():
     model = tiny_model("qwen2")
     trees, weights = random_trees()
     for tree in trees:
-        acts = capture_tree(model, tree)
+        acts = capture_tree(model, tree, heads=RAW_LOGPROB)
         per_completion = tree.completion_values(acts.entry_logprobs)
         for j, comp in enumerate(tree.completions):
             with torch.no_grad():
@@ -99,10 +109,10 @@ def test_stored_prefix_kv_corrupt_or_missing_is_recomputed(tmp_path, caplog):
     from lsreplay.core.run import Run
     from lsreplay.stages.prefixes import StoredPrefixKV, kv_key, kv_tensors
 
-    model = tiny_model("llama")
+    model = fallback_model()
     trees, weights = random_trees()
     run = Run(load_config(None, [f"run_dir={tmp_path}"]))
-    acts = [capture_tree(model, t) for t in trees]
+    acts = [capture_tree(model, t, heads=RAW_LOGPROB) for t in trees]
     entries = [{str(n): run.store.write_tensors(kv_key(run, 0, i, n), kv_tensors(kv))
                 for n, kv in a.prefix_kv.items()} for i, a in enumerate(acts)]
     # A budget of a byte keeps no graph: every branching node's K/V is read from the source.
@@ -132,10 +142,10 @@ def test_host_offloaded_prefix_kv_is_served_from_memory(tmp_path):
     from lsreplay.core.run import Run
     from lsreplay.stages.prefixes import HOST_KV, StoredPrefixKV, kv_key, kv_tensors
 
-    model = tiny_model("llama")
+    model = fallback_model()
     trees, weights = random_trees()
     run = Run(load_config(None, [f"run_dir={tmp_path}", "replay.kv_offload=host"]))
-    acts = [capture_tree(model, t) for t in trees]
+    acts = [capture_tree(model, t, heads=RAW_LOGPROB) for t in trees]
     entries = []
     for i, a in enumerate(acts):
         entries.append({})

@@ -27,13 +27,13 @@ from lsreplay.algos.dpo import dpo_loss, reference_sequence_logprobs
 from lsreplay.algos.grpo import GRPOBatch, group_advantages, grpo_loss
 from lsreplay.algos.kl import reference_logprobs, with_kl
 from lsreplay.algos.ppo import PPOBatch, ppo_loss
-from lsreplay.core.config import LoraConfig
+from lsreplay.core.config import ConfigError, LoraConfig
 from lsreplay.models.lora import add_adapters, is_adapter
 from lsreplay.models.distribution import RAW, SamplingParams
+from lsreplay.replay.backward import replay_plan
 from lsreplay.replay.cascade import cascade_applies
 from lsreplay.replay.heads import logprob_heads
-from lsreplay.replay.memory import KeptLayers, ModelDims, default_budget, kept_spans
-from lsreplay.replay.view import replay_view
+from lsreplay.replay.memory import KeptLayers, LayerByLayer
 from lsreplay.tree import RolloutTree
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
@@ -144,19 +144,20 @@ def token_advantages(trees, seed=1):
     return [[torch.randn(len(c), generator=g, dtype=torch.float64) for c in t.completions] for t in trees]
 
 
-def critic_batch(model, trees, clip=0.1):
+def critic_batch(model, trees, sampling: SamplingParams, clip=0.1):
     """Old values from the caching pass, GAE returns of random rewards; the model then moves
     one SGD step along the value loss's gradient, so that some values clip and some do not."""
-    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads())
+    heads = critic_heads(sampling)
+    scores, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
     old = scores[VALUE]
     returns = [[gae(v, float(r), gamma=0.9, lam=0.8)[1] for v, r in zip(vs, rs)]
                for vs, rs in zip(old, rewards_for(trees))]
     batch = CriticBatch(old_values=old, returns=returns, clip=clip)
-    replay_loss_backward(model, trees, lambda s: value_loss(s[VALUE], batch), heads=critic_heads())
+    replay_loss_backward(model, trees, lambda s: value_loss(s[VALUE], batch), heads=heads)
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     torch.optim.SGD(model.parameters(), lr=0.01 / float(norm)).step()
     model.zero_grad(set_to_none=True)
-    now, _ = capture_logprobs(model, trees, keep_kv=False, heads=critic_heads())
+    now, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
     moved = torch.cat([(n - o).abs() for tn, to in zip(now[VALUE], old) for n, o in zip(tn, to)])
     return batch, {"clipped": float((moved > clip).double().mean())}
 
@@ -166,18 +167,20 @@ def build_loss(name: str, kind: str, dtype, model, trees, sampling: SamplingPara
     distribution `sampling` draws from. PPO first moves the model by one optimizer step away
     from the weights its old logprobs came from, the value losses one along the value loss."""
     if name in ("value", "ppo-critic"):
-        batch, info = critic_batch(model, trees)
+        batch, info = critic_batch(model, trees, sampling)
         if name == "value":
             return (lambda s: value_loss(s[VALUE], batch)), critic_heads(sampling), info
         old, _ = capture_logprobs(model, trees, keep_kv=False, heads=logprob_heads(sampling))
         ppo = PPOBatch(advantages=token_advantages(trees), old_logprobs=old, clip_eps=0.1, critic=batch, vf_coef=0.5)
         return (lambda s: ppo_loss(s, ppo)), critic_heads(sampling), info
-    loss_fn, info = build_logprob_loss(name, kind, dtype, model, trees)
+    loss_fn, info = build_logprob_loss(name, kind, dtype, model, trees, sampling)
     return loss_fn, logprob_heads(sampling), info
 
 
-def build_logprob_loss(name: str, kind: str, dtype, model, trees):
-    old, _ = capture_logprobs(model, trees, keep_kv=False)
+def build_logprob_loss(name: str, kind: str, dtype, model, trees, sampling: SamplingParams):
+    """Every logprob of the loss (old, reference, current) under `sampling`'s distribution."""
+    heads = logprob_heads(sampling)
+    old, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
     adv = [group_advantages(r) for r in rewards_for(trees)]
     info = {}
     if name.startswith("grpo-"):
@@ -190,20 +193,20 @@ def build_logprob_loss(name: str, kind: str, dtype, model, trees):
     if name == "ppo":
         batch = PPOBatch(advantages=token_advantages(trees), old_logprobs=old, clip_eps=0.1)
         # one SGD step of length 0.1 along the gradient: 30-90% of the tokens then clip
-        replay_loss_backward(model, trees, lambda lp: ppo_loss(lp, batch))
+        replay_loss_backward(model, trees, lambda lp: ppo_loss(lp, batch), heads=heads)
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         torch.optim.SGD(model.parameters(), lr=0.1 / float(norm)).step()
         model.zero_grad(set_to_none=True)
-        now, _ = capture_logprobs(model, trees, keep_kv=False)
+        now, _ = capture_logprobs(model, trees, keep_kv=False, heads=heads)
         ratio = torch.cat([torch.exp(n - o) for tn, to in zip(now, old) for n, o in zip(tn, to)])
         info["clipped"] = float(((ratio - 1).abs() > batch.clip_eps).double().mean())
         return (lambda lp: ppo_loss(lp, batch)), info
     if name.startswith("kl-"):
-        ref = reference_logprobs(_reference(kind, dtype), trees)
+        ref = reference_logprobs(_reference(kind, dtype), trees, sampling)
         batch = GRPOBatch(advantages=adv, old_logprobs=old)
         return with_kl(lambda lp: grpo_loss(lp, batch), ref, kl_coef=0.5, estimator=name[3:]), info
     if name == "dpo":
-        ref = reference_sequence_logprobs(_reference(kind, dtype), trees)
+        ref = reference_sequence_logprobs(_reference(kind, dtype), trees, sampling)
         # pairs inside each tree, several sharing a completion prefix
         pairs = [[(0, 1), (2, 0), (len(t.completions) - 1, 1)] for t in trees]
         return (lambda lp: dpo_loss(lp, pairs, ref, beta=0.5)), info
@@ -211,9 +214,9 @@ def build_logprob_loss(name: str, kind: str, dtype, model, trees):
 
 
 def compare(kind: str, dtype, depth: int, name: str, sampling: SamplingParams = RAW, budget: int | None = None,
-            lora: bool = False):
+            lora: bool = False, trees: list[RolloutTree] | None = None):
     model = fresh_model(kind, dtype, critic=name in ("value", "ppo-critic"), lora=lora)
-    trees = make_trees(depth)
+    trees = trees or make_trees(depth)
     loss_fn, heads, info = build_loss(name, kind, dtype, model, trees, sampling)
     replay_loss, stats = replay_loss_backward(model, trees, loss_fn, heads=heads, budget_bytes=budget)
     replay = grads(model)
@@ -250,13 +253,12 @@ def kept_shares(kind: str, dtype, trees, budget: int | None) -> list[tuple[dict[
     """Per tree at `budget`: the branching spans replay keeps, with what their layers keep
     (memory.kept_spans), and the number of branching spans."""
     model = _model(kind, dtype)
-    dims, elt = ModelDims.from_hf(model.config), torch.tensor([], dtype=dtype).element_size()
     out = []
     for tree in trees:
-        spans = replay_view(tree, 0)
-        longest = max(n.end for n in tree.nodes)
-        kept = kept_spans(spans, dims, elt, budget or default_budget(dims, elt, longest, longest - tree.prompt_len),
-                          cascade_applies(model))
+        try:
+            spans, kept, _ = replay_plan(model, tree, 0, budget)
+        except ConfigError:  # too small for any way of running the tree
+            return []
         out.append((kept, sum(not s.is_leaf for s in spans)))
     return out
 
@@ -264,10 +266,12 @@ def kept_shares(kind: str, dtype, trees, budget: int | None) -> list[tuple[dict[
 # What each path of the backward looks like in a tree's kept spans (and its branching spans).
 PATHS = {
     "kept": lambda kept, branching: len(kept) == branching and all(k == KeptLayers() for k in kept.values()),
-    "lean-layers": lambda kept, branching: any(k.lean and not k.rerun for k in kept.values()),
-    "layers-run-again": lambda kept, branching: any(k.rerun for k in kept.values()),
-    "recompute": lambda kept, branching: not kept,
-    "mixed": lambda kept, branching: 0 < len(kept) < branching,
+    "lean-layers": lambda kept, branching: any(isinstance(k, KeptLayers) and k.lean and not k.rerun
+                                               for k in kept.values()),
+    "layers-run-again": lambda kept, branching: any(isinstance(k, KeptLayers) and k.rerun for k in kept.values()),
+    # On these trees a span recomputed after its subtree has kept ones beside it: alone, none
+    # fits a budget that the others do not fit better.
+    "recompute-and-kept": lambda kept, branching: 0 < len(kept) < branching,
 }
 
 
@@ -284,8 +288,8 @@ def budget_for(kind: str, dtype, trees, path: str) -> int:
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_every_path_of_the_backward_is_exact(exact_rmsnorm, kind, name, path):
     """Each branching node forwarded once with its whole graph kept, kept with some of its
-    layers lean or run again whole in its backward (recompute.py), recomputed after its
-    subtree, or kept and recomputed nodes in one tree."""
+    layers lean or run again whole in its backward (recompute.py), or kept and recomputed
+    after its subtree nodes in one tree. (Run layer by layer: the test after next.)"""
     trees = make_trees(3)
     budget = budget_for(kind, torch.float64, trees, path)
     assert all(branching > 0 for _, branching in kept_shares(kind, torch.float64, trees, budget))
@@ -294,7 +298,7 @@ def test_every_path_of_the_backward_is_exact(exact_rmsnorm, kind, name, path):
     assert rel <= 1e-11, rel
 
 
-@pytest.mark.parametrize("path", ["kept", "recompute"])
+@pytest.mark.parametrize("path", ["kept", "recompute-and-kept", "layer-by-layer"])
 @pytest.mark.parametrize("name", ["grpo-token-mean", "kl-k3", "ppo-critic"])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_replay_is_exact_with_lora_on_every_projection(exact_rmsnorm, kind, name, path):
@@ -305,12 +309,67 @@ def test_replay_is_exact_with_lora_on_every_projection(exact_rmsnorm, kind, name
     assert cascade_applies(model)
     adapted = {n for n, _ in model.named_parameters() if is_adapter(n)}
     assert len(adapted) == 2 * 7 * model.config.num_hidden_layers
-    replay_loss, naive_loss, rel, _, _, naive = compare(kind, torch.float64, 3, name,
-                                                        budget={"kept": 2**40, "recompute": 1}[path], lora=True)
+    trees = long_trees(2) if path == "layer-by-layer" else make_trees(3)
+    budget = layer_by_layer_budget(kind, trees) if path == "layer-by-layer" else budget_for(kind, torch.float64,
+                                                                                             trees, path)
+    replay_loss, naive_loss, rel, _, _, naive = compare(kind, torch.float64, 3, name, budget=budget, lora=True,
+                                                        trees=trees)
     critic = {"value_head.weight", "value_head.bias"} if name == "ppo-critic" else set()
     assert set(naive) == adapted | critic
     assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
     assert rel <= 1e-11, rel
+
+
+def long_trees(depth: int, seed: int = 0) -> list[RolloutTree]:
+    """A tree of `depth` whose branching spans are long next to its leaves (a 96-token prompt,
+    then spans of 64 and 48 tokens, two children each, leaves of 3 and 4 tokens, one of them a
+    duplicate): where its spans' graphs do not fit, they run layer by layer."""
+    g = torch.Generator().manual_seed(seed)
+
+    def grow(level: int) -> list[list[int]]:
+        if level == depth:
+            return [[]]
+        out = []
+        for f in range(2):
+            length = (64, 48)[level] if level < depth - 1 else 3 + f
+            segment = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+            out += [segment + rest for rest in grow(level + 1)]
+        return out
+
+    completions = grow(0)
+    tree = RolloutTree.from_sequences(torch.randint(0, VOCAB, (96,), generator=g).tolist(),
+                                      completions + completions[:1])
+    assert tree.depth == depth
+    return [tree]
+
+
+def layer_by_layer_budget(kind: str, trees: list[RolloutTree]) -> int:
+    """The least budget (of a geometric series) at which every branching span runs layer by
+    layer, in chunks shorter than itself."""
+    for budget in (int(50_000 * 1.05**k) for k in range(100)):
+        shares = kept_shares(kind, torch.float64, trees, budget)
+        if shares and all(len(kept) == branching and all(isinstance(k, LayerByLayer) for k in kept.values())
+                          for kept, branching in shares):
+            spans = [replay_plan(_model(kind, torch.float64), t, 0, budget)[0] for t in trees]
+            if all(k.chunk < len(s[i].tokens) for (kept, _), s in zip(shares, spans) for i, k in kept.items()):
+                return budget
+    raise AssertionError("no budget runs every branching span layer by layer in chunks")
+
+
+@pytest.mark.parametrize("name", ["grpo-token-mean", "ppo-critic", "value"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_spans_run_layer_by_layer_are_exact(exact_rmsnorm, kind, depth, name):
+    """Every branching span's forward keeping its layer inputs and K/V, its backward running
+    each layer again from the top in chunks shorter than the span (layerwise.py), the
+    subtree's dK/dV entering at each layer: GRPO, and PPO with a critic whose values are
+    scored on the prompt's descendants (the value loss alone too)."""
+    trees = long_trees(depth)
+    budget = layer_by_layer_budget(kind, trees)
+    replay_loss, naive_loss, rel, stats, *_ = compare(kind, torch.float64, depth, name, budget=budget, trees=trees)
+    assert abs(replay_loss - naive_loss) <= 1e-12 * max(1.0, abs(naive_loss))
+    assert rel <= 1e-11, rel
+    assert sum(t.unique_positions for t in trees) <= stats.positions < stats.per_rollout_positions
 
 
 # Rollouts drawn at temperature 0.7 from the top 40 tokens' nucleus of 0.9 (on a 64-token
@@ -339,10 +398,10 @@ def test_bfloat16_smoke(kind, name):
     max|diff|/max|grad| up to 6e-2, losses equal to 4 digits."""
     model = fresh_model(kind, torch.bfloat16)
     trees = make_trees(3)
-    loss_fn, _, _ = build_loss(name, kind, torch.bfloat16, model, trees)
-    replay_loss, _ = replay_loss_backward(model, trees, loss_fn)
+    loss_fn, heads, _ = build_loss(name, kind, torch.bfloat16, model, trees)
+    replay_loss, _ = replay_loss_backward(model, trees, loss_fn, heads=heads)
     replay = grads(model)
-    naive_loss = naive_loss_backward(model, trees, loss_fn)
+    naive_loss = naive_loss_backward(model, trees, loss_fn, heads=heads)
     naive = grads(model)
     assert abs(replay_loss - naive_loss) <= 2e-2 * max(1.0, abs(naive_loss))
     assert replay.keys() == naive.keys()

@@ -15,13 +15,19 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import RAW_LOGPROB
+
+from lsreplay.core.config import ConfigError
+from lsreplay.models.distribution import RAW
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.backward import replay_plan
 from lsreplay.replay.capture import capture_tree
 from lsreplay.replay.cascade import forward_cascade
-from lsreplay.replay.memory import KeptLayers, ModelDims, kept_bytes, saved_bytes
+from lsreplay.replay.layerwise import LayerByLayerSpan
+from lsreplay.replay.memory import (KeptLayers, ModelDims, kept_bytes, layer_by_layer_bytes, layer_run_bytes,
+                                    saved_bytes, top_run_bytes)
 from lsreplay.replay.recompute import recomputed_layers
-from lsreplay.replay.segments import concat_kv, forward_segments, new_kv, target_logprobs
+from lsreplay.replay.segments import concat_kv, forward_segments, kv_bytes, new_kv, target_logprobs
 from lsreplay.tree import RolloutTree
 
 VOCAB = 256
@@ -65,13 +71,13 @@ def measured(model):
     out = {}
     for g in LEAVES:
         tree = _tree(g)
-        acts = capture_tree(model, tree, keep_hidden=False)
+        acts = capture_tree(model, tree, keep_hidden=False, heads=RAW_LOGPROB)
         weights = _weights(tree)
         model.zero_grad(set_to_none=True)
         replay = replay_backward(model, [tree], weights, prefix_kv=lambda i, node, acts=acts: acts.prefix_kv.get(node.id),
-                                 meter=ActivationMeter(model))
+                                 meter=ActivationMeter(model), heads=RAW_LOGPROB)
         model.zero_grad(set_to_none=True)
-        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model))
+        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
         model.zero_grad(set_to_none=True)
         out[g] = (tree, replay, naive)
     return out
@@ -189,7 +195,7 @@ def test_cascade_run_saves_what_the_byte_model_counts(dtype, lengths):
     with meter.hold(0, tensors=held), meter.measure():
         held_bytes = meter.current
         hidden, _ = forward_cascade(model, segments, start, prefix)
-        objective = sum(target_logprobs(model, hidden[row], range(len(seg) - 1), seg[1:]).sum()
+        objective = sum(target_logprobs(model, hidden[row], range(len(seg) - 1), seg[1:], sampling=RAW).sum()
                         for row, seg in enumerate(segments))
         saved = meter.current - held_bytes
     objective.backward()
@@ -231,7 +237,7 @@ def test_kept_span_holds_what_the_byte_model_counts(dtype, ancestors, layers):
             objective = hidden.sum()  # saves nothing
             kv = tuple([t.detach().requires_grad_() for t in half] for half in own)
             below, _ = forward_cascade(model, [child], start + len(span), [*prefix, kv])
-            child_objective = target_logprobs(model, below[0], range(len(child) - 1), child[1:]).sum()
+            child_objective = target_logprobs(model, below[0], range(len(child) - 1), child[1:], sampling=RAW).sum()
             held = meter.current - base
             child_objective.backward()
             torch.autograd.backward([objective, *own[0], *own[1]],
@@ -243,3 +249,84 @@ def test_kept_span_holds_what_the_byte_model_counts(dtype, ancestors, layers):
                         + saved_bytes(dims, elt, 1, len(child), start + len(span), len(child) - 1, cascade=True))
     whole, less = grads[KeptLayers()], grads[layers]
     assert all(torch.equal(whole[n], less[n]) for n in whole)
+
+
+# -- what a span run layer by layer holds (memory.layer_by_layer_bytes, layerwise.py) ---------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("ancestors", [0, 1], ids=["prompt", "after-prompt"])
+def test_span_run_layer_by_layer_holds_what_the_byte_model_counts(dtype, ancestors):
+    """A branching span run layer by layer as replay does it, a child on its K/V: from its
+    forward on the meter counts layer_by_layer_bytes; differentiating its entries' scores
+    adds top_run_bytes; its backward adds its K/V's gradient and one layer over one chunk
+    (layer_run_bytes), byte for byte."""
+    model = _llama(dtype)
+    dims, elt = ModelDims.from_hf(model.config), torch.tensor([], dtype=dtype).element_size()
+    rng = random.Random(0)
+    prompt, span, child = ([rng.randrange(VOCAB) for _ in range(n)] for n in (30, 40, 5))
+    prefix, start = [], 0
+    if ancestors:
+        with torch.no_grad():
+            _, cache = forward_segments(model, [prompt], 0, None)
+        prefix, start = [tuple([t.clone().requires_grad_() for t in half] for half in new_kv(cache, 0))], len(prompt)
+    entries = [37, 38, 39, 39]  # the last position predicts two children's first tokens
+    chunk = 8
+    meter = ActivationMeter(model)
+    with meter.hold(0, tensors=[t for kv in prefix for half in kv for t in half]), meter.measure():
+        base = meter.current
+        run = LayerByLayerSpan(model, span, start, prefix, chunk, meter)
+        score = lambda hidden, ids, rows, targets: target_logprobs(model, hidden, rows, targets, RAW).sum()  # noqa: E731
+        kv = run.forward(score, list(range(len(entries))), entries, [1, 2, 3, 4])
+        held, top, grads = meter.current - base, meter.peak - base, kv_bytes(kv)
+        with meter.hold(grads):
+            below, _ = forward_cascade(model, [child], start + len(span), [*prefix, kv])
+            target_logprobs(model, below[0], range(len(child) - 1), child[1:], RAW).sum().backward()
+            meter.peak = meter.current
+            run.backward()
+            again = meter.peak - base - held - grads
+    assert held == layer_by_layer_bytes(dims, elt, len(span))
+    assert top - held == top_run_bytes(dims, elt, rows=3, entries=4)
+    assert again == layer_run_bytes(dims, elt, chunk)
+
+
+def test_replay_holds_its_budget_as_the_prompt_grows_and_refuses_past_it():
+    """At one budget, longer and longer prompts (4 leaves of SUFFIX tokens): replay's peak
+    stays within it, the prompt run layer by layer once its graph does not fit, while the
+    per-rollout backward's grows past it; where even the prompt's layer inputs and K/V do
+    not fit, replay refuses, naming replay.budget_mb and the budget it needs."""
+    model = _llama()
+    budget = 3 * 2**20
+    for prompt in (128, 256, 512, 960):
+        rng = random.Random(prompt)
+        tree = RolloutTree.from_sequences([rng.randrange(VOCAB) for _ in range(prompt)], _tree(4).completions)
+        weights = _weights(tree)
+        model.zero_grad(set_to_none=True)
+        replay = replay_backward(model, [tree], weights, budget_bytes=budget, meter=ActivationMeter(model),
+                                 heads=RAW_LOGPROB)
+        model.zero_grad(set_to_none=True)
+        naive = naive_backward(model, [tree], weights, meter=ActivationMeter(model), heads=RAW_LOGPROB)
+        assert replay.peak_activation_bytes <= budget, prompt
+        assert (naive.peak_activation_bytes > budget) == (prompt >= 256), prompt
+        assert replay.layer_by_layer_positions == (prompt if prompt >= 512 else 0), prompt
+    with pytest.raises(ConfigError, match=r"replay.budget_mb=1 is too small .* raise replay.budget_mb to at least 2,"):
+        replay_backward(model, [tree], weights, budget_bytes=2**20, heads=RAW_LOGPROB)
+
+
+def test_offload_prefix_on_a_cpu_changes_nothing():
+    """replay.offload_prefix on a CPU: the same code path, no copies: the same choice, peak
+    and gradients, bit for bit, as without it."""
+    model = _llama()
+    rng = random.Random(0)
+    tree = RolloutTree.from_sequences([rng.randrange(VOCAB) for _ in range(512)], _tree(4).completions)
+    weights = _weights(tree)
+    runs = {}
+    for offload in (False, True):
+        assert replay_plan(model, tree, 0, 3 * 2**20, offload)[1] == replay_plan(model, tree, 0, 3 * 2**20)[1]
+        model.zero_grad(set_to_none=True)
+        stats = replay_backward(model, [tree], weights, budget_bytes=3 * 2**20, meter=ActivationMeter(model),
+                                heads=RAW_LOGPROB, offload_prefix=offload)
+        runs[offload] = stats, {n: p.grad.clone() for n, p in model.named_parameters()}
+    (off, grads_off), (on, grads_on) = runs[False], runs[True]
+    assert on.layer_by_layer_positions == off.layer_by_layer_positions == 512
+    assert on.peak_activation_bytes == off.peak_activation_bytes
+    assert all(torch.equal(grads_on[n], grads_off[n]) for n in grads_off)

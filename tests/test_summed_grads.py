@@ -5,6 +5,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from lsreplay.models.distribution import RAW
+
 from lsreplay.models.summed_grads import summed_in_place
 from lsreplay.replay.segments import forward_segments, target_logprobs
 
@@ -15,7 +17,7 @@ RUNS = [[1, 5, 9, 3, 7], [2, 2, 8], [0, 4, 6, 1, 0, 3, 9]]
 def backward_each(model, runs):
     for tokens in runs:
         hidden, _ = forward_segments(model, [tokens], 0, None)
-        target_logprobs(model, hidden[0], list(range(len(tokens) - 1)), tokens[1:]).sum().backward()
+        target_logprobs(model, hidden[0], list(range(len(tokens) - 1)), tokens[1:], sampling=RAW).sum().backward()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2's q/k/v projections have biases

@@ -12,9 +12,10 @@ tree i). Two ways to get its parameter gradient, which must agree:
   replaying the cached prefix K/V.
 
 Both evaluate the loss on float64 logprobs, so the loss function sees the same precision
-whichever path runs it. With `heads` (lsreplay.replay.heads: e.g. logprobs and a critic's
-values), the loss takes the scores by head name, {name: nested}, and both paths score and
-differentiate every head.
+whichever path runs it. `heads` (lsreplay.replay.heads) say what is scored, the logprob
+under the distribution its head names (no default: `logprob_heads(sampling)`); with
+several (e.g. logprobs and a critic's values), the loss takes the scores by head name,
+{name: nested}, and both paths score and differentiate every head.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ from transformers import PreTrainedModel
 from lsreplay.algos.weights import NestedLogprobs, NestedScores, loss_and_weights
 from lsreplay.replay.backward import BackwardStats, replay_backward
 from lsreplay.replay.capture import TreeActivations, capture_tree
-from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS, Heads, by_head
+from lsreplay.models.distribution import SamplingParams
+from lsreplay.replay.heads import LOGPROB, Heads, by_head, logprob_heads
 from lsreplay.replay.segments import forward_segments
 from lsreplay.tree import RolloutTree
 
 LossFn = Callable[[NestedLogprobs], torch.Tensor]
 
 
-def naive_scores(model: PreTrainedModel, trees: list[RolloutTree], heads: Heads = LOGPROB_HEADS) -> dict:
+def naive_scores(model: PreTrainedModel, trees: list[RolloutTree], heads: Heads) -> dict:
     """Every head's per-token scores of every completion, {name: nested}, one full-sequence
     forward per rollout, with grad (when grad is enabled). Keeps every rollout's graph
     alive: a reference, not a memory-efficient path."""
@@ -57,29 +59,29 @@ def naive_scores(model: PreTrainedModel, trees: list[RolloutTree], heads: Heads 
     return out
 
 
-def naive_logprobs(model: PreTrainedModel, trees: list[RolloutTree]) -> NestedLogprobs:
-    """Per-token logprobs of every completion, per rollout (naive_scores of the logprob)."""
-    return naive_scores(model, trees)[LOGPROB]
+def naive_logprobs(model: PreTrainedModel, trees: list[RolloutTree], sampling: SamplingParams) -> NestedLogprobs:
+    """Per-token logprobs of every completion under `sampling`'s distribution, per rollout
+    (naive_scores of the logprob)."""
+    return naive_scores(model, trees, logprob_heads(sampling))[LOGPROB]
 
 
-def naive_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_fn: LossFn,
-                        heads: Heads | None = None) -> float:
-    """loss_fn over per-rollout scores (logprobs, or {name: nested} with heads),
+def naive_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_fn: LossFn, *,
+                        heads: Heads) -> float:
+    """loss_fn over per-rollout scores (logprobs, or {name: nested} with several heads),
     backpropagated into `.grad`; returns the loss."""
     scores = {name: [[s.double() for s in row] for row in nested]
-              for name, nested in naive_scores(model, trees, heads or LOGPROB_HEADS).items()}
+              for name, nested in naive_scores(model, trees, heads).items()}
     loss = loss_fn(scores if by_head(heads) else scores[LOGPROB])
     if loss.requires_grad:
         loss.backward()
     return float(loss.detach())
 
 
-def capture_logprobs(model: PreTrainedModel, trees: list[RolloutTree], keep_kv: bool = True,
-                     heads: Heads | None = None) -> tuple[NestedLogprobs | NestedScores, list[TreeActivations]]:
+def capture_logprobs(model: PreTrainedModel, trees: list[RolloutTree], keep_kv: bool = True, *,
+                     heads: Heads) -> tuple[NestedLogprobs | NestedScores, list[TreeActivations]]:
     """The no-grad caching pass over each tree: per-completion token logprobs (float64, on
-    CPU; None heads: the raw policy's; with several heads, every head's scores by name) and
-    the activations (prefix K/V unless keep_kv=False; no hidden states)."""
-    heads = heads or LOGPROB_HEADS
+    CPU; under the distribution the logprob head names; with several heads, every head's
+    scores by name) and the activations (prefix K/V unless keep_kv=False; no hidden states)."""
     acts = []
     for tree in trees:
         acts.append(capture_tree(model, tree, keep_hidden=False, heads=heads, kv_nodes=None if keep_kv else set()))
@@ -96,7 +98,7 @@ def completion_scores(trees: list[RolloutTree], acts: list[TreeActivations], hea
             [t.completion_values(a.entry_scores[name]) for t, a in zip(trees, acts)] for name in heads}
 
 
-def scores_of(trees: list[RolloutTree], acts: list[TreeActivations], heads: Heads | None):
+def scores_of(trees: list[RolloutTree], acts: list[TreeActivations], heads: Heads):
     """What a loss over `heads` takes from the caching pass: scores by head name, or nested
     logprobs for the logprob alone (heads.by_head)."""
     return completion_scores(trees, acts, heads) if by_head(heads) else completion_logprobs(trees, acts)
@@ -109,7 +111,7 @@ def activations_kv(acts: list[TreeActivations]):
 
 def replay_loss_backward(model: PreTrainedModel, trees: list[RolloutTree], loss_fn: LossFn,
                          activations: list[TreeActivations] | None = None,
-                         budget_bytes: int | None = None, heads: Heads | None = None) -> tuple[float, BackwardStats]:
+                         budget_bytes: int | None = None, *, heads: Heads) -> tuple[float, BackwardStats]:
     """loss_fn's gradient by branch replay, accumulated into `.grad`; returns (loss, stats).
 
     activations: caching-pass results of *the current weights* for `trees` (captured here

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 
 from lsreplay.algos.grpo import NestedCounts, NestedMask, aggregate, flat_counts, kept
 from lsreplay.algos.weights import NestedLogprobs
-from lsreplay.models.distribution import RAW, SamplingParams
+from lsreplay.models.distribution import SamplingParams
 from lsreplay.replay.heads import LOGPROB, Heads, LogprobHead
 from lsreplay.replay.segments import device_index
 
@@ -58,7 +58,7 @@ def value_scores(model: PreTrainedModel, hidden: torch.Tensor, positions, target
     return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
-def critic_heads(sampling: SamplingParams = RAW) -> Heads:
+def critic_heads(sampling: SamplingParams) -> Heads:
     """What PPO with a critic scores at every entry: the token's logprob (under the
     distribution `sampling` draws from) and the state's value."""
     return {LOGPROB: LogprobHead(sampling), VALUE: value_scores}

@@ -33,6 +33,8 @@ from transformers import PreTrainedModel
 from lsreplay.algos.backward import capture_logprobs
 from lsreplay.algos.grpo import NestedCounts, sample_counts
 from lsreplay.algos.weights import NestedLogprobs
+from lsreplay.models.distribution import SamplingParams
+from lsreplay.replay.heads import logprob_heads
 from lsreplay.tree import RolloutTree
 
 # per tree: (chosen completion index, rejected completion index) pairs
@@ -59,9 +61,12 @@ def sequence_logprobs(logprobs: NestedLogprobs) -> list[torch.Tensor]:
             for tree in logprobs]
 
 
-def reference_sequence_logprobs(reference: PreTrainedModel, trees: list[RolloutTree]) -> list[torch.Tensor]:
-    """Sequence logprobs of every completion under the frozen reference (no-grad caching pass)."""
-    logprobs, _ = capture_logprobs(reference, trees, keep_kv=False)
+def reference_sequence_logprobs(reference: PreTrainedModel, trees: list[RolloutTree],
+                                sampling: SamplingParams) -> list[torch.Tensor]:
+    """Sequence logprobs of every completion under the frozen reference (no-grad caching
+    pass), under `sampling`'s distribution: the rollouts' for online DPO, RAW (the policy's
+    own) for a preference dataset's answers, which nothing here sampled."""
+    logprobs, _ = capture_logprobs(reference, trees, keep_kv=False, heads=logprob_heads(sampling))
     return [s.detach() for s in sequence_logprobs(logprobs)]
 
 

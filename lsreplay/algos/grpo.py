@@ -183,17 +183,21 @@ def kept(token_losses: list[torch.Tensor], counts: list[int] | None, mask: Neste
 
 
 def clip_fractions(logprobs: NestedLogprobs, old_logprobs: NestedLogprobs, advantages, clip_eps: float,
-                   clip_eps_high: float | None = None) -> dict:
+                   clip_eps_high: float | None = None, mask: NestedMask = None) -> dict:
     """TRL's clip_ratio/*: the share of completion tokens whose ratio exp(logp - old logp)
     the clipped surrogate cuts off, below 1 - eps where the advantage is negative (low),
     above 1 + eps_high where it is positive (high), either (region); and, per completion,
     the least share cut low (low_min) and the most cut high (high_max). At ratio 1 (one
-    update per batch, its first minibatch) none is cut."""
+    update per batch, its first minibatch) none is cut. Over the completions `mask` keeps
+    (the loss's), as TRL's figures are over its completion mask."""
     high_eps = clip_eps if clip_eps_high is None else clip_eps_high
     low = high = tokens = 0
     per_completion = []  # (share cut low, share cut high) of each non-empty completion
-    for lps, olds, advs in zip(logprobs, old_logprobs, advantages):
-        for lp, old, a in zip(lps, olds, advs):
+    keep = mask or [[True] * len(lps) for lps in logprobs]
+    for lps, olds, advs, kept_row in zip(logprobs, old_logprobs, advantages, keep):
+        for lp, old, a, k in zip(lps, olds, advs, kept_row):
+            if not k:
+                continue
             ratio = torch.exp(lp.detach() - old.to(lp))
             adv = torch.as_tensor(a).to(lp).expand_as(ratio)
             cut_low = int(((ratio < 1 - clip_eps) & (adv < 0)).sum())

@@ -7,7 +7,8 @@ With d = ref_logp - logp at each sampled token (Schulman's estimators of KL(pi |
 - k3 = exp(d) - d - 1       unbiased, >= 0 (GRPO's choice)
 
 The reference logprobs come from a no-grad caching pass of the reference model over the
-same trees (`reference_logprobs`); they are constants of the loss. The penalty is
+same trees (`reference_logprobs`), under the distribution the completions were drawn from
+(tempered, truncated), as the policy's; they are constants of the loss. The penalty is
 aggregated like the policy loss and added with a coefficient (`with_kl`), so the composed
 loss is again one function of the nested logprobs: replay and the per-rollout reference
 differentiate it the same way.
@@ -22,6 +23,8 @@ from lsreplay.algos.backward import LossFn, capture_logprobs
 from lsreplay.algos.grpo import NestedCounts, NestedMask, aggregate, flat_counts, kept
 from lsreplay.algos.weights import NestedLogprobs
 from lsreplay.core.config import KL_ESTIMATORS
+from lsreplay.models.distribution import SamplingParams
+from lsreplay.replay.heads import logprob_heads
 from lsreplay.tree import RolloutTree
 
 
@@ -70,7 +73,10 @@ def with_kl(loss_fn: LossFn, ref_logprobs: NestedLogprobs, kl_coef: float, estim
     return total
 
 
-def reference_logprobs(reference: PreTrainedModel, trees: list[RolloutTree]) -> NestedLogprobs:
-    """Per-token logprobs of the frozen reference model: a no-grad caching pass per tree."""
-    logprobs, _ = capture_logprobs(reference, trees, keep_kv=False)
+def reference_logprobs(reference: PreTrainedModel, trees: list[RolloutTree],
+                       sampling: SamplingParams) -> NestedLogprobs:
+    """Per-token logprobs of the frozen reference model under `sampling`'s distribution (the
+    one the completions were drawn from, as the policy's are scored): a no-grad caching pass
+    per tree."""
+    logprobs, _ = capture_logprobs(reference, trees, keep_kv=False, heads=logprob_heads(sampling))
     return logprobs

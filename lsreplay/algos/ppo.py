@@ -22,7 +22,8 @@ from lsreplay.algos.grpo import NestedCounts, NestedMask, clipped_policy_loss
 from lsreplay.algos.kl import kl_loss
 from lsreplay.algos.updates import Minibatch, minibatch_updates
 from lsreplay.algos.weights import NestedLogprobs
-from lsreplay.replay.heads import LOGPROB
+from lsreplay.models.distribution import SamplingParams
+from lsreplay.replay.heads import LOGPROB, logprob_heads
 from lsreplay.tree import RolloutTree
 
 
@@ -85,7 +86,7 @@ def minibatch_orders(num_trees: int, epochs: int, minibatch_trees: int | None,
 
 
 def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: list[RolloutTree],
-               advantages: list[list], epochs: int = 1, minibatch_trees: int | None = None,
+               advantages: list[list], sampling: SamplingParams, epochs: int = 1, minibatch_trees: int | None = None,
                mode: str = "replay", clip_eps: float = 0.2, loss_agg: str = "token-mean",
                max_tokens: int | None = None, old_logprobs: NestedLogprobs | None = None,
                ref_logprobs: NestedLogprobs | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
@@ -94,7 +95,10 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
     """`epochs` passes over `trees` in minibatches of `minibatch_trees` trees, one step of a
     plain torch optimizer each; returns each minibatch's loss (at the weights before its step).
 
-    old_logprobs: None runs the caching pass now (its activations also serve the first
+    sampling: the distribution the trees' completions were drawn from (temperature, top-k,
+    top-p; RAW for the policy's own), under which every logprob of the update is scored: the
+    old logprobs, the current ones, and so the ratio. old_logprobs, ref_logprobs: given, of
+    the same distribution. old_logprobs: None runs the caching pass now (its activations also serve the first
     minibatch, whose weights they are). ref_logprobs + kl_coef: KL penalty to a reference
     (see kl.reference_logprobs). counts: the samples each leaf stands for (grpo's
     NestedCounts), in both terms. mode "naive" differentiates the same loss per rollout.
@@ -107,12 +111,12 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef needs ref_logprobs (see kl.reference_logprobs)")
     orders = minibatch_orders(len(trees), epochs, minibatch_trees, generator)
-    first = None
+    heads, first = logprob_heads(sampling), None
     if old_logprobs is None:
         keep = set(orders[0][0]) if orders and orders[0] and mode == "replay" else set()
         old_logprobs, acts = [], []
         for i, tree in enumerate(trees):  # one tree at a time: only the first minibatch's K/V is kept
-            lps, a = capture_logprobs(model, [tree], keep_kv=i in keep)
+            lps, a = capture_logprobs(model, [tree], keep_kv=i in keep, heads=heads)
             old_logprobs += lps
             acts += a
         first = (old_logprobs, activations_kv(acts))
@@ -136,5 +140,5 @@ def ppo_update(model: PreTrainedModel, optimizer: torch.optim.Optimizer, trees: 
 
     model.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
-    return [m.loss for m in minibatch_updates(model, trees, loss_for, orders, take_step, mode, first=first,
-                                              budget_bytes=budget_bytes)]
+    return [m.loss for m in minibatch_updates(model, trees, loss_for, orders, take_step, mode, heads=heads,
+                                              first=first, budget_bytes=budget_bytes)]

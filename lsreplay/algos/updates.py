@@ -41,16 +41,18 @@ Capture = Callable[[list[RolloutTree]], tuple[dict | NestedLogprobs, PrefixKVSou
 
 def minibatch_updates(model: PreTrainedModel, trees: list[RolloutTree], loss_for: Callable[[list[int]], Callable],
                       orders: list[list[list[int]]], take_step: Callable[[Minibatch], None],
-                      mode: str = "replay", heads: Heads | None = None, first: FirstPass | None = None,
-                      budget_bytes: int | None = None, join_below: int = 0,
+                      mode: str = "replay", *, heads: Heads, first: FirstPass | None = None,
+                      budget_bytes: int | None = None, join_below: int = 0, offload_prefix: bool = False,
                       capture: Capture | None = None) -> list[Minibatch]:
     """For every minibatch of `orders` (per epoch, lists of tree indices): the scores of its
     trees at the current weights (the `first` pass's for the first minibatch, whose weights
     it has; a caching pass now for the others), its loss `loss_for(indices)` and the loss's
     per-head weights, the backward into `.grad` (replay or the per-rollout baseline), then
-    `take_step` (clip, optimizer step, zero the grads). heads: what the loss scores (None:
-    logprobs alone). capture: the caching pass of the later minibatches (default: the tree
-    pass, K/V kept in memory for replay). Returns every minibatch's record."""
+    `take_step` (clip, optimizer step, zero the grads). heads: what the loss scores (the
+    logprob under the distribution the rollouts were drawn from, a critic's value).
+    capture: the caching pass of the later minibatches (default: the tree pass, K/V kept in
+    memory for replay). budget_bytes, join_below, offload_prefix: as for replay_backward.
+    Returns every minibatch's record."""
     if mode not in ("replay", "naive"):
         raise ValueError(f"mode must be 'replay' or 'naive', got {mode!r}")
     if capture is None:
@@ -69,7 +71,7 @@ def minibatch_updates(model: PreTrainedModel, trees: list[RolloutTree], loss_for
         loss, weights = loss_and_weights(loss_for(idx), scores)
         if mode == "replay":
             stats = replay_backward(model, sub, weights, prefix_kv=kv, budget_bytes=budget_bytes,
-                                    join_below=join_below, heads=heads)
+                                    join_below=join_below, heads=heads, offload_prefix=offload_prefix)
         else:
             stats = naive_backward(model, sub, weights, heads=heads)
         done.append(Minibatch(len(done), idx, loss, scores, stats))

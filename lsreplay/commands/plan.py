@@ -14,10 +14,12 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
   backward gathers the parameters once and reduce-scatters once, because ranks run
   different trees (see lsreplay/distributed/parallel.py).
 - held prefix K/V: the keys/values of the root-to-leaf path being replayed, and their
-  gradients (replay only).
+  gradients, the kept graphs above it, the layer inputs of a prompt run layer by layer
+  (replay only).
 - saved activations of the largest single forward/backward of the step: naive, one full
   rollout (prompt + completion); replay, the largest of: the recompute of a branching
-  node, a micro-batch of sibling leaves on top of their prefix. This mirrors
+  node, one layer's recompute over a chunk of a prompt run layer by layer, a micro-batch of
+  sibling leaves on top of their prefix. This mirrors
   `replay_backward`'s schedule (including its leaf micro-batching) and counts what
   `ActivationMeter` counts, with per-tensor byte counts measured for Llama/Qwen2 under
   transformers 5.x, sdpa and cascade attention (`saved_bytes`; tests/test_plan.py checks it
@@ -28,9 +30,14 @@ Per device it counts, for branch replay and for the per-rollout (naive) backward
 
 And for the rollouts, per device (one rollout shard holds one device): what the rollout
 engine allocates at its peak (ROLLOUT_ENGINES, a function per engine; the HF tree sampler:
-each decoding row's own K/V, drafter features, sampling buffers) next to what the other
+each prompt's K/V once and each decoding row's completion K/V, drafter features, sampling
+buffers; vLLM: its KV cache, whose prefix cache holds each prompt once) next to what the other
 stages leave resident there (the policy's compute weights, a one-device update's state,
 the reference, the drafter).
+
+And per host (pool.devices_per_host of the pool's devices; a verdict at pool.host_memory_gb):
+the layer inputs its devices' backwards keep in pinned host memory (replay.offload_prefix),
+the checkpoint snapshots, host-held prefix K/V, vLLM's update buffers.
 
 Token positions per step are counted two ways: per-rollout (what a pipeline without
 replay computes and what replay stands in for: prompts x G x (P + completion)) and
@@ -40,8 +47,10 @@ of max_new_tokens with rollout.max_environment_tokens of the environment's answe
 every two (lsreplay.core.config.completion_tokens, the bound the episodes keep): the worst
 case for memory.
 
-The last printed line is key=value (positions_per_step=..., fits=...: the update and the
-rollouts both). A plan that does not fit exits non-zero with a message saying what to change.
+The last printed line is key=value (positions_per_step=..., fits=...: the update, the
+rollouts and the host). A plan that does not fit exits non-zero with a message saying what to
+change; a replay.budget_mb too small for the trees' prompts (memory.kept_spans) is an error
+naming the budget they need.
 """
 
 from __future__ import annotations
@@ -60,16 +69,22 @@ from lsreplay.models.train_state import master_dtype
 from lsreplay.replay.attention.kernels import kernel_for
 from lsreplay.replay.memory import (
     KeptLayers,
+    LayerByLayer,
     ModelDims,
     default_budget,
     kept_bytes,
     kept_spans,
     kv_bytes_per_position,
+    layer_by_layer_bytes,
+    layer_run_bytes,
+    layer_workspace_bytes,
     leaf_rows,
-    per_position_bytes,
     saved_bytes,
+    top_run_bytes,
+    top_runs,
 )
 from lsreplay.replay.view import joins, replay_view
+from lsreplay.rollout.shared_prompt import PREFILL_CHUNK
 from lsreplay.stages.objectives import updates_per_step
 from lsreplay.stages.prefixes import scores_logprobs, scores_reference
 from lsreplay.tree import RolloutTree
@@ -203,43 +218,55 @@ def joined_levels(levels: tuple[tuple[int, int], ...], join_below: int) -> tuple
 
 
 def kept_view(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-              accelerator: bool = False, join_below: int = 0) -> tuple[list, dict[int, KeptLayers], int, bool]:
-    """The replay view of a tree of this shape, the branching spans whose graphs the
-    backward keeps (replay.backward.replay_plan's rule), the budget, and whether runs after
-    a prefix use cascade attention."""
+              accelerator: bool = False, join_below: int = 0,
+              offload: bool = False) -> tuple[list, dict[int, KeptLayers | LayerByLayer], int, bool]:
+    """The replay view of a tree of this shape, the branching spans the backward forwards
+    before their subtree with what they keep (replay.backward.replay_plan's rule: the model
+    takes cascade attention, and with it layer by layer, where the device kind has a kernel;
+    `offload`: their layer inputs in host memory, on an accelerator), the budget, and whether
+    runs after a prefix use cascade attention."""
     cascade = kernel_for("cuda" if accelerator else "cpu", dtype, dims.head_dim) is not None
     elt = torch.tensor([], dtype=dtype).element_size()
     spans = replay_view(shape.random_tree(dims.vocab), join_below)
     budget = budget_bytes or default_budget(dims, elt, shape.prompt + shape.completion, shape.completion)
-    return spans, kept_spans(spans, dims, elt, budget, cascade), budget, cascade
+    return spans, kept_spans(spans, dims, elt, budget, cascade, cascade, offload and accelerator), budget, cascade
 
 
 def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-                accelerator: bool = False, join_below: int = 0) -> RunPeak:
+                accelerator: bool = False, join_below: int = 0, offload: bool = False) -> RunPeak:
     """The largest run of `replay_backward` on a tree of this shape, over its replay view
     as the backward walks it: a branching span memory.kept_spans keeps holds its graph
-    (and its K/V's gradient) while its subtree runs; one it does not holds its K/V and
-    their gradient, and runs again with grad after its subtree (its "recompute"). Runs
-    after a prefix use cascade attention where the device kind (CPU, or a CUDA
-    `accelerator`) has a kernel for the dtype and head size (see cascade.cascade_applies);
-    sdpa otherwise."""
+    (and its K/V's gradient) while its subtree runs; one run layer by layer its layer inputs
+    and K/V (and their gradient), its peak one layer's recompute over a chunk; one it does
+    neither holds its K/V and their gradient, and runs again with grad after its subtree
+    (its "recompute"). Runs after a prefix use cascade attention where the device kind (CPU,
+    or a CUDA `accelerator`) has a kernel for the dtype and head size (see
+    cascade.cascade_applies); sdpa otherwise."""
     elt = torch.tensor([], dtype=dtype).element_size()
-    spans, kept, budget, cascade = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below)
+    spans, kept, budget, cascade = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below, offload)
     if spans[0].is_leaf:  # a single chain: the root is the one leaf
         return _run(dims, elt, "single chain", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
     kvpp = kv_bytes_per_position(dims, elt)
     runs, held, span = [], 0, spans[0]
     for depth in itertools.count():  # down the first child: every path has the same shape
         name = "prompt" if depth == 0 else f"level-{depth} segment"
-        own = _run(dims, elt, name, held, 1, len(span.tokens), span.start, len(span.entry_ids), cascade)
-        if span.id in kept:  # run once, its graph held below (but its layers run again in the backward)
-            own = replace(own, what=f"{name}, {kept[span.id].describe(dims.layers)}",
-                          saved=kept_bytes(dims, elt, len(span.tokens), span.start, len(span.entry_ids), kept[span.id],
-                                           cascade, depth))
+        width, choice = len(span.tokens), kept.get(span.id)
+        own = _run(dims, elt, name, held, 1, width, span.start, len(span.entry_ids), cascade)
+        if isinstance(choice, LayerByLayer):  # its forward differentiates its entries, its backward a layer a chunk
+            held += layer_by_layer_bytes(dims, elt, width, choice.offload)
+            top = max(top_runs(span, choice.chunk), key=lambda r: top_run_bytes(dims, elt, *r), default=(0, 0))
+            runs.append(RunPeak(f"{name}'s entries, layer by layer", held, top_run_bytes(dims, elt, *top),
+                                entries=top[1]))
+            held += kvpp * width
+            runs.append(RunPeak(f"{name}, layer by layer: one layer over {choice.chunk} positions", held,
+                                layer_run_bytes(dims, elt, choice.chunk), 1, choice.chunk, span.start, 0, cascade))
+        elif choice is not None:  # run once, its graph held below (but its layers run again in the backward)
+            own = replace(own, what=f"{name}, {choice.describe(dims.layers)}",
+                          saved=kept_bytes(dims, elt, width, span.start, len(span.entry_ids), choice, cascade, depth))
             runs.append(own)
-            held += own.saved + kvpp * len(span.tokens)
+            held += own.saved + kvpp * width
         else:
-            held += 2 * kvpp * len(span.tokens)
+            held += 2 * kvpp * width
             runs.append(replace(own, what=f"{name} recompute", held_kv=held))
         leaves = [spans[c] for c in span.children if spans[c].is_leaf]
         if leaves:  # micro-batches of siblings, as replay_backward.leaf_batches cuts them
@@ -253,18 +280,20 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
 
 
 def replay_path(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-                accelerator: bool = False, join_below: int = 0) -> str:
+                accelerator: bool = False, join_below: int = 0, offload: bool = False) -> str:
     """How the update runs each branching level of the replay view (down the first path):
-    forwarded once with its graph kept while its subtree replays, or its K/V written by the
-    caching pass and the level run again with grad after its subtree (it did not fit)."""
-    spans, kept, _, _ = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below)
+    forwarded once with its graph kept while its subtree replays, layer by layer, or its K/V
+    written by the caching pass and the level run again with grad after its subtree."""
+    spans, kept, _, _ = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below, offload)
     out, span = [], spans[0]
     for depth in itertools.count():
         if span.is_leaf:
             break
         name = "prompt" if depth == 0 else f"level-{depth} segment"
-        out.append(f"{name} " + (f"forwarded once, {kept[span.id].describe(dims.layers)}" if span.id in kept
-                                  else "recomputed after its subtree"))
+        choice = kept.get(span.id)
+        out.append(f"{name} " + ("recomputed after its subtree" if choice is None
+                                  else choice.describe(dims.layers) if isinstance(choice, LayerByLayer)
+                                  else f"forwarded once, {choice.describe(dims.layers)}"))
         span = spans[span.children[0]]
     return "; ".join(out) or "a single chain"
 
@@ -299,18 +328,20 @@ def projection_shapes(dims: ModelDims) -> dict[str, tuple[int, int]]:
 
 def lora_params(cfg, dims: ModelDims) -> int:
     """The LoRA adapters' parameters (model.lora): A (rank x in) and B (out x rank) per target
-    projection of every layer; 0 without LoRA."""
-    from lsreplay.core.config import ConfigError
-    from lsreplay.models.families import family
+    projection of every layer (all-linear: all of them; a dotted name by its last part, in
+    every layer); 0 without LoRA."""
+    from lsreplay.core.config import ALL_LINEAR, ConfigError
 
     lora = cfg.model.lora
     if not lora.enabled:
         return 0
     shapes = projection_shapes(dims)
-    if unknown := [t for t in lora.target_modules if t not in shapes]:
+    targets = list(shapes) if lora.target_modules == [ALL_LINEAR] else \
+        list(dict.fromkeys(t.rpartition(".")[2] for t in lora.target_modules))
+    if unknown := [t for t in targets if t not in shapes]:
         raise ConfigError(f"lsreplay plan counts LoRA adapters on {', '.join(shapes)}; model.lora.target_modules "
                           f"names {unknown}: plan with those projections")
-    return dims.layers * lora.rank * sum(sum(shapes[t]) for t in lora.target_modules)
+    return dims.layers * lora.rank * sum(sum(shapes[t]) for t in targets)
 
 
 def state_bytes(dims: ModelDims, dtype: str, ranks: int, fsdp: bool, extra_params: int = 0,
@@ -346,9 +377,7 @@ def workspace_bytes(dims: ModelDims, elt: int, run: RunPeak) -> int:
     """Transients the meter does not see (estimate): the run's logits in the model dtype and
     in float32 plus their gradient, and twice one layer's saved activations."""
     logits = run.entries * dims.vocab * (elt + 4 + 4)
-    repeated_kv = run.past > 0 and not run.cascade
-    layer = run.rows * run.width * (per_position_bytes(dims, elt, repeated_kv) // max(dims.layers, 1))
-    return logits + 2 * layer
+    return logits + layer_workspace_bytes(dims, elt, run.rows * run.width, run.past > 0 and not run.cascade)
 
 
 # -- rollouts -------------------------------------------------------------------------------
@@ -365,6 +394,7 @@ class RolloutMemory:
     peak_at: str
     lines: list[tuple[str, str, int]]
     kv_needed: int = 0  # an engine with a KV cache of its own: the bytes the shard's sequences need at once
+    prompt_once: bool = True  # a tree's prompt K/V held once, not by each of its rows
 
     @property
     def total(self) -> int:
@@ -378,11 +408,14 @@ def resident_beside_rollouts(cfg, dims: ModelDims) -> list[tuple[str, str, int]]
     """What a rollout device holds besides the engine (lsreplay.state.resident), at worst, for the
     device that also ran the other stages: the policy's compute weights; the update's state
     where one device of this process runs it (pool.devices_per_step=1: masters, gradients
-    and AdamW moments stay on it between steps); the reference with a KL term; the drafter
-    the long tail decodes with."""
+    and AdamW moments stay on it between steps); the frozen policy versions asynchronous
+    rollouts sample with; the reference with a KL term; the drafter the long tail decodes with."""
     n, elt, adapters = dims.params(), ELT[cfg.model.dtype], lora_params(cfg, dims)
     state = state_bytes(dims, cfg.model.dtype, 1, False, critic_params(cfg, dims), adapters)
     lines = [("weights", "policy weights (the resident compute copy)", state.weights)]
+    if k := cfg.rollout.max_staleness:
+        lines.append(("versions", f"{k + 1} frozen policy versions (rollout.max_staleness={k})",
+                      (k + 1) * state.weights))
     if cfg.pool.devices_per_step == 1:
         lines.append(("state", "the update's state held (masters, gradients, AdamW)",
                       state.grads + state.master + state.moments))
@@ -401,30 +434,39 @@ def speculates(cfg) -> bool:
 
 def hf_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
     """The HF tree sampler (lsreplay.rollout.tree_sampler), worst case: every rollout runs to
-    max_new_tokens. Each row holds its own copy of its prompt's K/V (a fork repeats a row's
-    cache: reorder_cache), grown by a column per decode step, each layer's copied to append
-    it (one layer's transient); with the drafter, the final-norm features of every column,
-    copied once where rows change; per step the float32 logits, log-softmax and sampling
-    probabilities and the float64 CDF. At the prefill instead: the prompts' K/V and one
-    layer's activations over every prompt position (estimate: MLP gate, up and product,
-    the residual and attention rows). The larger phase is the peak."""
+    max_new_tokens. Where the pool's device kind has a cascade kernel for the dtype, each
+    tree's prompt K/V is held once (rollout.shared_prompt) and each row holds its own
+    completion's (a fork repeats those: reorder_cache); otherwise each row holds its own copy
+    of its prompt's too. The rows' cache grows by a column per decode step, each layer's
+    copied to append it (one layer's transient); with the drafter, the final-norm features
+    of every column (each prompt's once where the prompts are shared), the rows' copied once
+    where rows change; per step the float32 logits, log-softmax and sampling probabilities
+    and the float64 CDF. At the prefill instead: the prompts' K/V and one layer's
+    activations over a chunk of PREFILL_CHUNK prompt positions (estimate: MLP gate, up and
+    product, the residual and attention rows), per prompt where they are shared, over every
+    prompt's chunk at once otherwise. The larger phase is the peak."""
     elt, d = ELT[cfg.model.dtype], dims
     trees = -(-cfg.data.prompts_per_step // cfg.rollout.shards)
     rows, columns = trees * shape.rollouts, shape.prompt + shape.completion
     kvpp, features = kv_bytes_per_position(d, elt), d.hidden * elt if speculates(cfg) else 0
-    decode = [("kv", f"K/V cache ({rows} rows x {columns} positions; each row its prompt's own)",
-               rows * columns * kvpp),
-              ("growth", "one layer's K/V copied to append a column", rows * columns * kvpp // d.layers),
-              ("features", "drafter features of every column, and a copy", 2 * rows * columns * features),
+    shared = kernel_for(cfg.pool.accelerator, getattr(torch, cfg.model.dtype), d.head_dim) is not None
+    held, own = (trees * shape.prompt, shape.completion) if shared else (0, columns)
+    kv = (f"K/V cache ({trees} prompts x {shape.prompt} once, {rows} rows x {shape.completion} own)" if shared else
+          f"K/V cache ({rows} rows x {columns} positions; each row its prompt's own)")
+    decode = [("kv", kv, (held + rows * own) * kvpp),
+              ("growth", "one layer's K/V copied to append a column", rows * own * kvpp // d.layers),
+              ("features", "drafter features of every column, and a copy", (held + 2 * rows * own) * features),
               ("sampling", "logits, log-softmax, probabilities (fp32), CDF (fp64)", rows * d.vocab * (3 * 4 + 8))]
     positions = trees * shape.prompt
+    chunk = (1 if shared else trees) * min(shape.prompt, PREFILL_CHUNK)
     layer = (4 * d.intermediate + 4 * d.hidden + 2 * d.q_dim + 2 * d.kv_dim) * elt + 4 * d.hidden
     prefill = [("kv", f"K/V cache ({trees} prompts x {shape.prompt} positions)", positions * kvpp),
-               ("prefill", "one layer's activations over the prompts (est.)", positions * layer),
+               ("prefill", f"one layer's activations over {chunk} prompt positions (est.)", chunk * layer),
                ("features", "drafter features of the prompts", positions * features)]
     phase, lines = max((("the end of decoding", decode), ("the prefill", prefill)),
                        key=lambda p: sum(b for _, _, b in p[1]))
-    return RolloutMemory("hf", cfg.rollout.shards, trees, rows, phase, resident_beside_rollouts(cfg, dims) + lines)
+    return RolloutMemory("hf", cfg.rollout.shards, trees, rows, phase, resident_beside_rollouts(cfg, dims) + lines,
+                         prompt_once=shared)
 
 
 def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory:
@@ -433,8 +475,8 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
     steps, updated in place; on CPU also the shared buffer the updates go through), its
     drafter, and its KV cache, sized up front
     (rollout.vllm.kv_cache_gb; on CUDA without it, gpu_memory_utilization of the device).
-    Prefix caching stores a tree's prompt once: at the end of decoding a shard needs its
-    prompts plus every row's completion. A cache smaller than that still works (vLLM
+    Prefix caching stores a tree's prompt once (as the HF sampler holds it): at the end of
+    decoding a shard needs its prompts plus every row's completion. A cache smaller than that still works (vLLM
     preempts and recomputes sequences), but slower: the plan counts the positions it holds."""
     elt, r = ELT[cfg.model.dtype], cfg.rollout
     trees = -(-cfg.data.prompts_per_step // r.shards)
@@ -460,6 +502,75 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
 
 # The rollout engines the planner knows, by name (rollout.engine): (cfg, dims, shape) -> RolloutMemory.
 ROLLOUT_ENGINES = {"hf": hf_rollout_memory, "vllm": vllm_rollout_memory}
+
+
+# -- host memory ----------------------------------------------------------------------------
+@dataclass
+class HostMemory:
+    """What one host holds at most (pool.devices_per_host of the pool's devices): (label,
+    bytes) lines."""
+
+    devices: int  # devices a host holds
+    hosts: int
+    lines: list[tuple[str, int]]
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.lines)
+
+
+def offloaded_bytes(dims: ModelDims, dtype: torch.dtype, spans, kept: dict) -> int:
+    """What one device's backward holds in pinned host memory at once (replay.offload_prefix,
+    on CUDA): the inputs of layers 1.. of the spans run layer by layer down a root-to-leaf
+    path (layerwise.py; the first layer's is recomputed), the path's first."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    out, span = 0, spans[0]
+    while not span.is_leaf:
+        choice = kept.get(span.id)
+        if isinstance(choice, LayerByLayer) and choice.offload:
+            out += (dims.layers - 1) * len(span.tokens) * dims.hidden * elt
+        span = spans[span.children[0]]
+    return out
+
+
+def host_memory(cfg, dims: ModelDims, shape: TreeShape, io: StepIO, minibatch_kv: int) -> HostMemory:
+    """The most one host holds: per update device the layer inputs its backward offloads
+    (replay.offload_prefix); the checkpoint snapshots of the trainable state, at most two
+    waiting for the writer (the first host's); the prefix K/V the host keeps between the
+    caching pass and the update (replay.kv_offload=host) and those of PPO's later
+    minibatches, its devices' share; with vLLM on CUDA, each engine's buffer the policy's
+    updates reach it through. (On a CPU pool the devices are this memory too: the device
+    table counts what they hold.)"""
+    pool, elt = cfg.pool, ELT[cfg.model.dtype]
+    devices = pool.devices_per_host or pool.slots
+    ranks = min(devices, pool.devices_per_step)  # the update's devices on the first host
+    lines = []
+    if pool.accelerator == "cuda" and cfg.replay.mode == "replay" and cfg.replay.offload_prefix:
+        spans, kept, _, _ = kept_view(dims, getattr(torch, cfg.model.dtype), shape, cfg.replay.budget_mb * 2**20 or None,
+                                      True, cfg.replay.join_below, True)
+        if offloaded := offloaded_bytes(dims, getattr(torch, cfg.model.dtype), spans, kept):
+            lines.append((f"layer inputs of prompts run layer by layer, pinned, x {ranks} devices", ranks * offloaded))
+    lines.append(("checkpoint snapshots: fp32 masters + AdamW, two at most", 2 * io.checkpoint))
+    share = lambda total: total * ranks // pool.devices_per_step  # noqa: E731
+    if cfg.replay.mode == "replay" and cfg.replay.kv_offload == "host":
+        lines.append(("prefix K/V from the caching pass to the update (kv_offload=host)", share(io.prefix_kv)))
+    if minibatch_kv:
+        lines.append(("PPO's later minibatches: their trees' prefix K/V", share(minibatch_kv)))
+    if cfg.rollout.engine == "vllm" and pool.accelerator == "cuda":
+        lines.append((f"vLLM: the buffer the policy's updates reach it by, x {devices} devices",
+                      devices * dims.params() * elt))
+    return HostMemory(devices, -(-pool.slots // devices), lines)
+
+
+def format_host(p: Plan) -> list[str]:
+    h = p.host
+    lines = [f"host memory, per host ({h.devices} of the pool's devices a host, {h.hosts} host(s))", ""]
+    lines += [f"{label:<66} {gib(b):>10}" for label, b in h.lines]
+    lines.append(f"{'total':<66} {gib(h.total):>10}")
+    if p.host_bytes:
+        lines.append(f"{'host memory (pool.host_memory_gb)':<66} {gib(p.host_bytes):>10}")
+        lines.append(f"{'':<66} {'fits' if p.host_fits() else 'DOES NOT FIT':>10}")
+    return lines
 
 
 # -- state I/O ------------------------------------------------------------------------------
@@ -501,7 +612,7 @@ def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
     kv = 0
     if cfg.replay.mode == "replay":
         spans, kept, _, _ = kept_view(dims, getattr(torch, cfg.model.dtype), shape, cfg.replay.budget_mb * 2**20 or None,
-                                      cfg.pool.accelerator == "cuda", cfg.replay.join_below)
+                                      cfg.pool.accelerator == "cuda", cfg.replay.join_below, cfg.replay.offload_prefix)
         read = sum(len(s.tokens) for s in spans if not s.is_leaf and s.id not in kept)
         kv = trees * read * kv_bytes_per_position(dims, elt)
     # The caching pass scores entries (float64) where a loss reads them: the policy's
@@ -549,6 +660,8 @@ class Plan:
     critic: int = 0  # the critic's parameters (a value head on the trunk)
     adapters: int = 0  # LoRA's parameters (model.lora): all that trains beside the critic
     replay_path: str = ""  # how the update runs each branching level (replay_path)
+    host: HostMemory | None = None
+    host_bytes: int = 0  # pool.host_memory_gb; 0 = unknown
     engine_kept: int = 0  # what a vLLM engine keeps on the device through the caching pass and the update
     engine_during_update: str = ""  # what happens to the engine's memory then, in words
 
@@ -586,9 +699,14 @@ class Plan:
     def rollout_fits(self) -> bool | None:
         return None if not self.device_bytes else self.rollout_peak() <= self.device_bytes
 
+    def host_fits(self) -> bool | None:
+        return None if not (self.host_bytes and self.host) else self.host.total <= self.host_bytes
+
     def step_fits(self) -> bool | None:
-        """Whether the rollouts and the update both fit a device."""
-        return None if not self.device_bytes else bool(self.fits() and self.rollout_fits())
+        """Whether the rollouts and the update both fit a device (and its host, where its
+        memory is known)."""
+        return None if not self.device_bytes else bool(self.fits() and self.rollout_fits()
+                                                        and self.host_fits() is not False)
 
 
 def gib(n: int) -> str:
@@ -648,11 +766,13 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     budget = cfg.replay.budget_mb * 2**20 or None
     # Leaves attend to their prefix in place where the pool's device kind has a kernel.
     accelerator = values["pool.accelerator"] == "cuda"
-    replay = replay_peak(dims, dtype, shape, budget, accelerator, cfg.replay.join_below)
+    offload = cfg.replay.offload_prefix
+    replay = replay_peak(dims, dtype, shape, budget, accelerator, cfg.replay.join_below, offload)
     naive = naive_peak(dims, elt, shape)
     io = step_io(cfg, dims, shape)
     updates = updates_per_step(cfg)
     minibatch = math.ceil(cfg.data.prompts_per_step / cfg.algo.minibatches)
+    minibatch_kv = io.prefix_kv * minibatch // cfg.data.prompts_per_step if updates > 1 else 0
     return Plan(model=model_name, dims=dims, dtype=dtype_name, mode=cfg.replay.mode, ranks=ranks, fsdp=fsdp,
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step,
@@ -660,9 +780,10 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
                 replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
                 naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES[r.engine](cfg, dims, shape),
                 io=io, budget_bytes=budget, join_below=cfg.replay.join_below, algo=cfg.algo.name, updates=updates,
-                minibatch_kv=io.prefix_kv * minibatch // cfg.data.prompts_per_step if updates > 1 else 0,
+                minibatch_kv=minibatch_kv, host=host_memory(cfg, dims, shape, io, minibatch_kv),
+                host_bytes=int(cfg.pool.host_memory_gb * GiB),
                 critic=critic_params(cfg, dims), adapters=lora_params(cfg, dims),
-                replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below),
+                replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below, offload),
                 **engine_during_update(cfg, ROLLOUT_ENGINES[r.engine](cfg, dims, shape), accelerator))
 
 
@@ -717,6 +838,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{'device memory':<44} {gib(p.device_bytes):>10} {gib(p.device_bytes):>10}")
         lines.append(f"{'':<44} {verdict('replay'):>10} {verdict('naive'):>10}")
     lines += ["", *format_rollout(p)]
+    if p.host is not None:
+        lines += ["", *format_host(p)]
     if p.io is not None:
         lines += ["", *format_io(p.io)]
     fits = p.step_fits()
@@ -725,7 +848,8 @@ def format_plan(p: Plan) -> str:
               positions_ratio=f"{s.total_positions / s.unique_positions:.3f}", state_gib=gib(st.total),
               **({"lora_params": p.adapters} if p.adapters else {}), peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
               naive_peak_gib=gib(p.peak("naive")), rollout_peak_gib=gib(p.rollout_peak()),
-              device_gib=gib(p.device_bytes), fits="unknown" if fits is None else str(fits).lower(),
+              device_gib=gib(p.device_bytes), **({"host_gib": gib(p.host.total)} if p.host else {}),
+              fits="unknown" if fits is None else str(fits).lower(),
               **({} if p.io is None else {"io_gib_per_step": gib(p.io.written + p.io.read),
                                           "io_s_per_step": f"{p.io.seconds():.1f}",
                                           "io_s_per_step_not_resident": f"{p.io.seconds(resident=False):.1f}"}))
@@ -750,7 +874,9 @@ def format_update(p: Plan) -> str:
 def format_rollout(p: Plan) -> list[str]:
     r = p.rollout
     lines = [f"rollouts, per device: engine {r.engine}, {r.trees} trees a shard ({p.trees} prompts over "
-             f"{r.shards} rollout.shards), {r.rows} sequences decoding; the peak is at {r.peak_at}", ""]
+             f"{r.shards} rollout.shards), {r.rows} sequences decoding; the peak is at {r.peak_at}",
+             f"each prompt's K/V {'is held once' if r.prompt_once else 'is held by every row (no cascade kernel here)'}"
+             f"{' (vLLM: its prefix cache)' if r.engine == 'vllm' else ''}", ""]
     rows = [(label, b) for _, label, b in r.lines] + [
         (f"reserve: context/NCCL + {FRAGMENTATION:.0%} fragmentation", p.overhead())]
     lines += [f"{label:<66} {gib(b):>10}" for label, b in rows]
@@ -797,10 +923,20 @@ def advice(p: Plan) -> str:
         tips.append("replay.mode=replay (it fits)")
     run = p.replay if p.mode == "replay" else p.naive
     tips.append(f"a shorter prompt or completion (the peak run is {run.what}, {gib(run.total)} GiB)")
-    if p.mode == "replay" and p.replay.rows > 1:
-        tips.append("a smaller replay.budget_mb (fewer sibling leaves per micro-batch)")
+    if p.mode == "replay":
+        now = f"{p.budget_bytes // 2**20}" if p.budget_bytes else "0, the per-rollout backward's"
+        tips.append(f"a smaller replay.budget_mb (now {now}: what one root-to-leaf path of the backward holds at "
+                    "once; fewer sibling leaves share a micro-batch, and a prompt whose graph does not fit runs layer "
+                    "by layer)")
     return (f"the {p.mode} step needs {gib(need)} GiB per device but a device has {gib(have)} GiB; "
             f"try {'; or '.join(tips)}")
+
+
+def host_advice(p: Plan) -> str:
+    largest = max(p.host.lines, key=lambda line: line[1])
+    return (f"a host needs {gib(p.host.total)} GiB but has {gib(p.host_bytes)} GiB (pool.host_memory_gb; the most: "
+            f"{largest[0]}, {gib(largest[1])} GiB); try fewer devices a host (pool.devices_per_host), "
+            "replay.offload_prefix=false, or replay.kv_offload=store")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -819,7 +955,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_plan(plan), flush=True)
     problems = ([advice(plan)] if plan.fits() is False else []) + (
-        [rollout_advice(plan)] if plan.rollout_fits() is False else [])
+        [rollout_advice(plan)] if plan.rollout_fits() is False else []) + (
+        [host_advice(plan)] if plan.host_fits() is False else [])
     if problems:
         print(f"lsreplay plan: error: does not fit: {'; and '.join(problems)}", file=sys.stderr)
         return 1

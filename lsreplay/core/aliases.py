@@ -67,6 +67,8 @@ TRL = {
 VERL = {
     "train_files": "data.path", "val_files": "eval.path", "train_batch_size": "data.prompts_per_step",
     "max_response_length": "rollout.max_new_tokens", "prompt_key": "data.columns.prompt",
+    "truncation": "data.prompt_truncation (error, left, right or middle: where an overlong prompt's own text is cut, "
+                  "never its chat template)",
     "apply_chat_template_kwargs": "data.chat_template_kwargs",
     "rollout.n": "rollout.branching (G rollouts per prompt are the product of its fan-outs: [8], or [4, 2])",
     "rollout.name": "rollout.engine (hf or vllm)",

@@ -47,6 +47,8 @@ class ConfigError(ValueError):
 
 # The attention and MLP projections of Llama, Qwen2 and most decoders: LoRA's default targets.
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# model.lora.target_modules for every linear layer of the decoder layers (PEFT's all-linear).
+ALL_LINEAR = "all-linear"
 
 
 @dataclass
@@ -61,8 +63,9 @@ class LoraConfig:
     # Must stay 0: branch replay differentiates exactly the forward the caching pass computed,
     # so training runs without dropout (the attention's too).
     dropout: float = 0.0
-    # Names of linear layers inside the decoder layers (a name matches every layer's module
-    # of that name, as PEFT's target_modules list does).
+    # Linear layers inside the decoder layers, as PEFT's target_modules takes them: names (a
+    # name matches every module whose dotted path is it or ends with "." + it: q_proj,
+    # self_attn.q_proj), or all-linear (every linear layer of the decoder layers).
     target_modules: list[str] = field(default_factory=lambda: list(PROJECTIONS))
 
 
@@ -77,6 +80,14 @@ class ModelConfig:
     # HF config kwargs with a model_type (e.g. Qwen2.5-7B's dims) for a randomly initialised
     # model of that shape: planning and benchmarks. Empty = load model.path.
     arch: dict = field(default_factory=dict)
+    # Rotary positions stretched past what the model was trained on, as HF's rope_parameters
+    # take them: {rope_type: yarn, factor: 4} (or linear, llama3 with its keys) runs SmolLM2's
+    # 8,192 positions to 32,768. The model's own rope_theta stays; original_max_position_embeddings
+    # defaults to the model's max_position_embeddings, which becomes that x factor. Empty: the
+    # model's own (a model folder's config may scale already). Rotary frequencies that change
+    # with the sequence's length (dynamic, longrope) are refused: rollouts and replay run the
+    # same positions in forwards of different lengths.
+    rope_scaling: dict = field(default_factory=dict)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -129,6 +140,11 @@ class DataConfig:
     # apply_chat_template_kwargs), e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict = field(default_factory=dict)
     max_prompt_tokens: int = 256
+    # A prompt longer than max_prompt_tokens once rendered: "error" stops the run naming it;
+    # "left", "right" or "middle" cut that many tokens from that part of the prompt's own text
+    # (a string prompt, or its last user message), never from the chat template, the system
+    # prompt, the examples or the answer instruction, and log it (verl's data.truncation).
+    prompt_truncation: str = "error"
     # The column verl's compute_score gets as data_source (verl's data.reward_fn_key).
     reward_fn_key: str = "data_source"
 
@@ -183,6 +199,12 @@ class RolloutConfig:
     # Rollout tasks per step, each holding one pool slot; a finished shard's slot goes to
     # the spot-trained drafter (see drafter.checkpoint_every).
     shards: int = 1
+    # Asynchronous rollouts: the trees of step t are sampled by the policy after update
+    # t - max_staleness (its version, recorded in every tree's record), so those of steps
+    # t+1 .. t+max_staleness sample while step t's update runs. 0 = synchronous steps, each
+    # sampled by the policy it trains. A tree more than this many updates older than the
+    # update that trains on it is dropped (trees_stale_dropped). Docs: docs/async.md.
+    max_staleness: int = 0
     # The adaptive engine: once every branch point is passed and this many sequences or
     # fewer are still decoding (the long tail), they continue with speculative decoding
     # using the newest finished drafter; 0 = never. With engine=vllm: vLLM speculates
@@ -292,6 +314,13 @@ class AlgoConfig:
     # p_engine, tis_cap) of that token, for a rollout engine whose probabilities differ from
     # the trainer's (vLLM; the step's engine_logprob_gap_* say by how much). 0 = off.
     tis_cap: float = 0.0
+    # Off-policy correction (rollout.max_staleness > 0; docs/async.md): false, the clipped
+    # ratio is against the behaviour policy's logprobs (those the rollouts recorded); true,
+    # AReaL's decoupled PPO: against the proximal policy (the caching pass's recomputed
+    # logprobs at the update's start), each token weighted by min(p_proximal / p_behaviour,
+    # behaviour_cap) (0 = uncapped).
+    decoupled: bool = False
+    behaviour_cap: float = 5.0
     # PPO: passes over each step's trees, and minibatches (of whole trees) per pass; one
     # optimizer update per minibatch.
     epochs: int = 1
@@ -406,6 +435,10 @@ class ReplayConfig:
     # processes and after a crash); "host": also keep them in CPU memory between the
     # caching and backward stages of one process, read from storage only if missing.
     kv_offload: str = "store"
+    # A branching node run layer by layer (one whose graph does not fit replay.budget_mb: a
+    # long prompt) keeps its layer inputs in pinned host memory on CUDA, each fetched back one
+    # layer ahead of its backward on a side stream; on a CPU it changes nothing.
+    offload_prefix: bool = False
     # Join a branching node into its children when (children - 1) x its tokens is below
     # this: every replay run costs about this many positions' worth on top of its length
     # (a pass over all weight gradients; ~100 for SmolLM2-135M on 2 CPU cores). 0: never.
@@ -477,8 +510,16 @@ class PoolConfig:
     accelerator: str = "cpu"
     # Memory per device in GiB for `lsreplay plan` (0 = unknown: no fit verdict).
     device_memory_gb: float = 0.0
+    # Memory per host in GiB for `lsreplay plan`, and how many of the pool's devices a host
+    # holds (0 = all of them: one host). 0 = unknown: no fit verdict for the host.
+    host_memory_gb: float = 0.0
+    devices_per_host: int = 0
     # Data-parallel ranks of the policy update (whole trees per rank).
     devices_per_step: int = 1
+    # The pool devices the rollout shards sample on; the caching pass, the update, the
+    # evaluation and the drafter take the others. Empty: every stage takes any free device
+    # (time-shared). With rollout.max_staleness > 0 the two kinds then work side by side.
+    rollout_devices: list[int] = field(default_factory=list)
     # "thread": every stage runs in the flow's process; "ray": each pool device's stages on a
     # Ray actor of its own, which keeps its state (lsreplay.distributed.hosts; pip install '.[ray]').
     task_runner: str = "thread"
@@ -611,13 +652,14 @@ COMMAND_KEYS = {
 # Keys holding text that names none of those: a choice among fixed values (validated), a
 # column's or split's name, text the model reads, a name for the trackers, keywords.
 PLAIN_TEXT_KEYS = (
-    "model.dtype", "model.lora.target_modules", "data.columns.prompt", "data.columns.question", "data.columns.answer",
-    "data.columns.task", "data.split", "data.system_prompt", "data.answer_instruction", "data.example_messages",
-    "data.chat_template_kwargs", "data.reward_fn_key", "rollout.engine", "rollout.branch_at",
-    "rollout.tool_call_format", "algo.name", "algo.loss_agg", "algo.scale_rewards", "algo.tree_baseline",
-    "algo.kl_estimator", "algo.advantage", "algo.dpo_source", "algo.dynamic_sampling_metric", "algo.overlong",
-    "optim.schedule", "reward.styles", "reward.kwargs", "eval.split", "replay.mode", "replay.kv_offload", "pool.name",
-    "pool.accelerator", "pool.task_runner", "report_to", "tracking.project", "tracking.run_name")
+    "model.dtype", "model.lora.target_modules", "model.rope_scaling", "data.prompt_truncation", "data.columns.prompt",
+    "data.columns.question", "data.columns.answer", "data.columns.task", "data.split", "data.system_prompt",
+    "data.answer_instruction", "data.example_messages", "data.chat_template_kwargs", "data.reward_fn_key",
+    "rollout.engine", "rollout.branch_at", "rollout.tool_call_format", "algo.name", "algo.loss_agg",
+    "algo.scale_rewards", "algo.tree_baseline", "algo.kl_estimator", "algo.advantage", "algo.dpo_source",
+    "algo.dynamic_sampling_metric", "algo.overlong", "optim.schedule", "reward.styles", "reward.kwargs", "eval.split",
+    "replay.mode", "replay.kv_offload", "pool.name", "pool.accelerator", "pool.task_runner", "report_to",
+    "tracking.project", "tracking.run_name")
 # Keys that do not change what a run computes: allowed to differ on resume.
 NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking",
                    "reward.timeout_seconds", "reward.untrusted", "rollout.untrusted_tools", "limits", "sandbox")
@@ -680,7 +722,7 @@ def _yaml_problem(error: yaml.YAMLError, line: bool = True) -> str:
 
 def _file_layer(path: str | Path) -> tuple[DictConfig, list[str]]:
     """A YAML file as a layer, and the free dicts it gives whole (they replace the defaults')."""
-    layer = _report_to_as_trl(_load_yaml(path))
+    layer = _lora_targets_as_peft(_report_to_as_trl(_load_yaml(path)))
     return layer, _given_whole(layer)
 
 
@@ -694,7 +736,7 @@ def _override_layer(item: str) -> tuple[DictConfig, list[str]]:
     if value == "":  # data.system_prompt= : the empty string (OmegaConf would read null)
         item = f"{key}=''"
     try:
-        layer = _report_to_as_trl(OmegaConf.from_dotlist([item]))
+        layer = _lora_targets_as_peft(_report_to_as_trl(OmegaConf.from_dotlist([item])))
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: its value is not valid YAML ({_yaml_problem(e, line=False)}); "
                           "close its brackets and braces (e.g. rollout.branching=[4,2]), or quote a value "
@@ -716,6 +758,14 @@ def _report_to_as_trl(layer: DictConfig) -> DictConfig:
         chosen += [t for t in TRACKERS if find_spec(t) is not None] if name == "all" else \
             [] if name in ("none", "") else [name]
     layer["report_to"] = list(dict.fromkeys(chosen))
+    return layer
+
+
+def _lora_targets_as_peft(layer: DictConfig) -> DictConfig:
+    """model.lora.target_modules as PEFT takes it: one string (all-linear, or one name) too."""
+    value = OmegaConf.select(layer, "model.lora.target_modules") if isinstance(layer, DictConfig) else None
+    if isinstance(value, str):
+        OmegaConf.update(layer, "model.lora.target_modules", [value], merge=False)
     return layer
 
 
@@ -860,6 +910,10 @@ def validate(cfg: Config) -> None:
     _check(cfg.threads >= 0, "threads", "must be >= 0 (0 = this machine's count, recorded with the run)",
            cfg.threads)
     _check(cfg.model.dtype in DTYPES, "model.dtype", f"one of {', '.join(DTYPES)}", cfg.model.dtype)
+    _validate_rope_scaling(cfg.model.rope_scaling)
+    _check(not cfg.model.rope_scaling or cfg.rollout.engine == "hf", "model.rope_scaling", "empty with "
+           "rollout.engine=vllm: the engine loads model.path's own config; give a model folder whose config.json "
+           "scales its positions (rope_parameters) instead", cfg.model.rope_scaling)
     _validate_lora(cfg)
     _validate_data(cfg)
     _validate_rollout(cfg)
@@ -873,6 +927,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
     _validate_state(cfg)
+    _validate_async(cfg)
     _validate_pool(cfg)
     _validate_tracking(cfg)
     _validate_limits(cfg)
@@ -880,6 +935,18 @@ def validate(cfg: Config) -> None:
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
            "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)
+
+
+def _validate_rope_scaling(scaling: dict) -> None:
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    _check(kind in ROPE_SCALINGS, "model.rope_scaling", "empty, or HF's rope parameters with rope_type "
+           + ", ".join(ROPE_SCALINGS) + " (e.g. {rope_type: yarn, factor: 4}); dynamic and longrope change their "
+           "frequencies with the sequence's length, which replay cannot reproduce", scaling)
+    factor = scaling.get("factor")
+    _check(isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor >= 1, "model.rope_scaling",
+           "a factor >= 1 next to its rope_type (the positions reached are the model's times factor)", scaling)
 
 
 def _validate_lora(cfg: Config) -> None:
@@ -892,7 +959,10 @@ def _validate_lora(cfg: Config) -> None:
     _check(lora.dropout == 0, "model.lora.dropout", "0: branch replay differentiates exactly the forward its "
            "caching pass computed, so nothing drops out (TRL's lora_dropout has no place here)", lora.dropout)
     _check(len(lora.target_modules) >= 1 and all(isinstance(m, str) and m for m in lora.target_modules),
-           "model.lora.target_modules", f"a non-empty list of linear layers' names, e.g. {PROJECTIONS}",
+           "model.lora.target_modules", f"a non-empty list of linear layers' names, e.g. {PROJECTIONS} or "
+           "self_attn.q_proj (as PEFT matches them), or all-linear", lora.target_modules)
+    _check(ALL_LINEAR not in lora.target_modules or len(lora.target_modules) == 1, "model.lora.target_modules",
+           "all-linear alone (it adapts every linear layer of the decoder layers), or a list of names",
            lora.target_modules)
     _check(cfg.rollout.engine == "hf" or lora.rank <= VLLM_MAX_LORA_RANK, "model.lora.rank",
            f"at most {VLLM_MAX_LORA_RANK} with rollout.engine=vllm (the largest adapter vLLM serves)", lora.rank)
@@ -902,6 +972,9 @@ def _validate_lora(cfg: Config) -> None:
 
 # The roles of data.example_messages: earlier turns of the conversation (the system message comes first).
 EXAMPLE_ROLES = ("user", "assistant", "tool")
+PROMPT_TRUNCATIONS = ("error", "left", "right", "middle")
+# HF's rope types whose frequencies do not change with the sequence's length (model.rope_scaling).
+ROPE_SCALINGS = ("linear", "yarn", "llama3")
 
 
 def _validate_data(cfg: Config) -> None:
@@ -913,6 +986,9 @@ def _validate_data(cfg: Config) -> None:
            "must be >= data.prompts_per_step" + (f" + eval.size = {d.prompts_per_step + held_out}" if held_out else ""),
            d.size)
     _check(len(d.tasks) >= 1 or bool(d.path), "data.tasks", "at least one reasoning-gym task", d.tasks)
+    _check(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", "an integer >= 1", d.max_prompt_tokens)
+    _check(d.prompt_truncation in PROMPT_TRUNCATIONS, "data.prompt_truncation",
+           " or ".join(PROMPT_TRUNCATIONS) + " (where an overlong prompt's own text is cut)", d.prompt_truncation)
     for name in ("question", "answer", "task"):
         _check(bool(getattr(d.columns, name)), f"data.columns.{name}", "a column name", getattr(d.columns, name))
     for i, message in enumerate(d.example_messages):
@@ -1020,6 +1096,13 @@ def _validate_rollout(cfg: Config) -> None:
         _check(not (speculates and r.top_k and r.top_p == 1 and cfg.pool.accelerator == "cpu"), "rollout.top_k",
                "0, or with rollout.top_p < 1 too, while a CPU vLLM engine speculates: vLLM 0.32's CPU sampler fails "
                "on a top-k cut alone in a step that drafted nothing (or set rollout.spec_threshold=0)", r.top_k)
+        # Run on CPU, vLLM 0.32's LoRA kernels fail in the first speculative step (an einsum
+        # over a decode batch's rows against the step's tokens); not run on CUDA yet.
+        _check(not (speculates and cfg.model.lora.enabled), "drafter.enabled",
+               "false (or rollout.spec_threshold=0) with model.lora.enabled=true on rollout.engine=vllm: vLLM 0.32's "
+               "LoRA kernels fail in a speculative step on CPU and the pair has not run on CUDA; train the adapters "
+               "without the drafter, or on rollout.engine=hf, whose speculative tail drafts over them",
+               cfg.drafter.enabled)
 
 
 def _validate_episodes(cfg: Config) -> None:
@@ -1136,7 +1219,10 @@ def _validate_dpo(cfg: Config) -> None:
             ("rollout.shards", cfg.rollout.shards, cfg.rollout.shards == 1, "1"),
             ("drafter.enabled", cfg.drafter.enabled, not cfg.drafter.enabled, "false"),
             ("algo.dynamic_sampling", a.dynamic_sampling, not a.dynamic_sampling, "false"),
-            ("algo.overlong", a.overlong, a.overlong == "none", "none")):
+            ("algo.overlong", a.overlong, a.overlong == "none", "none"),
+            ("rollout.max_turns", cfg.rollout.max_turns, cfg.rollout.max_turns == 1, "1"),
+            ("rollout.tools", cfg.rollout.tools, not cfg.rollout.tools, "[]"),
+            ("rollout.environment", cfg.rollout.environment, not cfg.rollout.environment, "empty")):
         _check(ok, key, f"{fix} with algo.dpo_source=dataset: offline DPO samples no rollouts, so this rollout "
                "key would do nothing", value)
     _check(cfg.eval.every == 0 or bool(cfg.eval.path), "eval.path", "a prompt file (question, answer, task "
@@ -1173,6 +1259,28 @@ def _validate_state(cfg: Config) -> None:
            c.resident)
 
 
+def _validate_async(cfg: Config) -> None:
+    k, a = cfg.rollout.max_staleness, cfg.algo
+    _check(k >= 0, "rollout.max_staleness", "an integer >= 0 (0 = synchronous steps)", k)
+    _check(a.behaviour_cap == 0 or a.behaviour_cap > 1, "algo.behaviour_cap", "0 (uncapped) or a cap > 1 on the "
+           "decoupled loss's behaviour weights (AReaL's behave_imp_weight_cap, e.g. 5)", a.behaviour_cap)
+    _check(not (a.decoupled and a.name == "dpo"), "algo.decoupled", "false with algo.name=dpo (it reweights the "
+           "clipped surrogate's advantages; DPO has none)", a.decoupled)
+    _check(not (a.decoupled and a.tis_cap), "algo.tis_cap", "0 with algo.decoupled=true: the decoupled loss weights "
+           "every token by its capped behaviour ratio already (algo.behaviour_cap)", a.tis_cap)
+    if k == 0:
+        return
+    _check(not a.tis_cap or a.decoupled, "algo.tis_cap", "0 with rollout.max_staleness > 0: the loss's ratio is then "
+           "against the behaviour policy's logprobs, which corrects for the rollout engine too; for truncated "
+           "weights use algo.decoupled=true with algo.behaviour_cap", a.tis_cap)
+    _check(a.dpo_source == "rollouts", "rollout.max_staleness", "0 with algo.dpo_source=dataset: offline DPO samples "
+           "no rollouts", k)
+    # A resume samples an unfinished step's rollouts with the version they were scheduled for.
+    _check(cfg.checkpoint.every == 1, "checkpoint.every", "1 with rollout.max_staleness > 0: a resume samples the "
+           "rollouts still to do with the policy version they were scheduled for, loaded from its checkpoint",
+           cfg.checkpoint.every)
+
+
 def _validate_pool(cfg: Config) -> None:
     p = cfg.pool
     _check(p.slots >= 1, "pool.slots", "must be >= 1", p.slots)
@@ -1184,10 +1292,20 @@ def _validate_pool(cfg: Config) -> None:
            "> 0 with pool.accelerator=cuda under pool.task_runner=ray (each device's Ray host asks Ray for "
            "its GPU: pool.ray_gpus=1)", p.ray_gpus)
     _check(p.device_memory_gb >= 0, "pool.device_memory_gb", "must be >= 0 (0 = unknown)", p.device_memory_gb)
+    _check(p.host_memory_gb >= 0, "pool.host_memory_gb", "must be >= 0 (0 = unknown)", p.host_memory_gb)
+    _check(0 <= p.devices_per_host <= p.slots, "pool.devices_per_host",
+           f"between 0 (all on one host) and pool.slots = {p.slots}", p.devices_per_host)
     for key, value in (("pool.stage_timeout_seconds", p.stage_timeout_seconds), ("pool.wait_seconds", p.wait_seconds)):
         _check(value >= 0, key, "must be >= 0 (0 = no limit)", value)
     _check(1 <= p.devices_per_step <= p.slots, "pool.devices_per_step", f"between 1 and pool.slots = {p.slots}",
            p.devices_per_step)
+    rollout = p.rollout_devices
+    _check(all(0 <= d < p.slots for d in rollout) and len(set(rollout)) == len(rollout), "pool.rollout_devices",
+           f"distinct pool device indices in [0, pool.slots = {p.slots}), or [] (every stage on any free device)",
+           rollout)
+    _check(not rollout or p.slots - len(rollout) >= p.devices_per_step, "pool.rollout_devices",
+           f"at most pool.slots - pool.devices_per_step = {p.slots - p.devices_per_step} devices: the others run "
+           "the caching pass and the update; raise pool.slots or name fewer", rollout)
 
 
 def _validate_limits(cfg: Config) -> None:

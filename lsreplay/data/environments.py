@@ -55,6 +55,7 @@ from transformers.utils.chat_template_utils import DocstringParsingException, Ty
 from lsreplay.core.config import RolloutConfig, SandboxConfig
 from lsreplay.core.sandbox import limits_of
 from lsreplay.data.chat_formats import Chat, EpisodeError
+from lsreplay.data.rendering import fit_prompt
 from lsreplay.data.reward_functions import callable_name, load_function
 from lsreplay.data.rewards import Overdue, within
 from lsreplay.data.sources import Prompt
@@ -317,9 +318,10 @@ class Episodes:
     those of an interrupted stage."""
 
     def __init__(self, play: Play, chat: Chat, prompts: list[Prompt], calls: Calls, journal: Journal | None = None):
-        self.play, self.chat, self.prompts, self.calls, self.journal = play, chat, prompts, calls, journal
+        self.play, self.chat, self.prompts, self.calls, self.journal = play, chat, list(prompts), calls, journal
         self.rows = [{"prompt": p.question, **p.columns} for p in prompts]
         self.roots: list[Episode] = []
+        self._prompt_ids: list[list[int]] = []
         self._closed: dict[int, object] = {}  # the instances closed, by id (a branch's last reply shares its parent's)
         try:
             for tree in range(len(prompts)):
@@ -330,18 +332,24 @@ class Episodes:
             raise
 
     def _start(self, tree: int) -> Episode:
-        """The tree's first episode: a fresh instance, reset with the row; its opening."""
+        """The tree's first episode: a fresh instance, reset with the row; its opening, within
+        data.max_prompt_tokens: refused, or its prompt's text cut (data.prompt_truncation)."""
         episode = Episode(tree)
         if self.play.factory is not None:
             episode.instance = self._hook(tree, "construction", instance_of, self.play.factory)
             if callable(getattr(episode.instance, "reset", None)):
                 said = self._hook(tree, "reset", episode.instance.reset, **self.rows[tree])
                 episode.reset = None if said is None else str(said)
-        episode.opening = self.chat.opening(self.prompts[tree], episode.reset)
+        chat = self.chat
+        self.prompts[tree], ids = fit_prompt(self.prompts[tree],
+                                             lambda p: chat.prompt_ids(p, chat.opening(p, episode.reset)),
+                                             chat.tokenizer, chat.data)
+        self._prompt_ids.append(ids)
+        episode.opening = chat.opening(self.prompts[tree], episode.reset)
         return episode
 
     def prompt_ids(self) -> list[list[int]]:
-        return [self.chat.prompt_ids(p, e.opening) for p, e in zip(self.prompts, self.roots)]
+        return self._prompt_ids
 
     def reward_prompts(self) -> list[Prompt]:
         """The prompts as reward functions see them: the reset string appended (TRL's prompts)."""

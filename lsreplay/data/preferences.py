@@ -1,10 +1,10 @@
 """Preference datasets for offline DPO (`algo.dpo_source=dataset`), in TRL's convention.
 
 A row has `prompt`, `chosen` and `rejected` columns, either all text (TRL's "standard"
-format: the prompt is tokenized as it is, each answer after it, ended by EOS) or chat
-messages (TRL's "conversational" format: `prompt` a list of {"role", "content"} messages,
-`chosen` and `rejected` the assistant's messages; the model's chat template renders them,
-and an answer is what the template adds after the prompt with its generation prompt).
+format: prompt + answer tokenized whole, the answer ended by EOS) or chat messages (TRL's
+"conversational" format: `prompt` a list of {"role", "content"} messages, `chosen` and
+`rejected` the assistant's messages; the model's chat template renders them). A row gives
+the tokens TRL's DPOTrainer gives it (`preference_record`).
 
 The two answers of a row share the prompt, so a row is a rollout tree of two leaves
 (`preference_record`): the caching pass computes the prompt once, and replay runs it once
@@ -14,12 +14,16 @@ preference (chosen 1, rejected 0), so online and offline DPO pair leaves alike.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from lsreplay.data.sources import DatasetError, _load, sample_rows
 
+log = logging.getLogger(__name__)
+
 COLUMNS = ("prompt", "chosen", "rejected")
+_parted_warned = False  # whether a row's prompt and prompt + answer parted before the prompt's end (said once)
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,15 @@ class PreferenceSet:
 def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_answer_tokens: int,
                       template_kwargs: dict | None = None) -> dict:
     """The tree record of one row: its prompt's token ids, the chosen and the rejected answer
-    as two completions, the preference as rewards (chosen 1, rejected 0). The prompt is
-    tokenized as the rollouts' prompts are (data.rendering) and as TRL 1.16's DPOTrainer
-    tokenizes it (data_utils._tokenize): text with the tokenizer's own special tokens (BOS on
-    Llama-family tokenizers), messages through the template with no more added. An answer
-    longer than `max_answer_tokens` is cut there, unfinished (as a rollout cut at
+    as two completions, the preference as rewards (chosen 1, rejected 0). Tokenized as TRL
+    1.16's DPOTrainer tokenizes a row (DPOTrainer._prepare_dataset): the prompt alone and
+    prompt + answer whole (text with the tokenizer's own special tokens, BOS on Llama-family
+    tokenizers, and the EOS text appended to an answer that does not end with it; messages
+    through the chat template, which ends an answer as it does), the answer starting where
+    the prompt's tokens and both prompt + answer's part. So a row gives TRL's tokens where an
+    answer's first token merges with the prompt's last, or a template renders the prompt
+    alone otherwise than followed by an answer (its generation prompt). An answer longer than
+    `max_answer_tokens` is cut there, unfinished (as a rollout cut at
     rollout.max_new_tokens). `template_kwargs`: data.chat_template_kwargs, as rollouts'
     prompts get them (TRL's DPOTrainer passes chat_template_kwargs alike)."""
     chat = not isinstance(pref.prompt, str)
@@ -77,17 +85,34 @@ def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_a
                            "messages (TRL's standard or conversational format), not a mix")
     if chat:
         kwargs = template_kwargs or {}
-        prompt_text = tokenizer.apply_chat_template(list(pref.prompt), add_generation_prompt=True, tokenize=False,
-                                                    **kwargs)
-        prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        answers = [_chat_answer(tokenizer, pref, prompt_text, a, kwargs) for a in (pref.chosen, pref.rejected)]
+
+        def render(messages: list, **more) -> list[int]:
+            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs,
+                                                      **more)["input_ids"])
+
+        alone = render(list(pref.prompt), add_generation_prompt=True)
+        wholes = [render(list(pref.prompt) + list(a)) for a in (pref.chosen, pref.rejected)]
     else:
-        prompt = tokenizer(pref.prompt)["input_ids"]
-        answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                   for a in (pref.chosen, pref.rejected)]
+        eos = tokenizer.eos_token
+        alone = tokenizer(text=pref.prompt)["input_ids"]
+        wholes = [tokenizer(text=pref.prompt + (a if a.endswith(eos) else a + eos))["input_ids"]
+                  for a in (pref.chosen, pref.rejected)]
+    prompt = alone[:min(shared_prefix(alone, whole) for whole in wholes)]
+    if alone and not prompt:
+        raise DatasetError(f"preference row {pref.index}: its answers' first tokens merge with all of its prompt's "
+                           f"({tokenizer.decode(alone)!r}), so no prompt token is left to answer after; end the "
+                           "prompt on a token boundary (a space, a newline or punctuation) or drop the row")
     if not prompt or len(prompt) > max_prompt_tokens:
         raise DatasetError(f"preference row {pref.index}: its prompt has {len(prompt)} tokens; it needs at least one "
                            f"and at most data.max_prompt_tokens={max_prompt_tokens} (raise the limit or drop the row)")
+    global _parted_warned
+    if len(prompt) < len(alone) and not _parted_warned:
+        _parted_warned = True
+        log.warning("preference row %d: the prompt's last tokens %r are not a prefix of prompt + answer (tokens merge "
+                    "across the boundary, or the chat template renders the prompt alone otherwise); the answer "
+                    "starts where they part, as in TRL's DPOTrainer (said once; likely so for most rows)", pref.index,
+                    tokenizer.decode(alone[len(prompt):]))
+    answers = [whole[len(prompt):] for whole in wholes]
     finished = [len(a) <= max_answer_tokens for a in answers]
     answers = [a[:max_answer_tokens] for a in answers]
     texts = [tokenizer.decode(a, skip_special_tokens=True) for a in answers]
@@ -95,13 +120,9 @@ def preference_record(tokenizer, pref: Preference, max_prompt_tokens: int, max_a
             "finished": finished, "texts": texts, "rewards": [1.0, 0.0], "counts": [1, 1], "paths": [[0], [1]]}
 
 
-def _chat_answer(tokenizer, pref: Preference, prompt_text: str, answer: list, template_kwargs: dict) -> list[int]:
-    """The tokens the chat template adds after the prompt (and its generation prompt) for `answer`."""
-    full = tokenizer.apply_chat_template(list(pref.prompt) + list(answer), tokenize=False, **template_kwargs)
-    if not full.startswith(prompt_text):
-        raise DatasetError(f"preference row {pref.index}: the chat template does not render the prompt as the start "
-                           "of prompt + answer, so the answer's tokens cannot be told apart; give text columns")
-    return tokenizer(full[len(prompt_text):], add_special_tokens=False)["input_ids"]
+def shared_prefix(ids: list[int], other: list[int]) -> int:
+    """How many leading tokens `ids` and `other` have in common."""
+    return next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
 
 
 def check_preferences(cfg, tokenizer, rows: int = 16) -> None:

@@ -19,11 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from lsreplay.core.config import Config, reward_specs
+from lsreplay.data import long_context
 from lsreplay.data.checkers import check_rows
 from lsreplay.data.environments import environment_rewards
+from lsreplay.data.rendering import rendered_ids
 from lsreplay.data.rewards import Reward, unscorable_tasks
-from lsreplay.data.sources import (REQUIRED_FIELDS, DatasetError, PromptSet, generate_prompt_file, prompt_key,
-                           task_args_for)
+from lsreplay.data.sources import (REQUIRED_FIELDS, DatasetError, Prompt, PromptSet, generate_prompt_file, prompt_key,
+                                   task_args_for)
+from lsreplay.models.loading import load_tokenizer, resolve_model_dir
 
 # The held-out rows depend on the prompt file only, never on the run's seed.
 HELDOUT_SEED = 15
@@ -33,14 +36,32 @@ LONGEST_CHECKED = 16
 
 
 def prompt_file(cfg: Config) -> Path:
-    """The configured prompt file (or folder), or one generated offline with reasoning-gym."""
+    """The configured prompt file (or folder), or one generated offline with reasoning-gym
+    and lsreplay's long-context task (its prompts as long as the run renders them)."""
     d = cfg.data
     if d.path:
         return Path(d.path)
     task_args = task_args_for(list(d.tasks), dict(d.task_args))
-    spec = json.dumps([d.tasks, d.size, cfg.seed, task_args], sort_keys=True)
+    measure = None
+    for name in set(d.tasks) & set(long_context.TASKS):
+        task_args[name] = long_context.task_args(name, task_args.get(name, {}), d.max_prompt_tokens)
+        measure = prompt_measure(cfg)
+    spec = json.dumps([d.tasks, d.size, cfg.seed, task_args, *([measure.key] if measure else [])], sort_keys=True)
     name = hashlib.sha256(spec.encode()).hexdigest()[:12]
-    return generate_prompt_file(Path(".cache/prompts") / f"{name}.jsonl", list(d.tasks), d.size, cfg.seed, task_args)
+    return generate_prompt_file(Path(".cache/prompts") / f"{name}.jsonl", list(d.tasks), d.size, cfg.seed, task_args,
+                                measure)
+
+
+def prompt_measure(cfg: Config) -> long_context.PromptMeasure:
+    """How many tokens a generated question takes once the run renders it: the model's
+    tokenizer, with what data adds (system prompt, examples, answer instruction, template)."""
+    d = cfg.data
+    tokenizer = load_tokenizer(cfg.model)
+    added = [d.chat_template, d.system_prompt, d.example_messages, d.answer_instruction, d.chat_template_kwargs]
+    key = json.dumps([str(resolve_model_dir(cfg.model)), type(tokenizer).__name__, len(tokenizer), added],
+                     sort_keys=True)
+    return long_context.PromptMeasure(
+        key, lambda question: len(rendered_ids(tokenizer, Prompt(0, "", question, "", {}), d)))
 
 
 def checked_by_reasoning_gym(cfg: Config) -> bool:

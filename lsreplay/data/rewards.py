@@ -35,6 +35,7 @@ from lsreplay.data.reward_functions import (RewardError, RewardFunction, CallLog
                                             check_trl_keywords, detect_style, load_function, trl_keywords,
                                             verl_keywords)
 from lsreplay.data.reward_models import RewardModel
+from lsreplay.data.long_context import TASKS as LONG_CONTEXT_TASKS
 from lsreplay.data.sources import DatasetError, Prompt, reasoning_gym_tasks
 from lsreplay.data.untrusted import UntrustedFunction, untrusted_function
 
@@ -45,6 +46,8 @@ CORRECT = 1.0
 # Rows of this task carry their own verifiable answer: scored 1 when the extracted answer
 # equals it, without reasoning-gym.
 EXACT_ANSWER = "exact_answer"
+# Tasks scored so: exact answers, and lsreplay's long-context task (lsreplay.data.long_context).
+EXACT_TASKS = (EXACT_ANSWER, *LONG_CONTEXT_TASKS)
 # The name the default reward's figures are logged under (rewards/reasoning_gym/mean).
 DEFAULT_NAME = "reasoning_gym"
 # The name an episode environment's get_reward() is logged under (rewards/environment/mean).
@@ -74,10 +77,10 @@ def extract_answer(completion: str) -> str | None:
 
 
 def unscorable_tasks(tasks: set[str]) -> list[str]:
-    """Those of `tasks` the default reward cannot score: neither exact answers nor
-    reasoning-gym's. reasoning-gym is imported only when a task other than exact answers
-    asks for it, so that a prompt file of exact answers needs none (the GPU check's)."""
-    others = set(tasks) - {EXACT_ANSWER}
+    """Those of `tasks` the default reward cannot score: neither exact answers (EXACT_TASKS)
+    nor reasoning-gym's. reasoning-gym is imported only when another task asks for it, so
+    that a prompt file of exact answers needs none (the GPU check's)."""
+    others = set(tasks) - set(EXACT_TASKS)
     return sorted(others - set(reasoning_gym_tasks())) if others else []
 
 
@@ -86,7 +89,7 @@ _warned_tasks: set[str] = set()
 
 def score(prompt: Prompt, completion: str, task_args: dict | None = None, checking: Checking | None = None) -> float:
     """Reward in [0, 1] from reasoning-gym's own checker for `prompt.task` (exact match for
-    EXACT_ANSWER rows).
+    the rows of EXACT_TASKS).
 
     Pass the `task_args` the prompt was generated with when the task's checker depends
     on its config (see lsreplay.data.hardened_checkers.checker); the others ignore it. A task whose
@@ -96,7 +99,7 @@ def score(prompt: Prompt, completion: str, task_args: dict | None = None, checki
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    if prompt.task == EXACT_ANSWER:
+    if prompt.task in EXACT_TASKS:
         return float(answer.strip() == prompt.answer.strip())
     if prompt.task not in reasoning_gym_tasks():  # a DatasetError saying so where reasoning-gym is missing
         raise DatasetError(f"prompt task {prompt.task!r} is not a reasoning-gym task; cannot score it "

@@ -1,4 +1,5 @@
-"""Prompt sources: reasoning-gym's procedural generators, or your own file.
+"""Prompt sources: reasoning-gym's procedural generators, lsreplay's own long-context task
+(lsreplay.data.long_context), or your own file.
 
 Generated prompts are written once to a JSONL file (offline, seeded, idempotent). Every
 prompt file, generated or yours (JSONL, Parquet, or a folder `datasets` wrote with
@@ -21,6 +22,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 
+from lsreplay.data import long_context
+from lsreplay.data.errors import DatasetError
+
 log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("question", "answer", "task")
@@ -28,10 +32,6 @@ REQUIRED_FIELDS = ("question", "answer", "task")
 MESSAGE_KEYS = ("role", "content")
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-class DatasetError(ValueError):
-    """A prompt file or prompt-generation request that cannot be used as given."""
 
 
 @dataclass(frozen=True)
@@ -121,17 +121,22 @@ def reasoning_gym_tasks() -> dict:
 
 
 def task_args_for(tasks: list[str], task_args: dict[str, dict]) -> dict[str, dict]:
-    """The generator arguments of `tasks`: entries for other reasoning-gym tasks are left out
-    (a default keyed to one task never stands in the way of another); a name that is no
-    reasoning-gym task at all is a typo and an error."""
-    known = reasoning_gym_tasks()
+    """The generator arguments of `tasks`: entries for other tasks are left out (a default
+    keyed to one task never stands in the way of another); a name that is neither one of
+    lsreplay's tasks nor reasoning-gym's is a typo and an error. reasoning-gym is imported
+    only for a name that is not lsreplay's."""
+    builtin = long_context.TASKS
     for key, names in (("data.tasks", tasks), ("data.task_args", task_args)):
         for name in names:
+            if name in builtin:
+                continue
+            known = reasoning_gym_tasks()
             if name not in known:
-                close = get_close_matches(name, known, n=3) or sorted(known)[:5]
+                close = get_close_matches(name, [*builtin, *known], n=3) or sorted(known)[:5]
                 raise DatasetError(
-                    f"{key}: unknown reasoning-gym task {name!r}; valid names include "
-                    f"{', '.join(close)} ({len(known)} in all, see reasoning_gym.factory.DATASETS)."
+                    f"{key}: unknown task {name!r}: neither lsreplay's ({', '.join(builtin)}) nor reasoning-gym's; "
+                    f"valid names include {', '.join(close)} ({len(known)} reasoning-gym tasks in all, see "
+                    "reasoning_gym.factory.DATASETS)."
                 )
     ignored = sorted(set(task_args) - set(tasks))
     if ignored:
@@ -159,9 +164,12 @@ def _shares(tasks: list[str], size: int) -> list[tuple[str, int]]:
     return [(name, share + (i < extra)) for i, name in enumerate(tasks)]
 
 
-def _rows(path: Path, tasks: list[str], size: int, seed: int, task_args: dict[str, dict]):
+def _rows(path: Path, tasks: list[str], size: int, seed: int, task_args: dict[str, dict], measure):
     for name, n in _shares(tasks, size):
         if n == 0:
+            continue
+        if name in long_context.TASKS:
+            yield from long_context.rows(name, n, seed, task_args[name], measure)
             continue
         for entry in _create(path, name, n, seed, task_args.get(name, {})):
             yield _row(name, entry)
@@ -216,8 +224,12 @@ def generate_prompt_file(
     size: int,
     seed: int,
     task_args: dict[str, dict] | None = None,
+    measure=None,
 ) -> Path:
-    """Write `size` reasoning-gym prompts split over `tasks` to a JSONL file, once.
+    """Write `size` prompts split over `tasks` (reasoning-gym's, or lsreplay's long-context
+    task, whose arguments must be complete: long_context.task_args) to a JSONL file, once.
+    `measure` (a long_context.PromptMeasure): how long a prompt renders, which lsreplay's
+    tasks need.
 
     A sidecar `<path>.meta.json` records the request; a call matching it does nothing.
     """
@@ -228,11 +240,12 @@ def generate_prompt_file(
         raise DatasetError(f"{path}: no tasks given; pass at least one reasoning-gym task name.")
     task_args = task_args_for(tasks, task_args or {})
     sidecar = Path(f"{path}.meta.json")
-    # The generator version is recorded too: a new release may generate other rows.
-    request = jsonable({
-        "tasks": list(tasks), "size": size, "seed": seed, "task_args": task_args,
-        "reasoning_gym": importlib.metadata.version("reasoning_gym"),
-    })
+    # The generators' versions are recorded too: a new release may generate other rows.
+    builtin = set(tasks) & set(long_context.TASKS)
+    versions = {"reasoning_gym": importlib.metadata.version("reasoning_gym")} if set(tasks) - builtin else {}
+    if builtin:
+        versions.update(lsreplay_tasks=long_context.VERSION, rendering=None if measure is None else measure.key)
+    request = jsonable({"tasks": list(tasks), "size": size, "seed": seed, "task_args": task_args, **versions})
     if path.exists() and sidecar.exists() and json.loads(sidecar.read_text()) == request:
         log.info("prompt file %s is up to date; not regenerating", path)
         return path
@@ -240,7 +253,7 @@ def generate_prompt_file(
     # Drop the old sidecar first, so a crash between the two writes cannot leave new
     # data under a stale record that a later call would wrongly accept.
     sidecar.unlink(missing_ok=True)
-    rows = _rows(path, tasks, size, seed, task_args)
+    rows = _rows(path, tasks, size, seed, task_args, measure)
     _write_atomic(path, (json.dumps(r, ensure_ascii=False) for r in rows))
     _write_atomic(sidecar, [json.dumps(request, sort_keys=True)])
     log.info("wrote %d prompts from %s to %s", size, tasks, path)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward
-from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
+from lsreplay.replay.heads import Heads, per_head
 from lsreplay.tree import RolloutTree
 
 
@@ -191,8 +191,8 @@ def all_reduce_grads(params: list[torch.Tensor], group=None, bucket_bytes: int =
 def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: int, world_size: int,
                            mode: str = "replay", fsdp: bool | None = None,
                            prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                           join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None,
-                           heads: Heads | None = None) -> BackwardStats:
+                           join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None, *,
+                           heads: Heads, offload_prefix: bool = False) -> BackwardStats:
     """This rank's share of the batch gradient, summed over ranks into `.grad`.
 
     `trees` and `weights` are the WHOLE batch (same on every rank; weights computed
@@ -202,8 +202,8 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     batch's tree index. fsdp: None = whether `model` was passed through `shard_model`.
 
     grad_params: where the gradients accumulate, plain DP (default: the model's trainable
-    parameters; a mixed-precision TrainState's float32 masters). heads, weights: as for
-    replay_backward (weights by head name with heads).
+    parameters; a mixed-precision TrainState's float32 masters). heads, weights,
+    offload_prefix: as for replay_backward (weights by head name with heads).
 
     Returns stats summed over ranks (objective, positions), the max peak and this
     rank's wall time (compute + communication)."""
@@ -224,16 +224,16 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     if mode == "replay":
         source = None if prefix_kv is None else (lambda j, node: prefix_kv(mine[j], node))
         stats = replay_backward(model, local_trees, local_w, prefix_kv=source, budget_bytes=budget_bytes,
-                                join_below=join_below, heads=heads or LOGPROB_HEADS)
+                                join_below=join_below, heads=heads, offload_prefix=offload_prefix)
     else:
-        stats = naive_backward(model, local_trees, local_w, heads=heads or LOGPROB_HEADS)
+        stats = naive_backward(model, local_trees, local_w, heads=heads)
     if fsdp:
         _fsdp_reduce(model)
     else:
         all_reduce_grads(grad_params or [p for p in model.parameters() if p.requires_grad], group)
     device = next(model.parameters()).device
-    sums = torch.tensor([stats.objective, stats.positions, stats.per_rollout_positions], dtype=torch.float64,
-                        device=device)
+    sums = torch.tensor([stats.objective, stats.positions, stats.per_rollout_positions,
+                         stats.layer_by_layer_positions], dtype=torch.float64, device=device)
     peak = torch.tensor([stats.peak_activation_bytes, stats.device_peak_bytes or 0], dtype=torch.float64,
                         device=device)
     dist.all_reduce(sums, group=group)
@@ -241,7 +241,8 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     return BackwardStats(
         objective=float(sums[0]), positions=int(sums[1]), per_rollout_positions=int(sums[2]),
         seconds=time.perf_counter() - start, peak_activation_bytes=int(peak[0]),
-        device_peak_bytes=int(peak[1]) if stats.device_peak_bytes is not None else None)
+        device_peak_bytes=int(peak[1]) if stats.device_peak_bytes is not None else None,
+        layer_by_layer_positions=int(sums[3]))
 
 
 def full_state(model) -> dict[str, torch.Tensor]:

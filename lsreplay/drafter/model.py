@@ -165,10 +165,12 @@ class Drafter(torch.nn.Module):
         position_ids: torch.LongTensor,
         cache: transformers.DynamicCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        **attention,
     ) -> torch.Tensor:
         """Predicted features (B, T, d) from tokens x_{t+1} (B, T) and features h_t (B, T, d).
 
         `position_ids` (B, T) hold t, the position of h_t. Causal over T and over whatever `cache` already holds, which this call appends to.
+        `attention`: keywords for the attention function the config names (rollout.shared_prompt's prompts held once).
         """
         embeds = F.embedding(input_ids, self._shared.embed.weight.detach())
         x = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
@@ -187,6 +189,7 @@ class Drafter(torch.nn.Module):
             use_cache=cache is not None,
             position_embeddings=self.rotary_emb(x, position_ids),
             **with_cache(cache),
+            **attention,
         )
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -111,21 +111,28 @@ def _reward_figures(records: list[dict], counts: list[list[int]]) -> dict:
 EPISODE_KEYS = ("episodes/turns_mean", "episodes/tool_calls_mean", "episodes/tool_error_share",
                 "episodes/environment_token_share", "episodes/prefill_positions", "episodes/history_positions")
 # Figures a stage's manifest holds only for some configs, copied into the step's record
-# where present. trees: the trees that train nothing (with dynamic sampling, prompts_drawn -
-# trees were dropped for that), and the tree shape per tree (stages.trees.group_stats;
+# where present. trees: the most K/V bytes the HF sampler held (rollout.shared_prompt: each
+# prompt's once), the trees that train nothing (with dynamic sampling, prompts_drawn -
+# trees were dropped for that), the policy version that sampled them, and the tree shape
+# per tree (stages.trees.group_stats;
 # absent from rollouts sampled before leaves carried counts). prefixes: the rollout
 # engine's logprobs against the trainer's, per token. policy: the algorithm's figures
 # (docs/algorithms.md): KL, updates, the critic's, DPO's pairs and implicit rewards, the
 # trees dynamic sampling left out of the loss, what truncated importance sampling capped,
-# and TRL's learning rate and clip fractions.
+# and TRL's learning rate and clip fractions; with asynchronous rollouts (docs/async.md)
+# the trees dropped as too stale, the others' staleness, and the behaviour ratio's figures
+# per staleness (OFF_POLICY_PREFIX).
 OPTIONAL_KEYS = {
-    "trees": ("trees_all_alike", "prompts_drawn", "trees_dropped", "leaves_per_tree", "group_size",
+    "trees": ("kv_bytes_peak", "trees_all_alike", "prompts_drawn", "trees_dropped", "policy_version",
+              "leaves_per_tree", "group_size",
               "effective_group_size", *EPISODE_KEYS),
     "prefixes": ("engine_logprob_gap_mean", "engine_logprob_gap_max"),
-    "policy": ("kl", "updates", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
+    "policy": ("kl", "updates", "layer_by_layer_positions", "value_loss", "value_explained_variance", "value_clip_fraction", "dpo_pairs",
                "dpo_unpaired_trees", "dpo_reward_margin", "dpo_reward_accuracy", "trees_left_out",
-               "tis_capped_fraction", "tis_weight_mean", *TRL_POLICY_KEYS),
+               "tis_capped_fraction", "tis_weight_mean", "trees_stale_dropped", "staleness_mean", "staleness_max",
+               *TRL_POLICY_KEYS),
 }
+OFF_POLICY_PREFIX = "off_policy/"
 
 
 def step_record(step: int, manifests: dict[str, dict]) -> dict:
@@ -156,6 +163,7 @@ def step_record(step: int, manifests: dict[str, dict]) -> dict:
     for stage, keys in OPTIONAL_KEYS.items():
         record.update({k: manifests[stage][k] for k in keys if k in manifests[stage]})
     record.update({k: v for k, v in trees.items() if k in TRL_ROLLOUT_KEYS or k.startswith(TRL_ROLLOUT_PREFIXES)})
+    record.update({k: v for k, v in policy.items() if k.startswith(OFF_POLICY_PREFIX)})
     if prefixes.get("seconds"):
         record["prefixes_positions_per_s"] = prefixes["unique_positions"] / max(prefixes["seconds"], 1e-9)
     # Loading and saving state next to the compute: the stages' waits for models to load

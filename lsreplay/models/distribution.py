@@ -52,7 +52,7 @@ class SamplingParams:
 
 
 # The policy's own distribution: what a loss over "log p" means without a sampler (DPO on a
-# preference dataset, the replay contract's default).
+# preference dataset, greedy decoding's records). Never a default: callers name it.
 RAW = SamplingParams()
 
 # Probabilities as integer multiples of 2**-52 (float64's resolution at 1): their running
@@ -115,9 +115,11 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams,
     return scaled.masked_fill(cut, float("-inf"))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.LongTensor, params: SamplingParams = RAW) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.LongTensor, params: SamplingParams) -> torch.Tensor:
     """log p(tokens) (...,) under the distribution `params` draws from, given logits (..., V);
-    differentiable in the logits. Greedy (temperature 0) scores at temperature 1."""
+    differentiable in the logits. Greedy (temperature 0) scores at temperature 1. `params`
+    has no default, here and in every function that scores tokens: a caller says which
+    distribution it scores (RAW for the policy's own)."""
     if params.temperature == 0:
         params = RAW
     processed = processed_logits(logits, params, keep=tokens)

@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from lsreplay.core.config import ModelConfig
 from lsreplay.core.storage import Store
-from lsreplay.models.loading import load_tokenizer, resolve_model_dir
+from lsreplay.models.loading import hf_config, load_tokenizer, resolve_model_dir
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -73,16 +73,13 @@ _METADATA: dict[tuple, dict[str, bytes]] = {}
 def _metadata_files(model: ModelConfig) -> dict[str, bytes]:
     """config.json, generation_config.json and the tokenizer's files, as save_pretrained
     writes them (computed once per process and model config)."""
-    key = (model.path, model.cache_dir, model.dtype, json.dumps(model.arch, sort_keys=True))
+    key = (model.path, model.cache_dir, model.dtype, json.dumps([model.arch, model.rope_scaling], sort_keys=True))
     if key not in _METADATA:
+        config = hf_config(model)  # with model.rope_scaling: the exported model runs as it trained
         if model.arch:
-            arch = dict(model.arch)
-            config = AutoConfig.for_model(arch.pop("model_type"), **arch)
             generation = GenerationConfig.from_model_config(config)
         else:
-            folder = resolve_model_dir(model)
-            config = AutoConfig.from_pretrained(folder, local_files_only=True)
-            generation = _generation_config(folder, config)
+            generation = _generation_config(resolve_model_dir(model), config)
         config.dtype = model.dtype
         with tempfile.TemporaryDirectory() as tmp:
             config.save_pretrained(tmp)

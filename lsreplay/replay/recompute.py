@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from lsreplay.models.hf_compat import decoder_layers
+from lsreplay.models.hf_compat import CACHE_KEYWORD, decoder_layers
 from lsreplay.replay.memory import ActivationMeter, KeptLayers
 
 aten = torch.ops.aten
@@ -82,7 +82,7 @@ class _Recomputed:
         self.meter, self.lean = meter, lean
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        cache = kwargs.get("cache")
+        cache = kwargs.get(CACHE_KEYWORD)  # the installed transformers' name for it
         layer = cache.layers[self.attention.layer_idx] if cache is not None else None
         past = layer.keys.shape[-2] if layer is not None and layer.is_initialized else 0
         implementation = self.attention.config._attn_implementation

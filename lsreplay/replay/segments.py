@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from lsreplay.models.distribution import RAW, SamplingParams, token_logprobs
+from lsreplay.models.distribution import SamplingParams, token_logprobs
 from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
 
@@ -88,7 +88,7 @@ def device_index(values, device: torch.device) -> torch.LongTensor:
 
 
 def target_logprobs(model: PreTrainedModel, hidden: torch.Tensor, positions, targets,
-                    sampling: SamplingParams = RAW) -> torch.Tensor:
+                    sampling: SamplingParams) -> torch.Tensor:
     """log p(targets[i] | position positions[i]) from one row of hidden states (T, d), p the
     distribution `sampling` draws from (lsreplay.models.distribution; RAW: the policy's own)."""
     positions, targets = device_index(positions, hidden.device), device_index(targets, hidden.device)

@@ -79,5 +79,6 @@ def _first_kept(nodes: list[Node], node: Node, joined: set[int]) -> int:
 
 def read_kv_nodes(spans: list[Span], kept: Container[int] = frozenset()) -> set[int]:
     """The tree nodes whose cached K/V the replay of this view reads: its branching spans',
-    but those whose graph it keeps (`kept`, memory.kept_spans), which make their own."""
+    but those it forwards before their subtree (`kept`, memory.kept_spans: their graph kept,
+    or run layer by layer), which make their own."""
     return {s for span in spans if not span.is_leaf and span.id not in kept for s in span.sources}

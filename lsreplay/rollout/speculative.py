@@ -28,7 +28,10 @@ Taking over. `Speculator.resume` starts from a target cache another decoder fill
 tree sampler's, when few sequences are left: rollout.tree_sampler.Speculation), with the
 features h_t that decoder recorded, so nothing is re-encoded; `decode_rounds` runs the
 rounds for both entry points and can record each emitted token's logprob (under the
-distribution sampled from, as the tree sampler records it).
+distribution sampled from, as the tree sampler records it). Where the tree sampler holds
+each prompt's K/V once (rollout.shared_prompt), the rows keep attending to that one copy:
+the caches hold the rows' own columns, and the drafter encodes each prompt once too
+(`HeldPrompts`).
 
 Draft vocabulary. `draft_vocab` (token ids) restricts the drafter's output layer to those
 rows of the LM head: on a 49k-vocabulary model that layer is most of a one-layer
@@ -63,8 +66,10 @@ from lsreplay.models.distribution import SamplingParams, processed_logits, token
 from lsreplay.models.families import windowed_layers
 from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
+from lsreplay.replay.segments import PrefixKV, new_kv
 from lsreplay.rollout.position_masks import PositionMasks
 from lsreplay.rollout.sampling import draw
+from lsreplay.rollout.shared_prompt import PREFILL_CHUNK, SharedPrompts, attending, attention_inputs
 
 log = logging.getLogger(__name__)
 
@@ -220,11 +225,19 @@ def _compact(cache: DynamicCache, keep: torch.LongTensor) -> None:
             layer.values = layer.values.index_select(-2, keep)
 
 
-class _MaskedCache:
-    """A DynamicCache plus a per-row visibility mask over its columns (holes = False)."""
+def _no_positions(config, like: torch.Tensor) -> PrefixKV:
+    """The K/V of no position (a prompt of one token has no pair of its own for the drafter)."""
+    empty = like.new_zeros(1, config.num_key_value_heads, 0, config.head_dim)
+    return [empty] * config.num_hidden_layers, [empty] * config.num_hidden_layers
 
-    def __init__(self, cache: DynamicCache, mask: torch.BoolTensor):
-        self.cache = cache
+
+class _MaskedCache:
+    """A DynamicCache plus a per-row visibility mask over its columns (holes = False), and the
+    prompts its rows attend to besides, where those are held once (`shared`; None: the
+    cache's rows hold their prompts)."""
+
+    def __init__(self, cache: DynamicCache, mask: torch.BoolTensor, shared: SharedPrompts | None = None):
+        self.cache, self.shared = cache, shared
         self.mask = mask  # (A, columns the cache holds)
         self.holes = not bool(mask.all())
 
@@ -247,11 +260,30 @@ class _MaskedCache:
     def select(self, rows: torch.LongTensor) -> None:
         self.cache.reorder_cache(rows)
         self.mask = self.mask[rows]
+        if self.shared is not None:
+            self.shared.select(rows.tolist())
         if self.holes and self.mask.shape[0] == 1:
             keep = self.mask[0].nonzero()[:, 0]
             _compact(self.cache, keep)
             self.mask = self.mask[:, keep]
         self.holes = not bool(self.mask.all())
+
+
+@dataclass
+class HeldPrompts:
+    """Rows whose prompts the tree sampler holds once (rollout.shared_prompt): the target's K/V
+    of each prompt and each row's tree (`shared`), and per tree its prompt's ids and the
+    target's features at its positions (1, positions, d)."""
+
+    shared: SharedPrompts
+    ids: list[list[int]]
+    features: list[torch.Tensor]
+
+    def last(self) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Each row's prompt's last token (A, 1) and the feature there (A, 1, d)."""
+        trees = self.shared.trees
+        tokens = torch.tensor([[self.ids[t][-1]] for t in trees], device=self.features[0].device)
+        return tokens, torch.cat([self.features[t][:, -1:] for t in trees])
 
 
 # ---------------------------------------------------------------- the decoder
@@ -308,15 +340,23 @@ class Speculator:
 
     # -- the target
 
-    def _target(self, ids, position_ids, attention_mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _target(self, ids, position_ids, attention_mask, cache, shared: SharedPrompts | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Features (A, n, d) and logits (A, n, V) of n new positions."""
         if attention_mask is not None and self.position_masks is not None:  # see position_masks.py
             attention_mask = self.position_masks(attention_mask.bool(), ids.shape[1], self.target.dtype)
-        hidden = decoder(self.target)(
-            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **with_cache(cache)
-        ).last_hidden_state
+        with attending(self.target.config, shared):
+            hidden = decoder(self.target)(
+                input_ids=ids, position_ids=position_ids, use_cache=True, **attention_inputs(shared, attention_mask),
+                **with_cache(cache)).last_hidden_state
         self.stats.target_forwards += 1
         return hidden, float_logits(self.target, hidden)
+
+    def _drafter(self, ids, features, position_ids, attention_mask) -> torch.Tensor:
+        """The drafter's predicted features (A, n, d) of n new pairs, appended to its cache."""
+        with attending(self.drafter.config, self.d.shared):
+            return self.drafter(ids, features, position_ids, cache=self.d.cache,
+                                **attention_inputs(self.d.shared, attention_mask))
 
     def prefill(self, ids: torch.LongTensor, mask: torch.BoolTensor) -> torch.LongTensor:
         """Encode left-padded prompts (A, T) and pick each row's first token."""
@@ -327,7 +367,7 @@ class Speculator:
         return first
 
     def resume(self, cache: DynamicCache, ids: torch.LongTensor, mask: torch.BoolTensor, features: torch.Tensor,
-               last: torch.LongTensor) -> None:
+               last: torch.LongTensor, prompts: HeldPrompts | None = None) -> None:
         """Take over a target cache as it is, with nothing re-encoded.
 
         Row i's cache columns hold tokens ids[i] (A, C) where mask[i] is true, one run of
@@ -335,19 +375,44 @@ class Speculator:
         decoder appending a column per token keeps this); `features` (A, C, d) are the
         target's final-norm features at those columns, and `last` (A,) is each row's
         newest token, committed but not yet encoded. The drafter's first round catches up
-        on every pair (x_{t+1}, h_t) of these rows.
+        on every pair (x_{t+1}, h_t) of these rows. With `prompts`, the cache columns are the
+        rows' own, after their prompts, whose K/V the rows attend to once per tree; the
+        drafter encodes each prompt's pairs once per tree here and catches up on the rest.
         """
-        self.t = _MaskedCache(cache, mask)
-        self.d = _MaskedCache(DynamicCache(config=self.drafter.config), mask[:, :0])
-        self.pos = mask.sum(1)  # position of `last`
+        offset, own_mask = torch.zeros_like(last), mask  # offset: the position of each row's first column
+        if prompts is not None:
+            # The prompt's last column opens each row's catch-up: its pair (x_P, h_{P-1}) is the row's own.
+            tokens, feature = prompts.last()
+            ids, features = torch.cat([tokens, ids], dim=1), torch.cat([feature, features], dim=1)
+            mask = torch.cat([mask.new_ones(len(mask), 1), mask], dim=1)
+            offset = prompts.shared.lengths - 1
+        self.t = _MaskedCache(cache, own_mask, None if prompts is None else prompts.shared)
+        drafter_prompts = None if prompts is None else SharedPrompts(self._drafter_prompts(prompts),
+                                                                     prompts.shared.trees)
+        self.d = _MaskedCache(DynamicCache(config=self.drafter.config), mask[:, :0], drafter_prompts)
+        self.pos = offset + mask.sum(1)  # position of `last`
         self.last = last
         # Pair t = (x_{t+1}, h_t): tokens shift left by one, `last` closes the row.
         self.cu_tok = torch.cat([ids[:, 1:], last[:, None]], dim=1)
         self.cu_h = torch.where(mask[..., None], features, torch.zeros((), dtype=features.dtype, device=ids.device))
-        self.cu_pos, self.cu_valid = _positions(mask), mask
+        self.cu_pos, self.cu_valid = offset[:, None] + _positions(mask), mask
         self.cu_last = torch.full_like(last, ids.shape[1] - 1)
         # On the host: each row's cu_last, and whether cu_valid still holds the padding.
         self.cu_ends, self.cu_padded = [ids.shape[1] - 1] * len(last), not bool(mask.all())
+
+    def _drafter_prompts(self, prompts: HeldPrompts) -> list[PrefixKV]:
+        """The drafter's K/V of each prompt's own pairs (x_{t+1}, h_t), t < positions - 1, one
+        copy per tree, encoded PREFILL_CHUNK pairs a forward."""
+        kvs = []
+        for ids, features in zip(prompts.ids, prompts.features):
+            cache, pairs = DynamicCache(config=self.drafter.config), len(ids) - 1
+            tokens = torch.tensor([ids[1:]], device=features.device)
+            for start in range(0, pairs, PREFILL_CHUNK):
+                end = min(start + PREFILL_CHUNK, pairs)
+                positions = torch.arange(start, end, device=features.device)[None]
+                self.drafter(tokens[:, start:end], features[:, start:end], positions, cache=cache)
+            kvs.append(new_kv(cache, 0) if pairs else _no_positions(self.drafter.config, features))
+        return kvs
 
     def round(self, k: int) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor]:
         """One draft + verify round (k = 0: no drafts, one token per row, as plain decoding).
@@ -362,8 +427,8 @@ class Speculator:
         width = max(self.cu_ends) + 1
         valid = self.cu_valid[:, :width]
         all_valid = None if self.cu_padded else min(self.cu_ends) + 1 == width  # padded: the device knows
-        out = self.drafter(self.cu_tok[:, :width], self.cu_h[:, :width], self.cu_pos[:, :width],
-                           cache=self.d.cache, attention_mask=self.d.attend(valid, all_valid))
+        out = self._drafter(self.cu_tok[:, :width], self.cu_h[:, :width], self.cu_pos[:, :width],
+                            self.d.attend(valid, all_valid))
         self.d.extend(valid, all_valid)
         base = self.d.mask.shape[1]
         features = out[rows, self.cu_last]  # h^ at each row's position `pos`
@@ -375,8 +440,8 @@ class Speculator:
             qs.append(q)
             if j + 1 < k:
                 one = torch.ones_like(valid[:, :1])
-                features = self.drafter(token[:, None], features[:, None], (self.pos + j)[:, None],
-                                        cache=self.d.cache, attention_mask=self.d.attend(one, True))[:, 0]
+                features = self._drafter(token[:, None], features[:, None], (self.pos + j)[:, None],
+                                         self.d.attend(one, True))[:, 0]
                 self.d.extend(one, True)
         self.d.crop(base)  # drafted entries rest on predicted features: drop them
         stats.drafter_forwards += k
@@ -389,7 +454,7 @@ class Speculator:
         block_pos = self.pos[:, None] + offsets
         length = self.t.mask.shape[1]
         hidden, logits = self._target(block, block_pos, self.t.attend(torch.ones_like(block, dtype=torch.bool), True),
-                                      self.t.cache)
+                                      self.t.cache, self.t.shared)
         if self.params.temperature == 0:
             accepted, nxt = _accept_greedy(logits, drafts)
         else:

@@ -10,6 +10,14 @@ Forking it could only have copied it, so such a leaf stands for every continuati
 would have been forked into: its `count` is the product of the fan-outs below it, and
 the counts of a tree always sum to prod(branching), the G samples its weights stand for.
 
+One copy of each prompt (rollout.shared_prompt). Where the model allows it (`shares_prompt`:
+plain attention with a cascade kernel for its device and dtype), each tree's prompt K/V is
+held once and the cache holds only the rows' own positions, their completions: a fork
+repeats those, not the prompt, and every decode step attends to the tree's one copy. The
+prompt is encoded in chunks (a long one logs its progress). Other models keep every row's
+prompt in its cache rows, the prompts left-padded. Both layouts give the same tokens and
+logprobs up to floating-point rounding (tests/test_shared_prompt.py compares them).
+
 The adaptive engine (`Speculation`). Most sequences finish early; a few long ones keep
 the batch decoding one token per forward. Once no fork is pending and at most
 `threshold` sequences are live, they finish by speculative decoding (rollout.speculative):
@@ -32,9 +40,12 @@ from lsreplay.models.distribution import SamplingParams
 from lsreplay.models.hf_compat import decoder, full_cache, with_cache
 from lsreplay.models.logits import float_logits
 from lsreplay.rollout.sampling import sample_next
+from lsreplay.rollout.shared_prompt import (PREFILL_CHUNK, SharedPrompts, attending, attention_inputs, encode_prompt,
+                                            prefill_logger, shares_prompt)
 from lsreplay.rollout.speculative import (
     DEFAULT_DRAFT_LEN,
     DraftLengthPolicy,
+    HeldPrompts,
     SpecStats,
     Speculator,
     check_draft_len,
@@ -96,7 +107,8 @@ class DecodeTrace:
     or one speculative round (mode "spec": draft_len tokens drafted per live sequence,
     one verify forward; draft_len 0 when the policy chose not to draft). `tokens`: tokens
     the step emitted; `finished`: leaves finished after it. `spec` holds the speculative
-    rounds' counters (drafted, accepted, seconds)."""
+    rounds' counters (drafted, accepted, seconds). `kv_bytes_peak`: the most K/V bytes the
+    plain decode steps held (prompts and completions; the speculative tail holds fewer rows)."""
 
     mode: list[str] = field(default_factory=list)
     draft_len: list[int] = field(default_factory=list)
@@ -105,6 +117,7 @@ class DecodeTrace:
     seconds: list[float] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)
+    kv_bytes_peak: int = 0
 
     def record(self, mode: str, draft_len: int, live: int, tokens: int, seconds: float, finished: int) -> None:
         for key, value in zip(DECISION_KEYS, (mode, draft_len, live, tokens, seconds, finished)):
@@ -118,7 +131,7 @@ class DecodeTrace:
     def summary(self, lengths: list[int]) -> dict:
         """Length distribution, the share of decode time spent after 90% had finished, and the
         speculative tail: rounds, tokens, accept_len (tokens emitted per sequence per verify
-        forward; 0 when no round ran) and its share of decode time."""
+        forward; 0 when no round ran) and its share of decode time; the K/V bytes held at the peak."""
         if not lengths:
             return {}
         total = sum(self.seconds) or 1e-9
@@ -128,7 +141,7 @@ class DecodeTrace:
         return {**length_summary(lengths), "decode_seconds": total, "tail_time_share": tail / total, "decode_steps": len(self.seconds),
                 "spec_rounds": len(spec), "spec_tokens": spec_tokens,
                 "accept_len": spec_tokens / verify_rows if verify_rows else 0.0,
-                "spec_time_share": sum(self.seconds[i] for i in spec) / total}
+                "spec_time_share": sum(self.seconds[i] for i in spec) / total, "kv_bytes_peak": self.kv_bytes_peak}
 
 
 def length_summary(lengths: list[int]) -> dict:
@@ -154,46 +167,96 @@ class _Branch:
 class _Batch:
     """Live branches of many trees and the cache rows they own: row i is branches[i].
 
-    Prompts are left-padded; `mask` marks each row's real positions, so a row's next
-    position is its count of real tokens. With speculation on, `features` keeps the
-    model's final-norm features of every cache column (the drafter's catch-up input): a
-    list of (rows, columns, d) chunks, one per forward, joined only where rows change (a
-    fork, rows that finished) or speculation starts, so a decode step copies none of it."""
+    With the prompts shared (`shared`), the cache holds the rows' own columns only, as many
+    for every row (all live rows have encoded as many tokens), and a row's next position is
+    its prompt's length plus that count. Otherwise prompts are left-padded in the cache rows;
+    `mask` marks each row's real positions, so a row's next position is its count of real
+    tokens. With speculation on, `features` keeps the model's final-norm features of every
+    cache column (the drafter's catch-up input; with the prompts shared, `prompt_features`
+    holds each prompt's once): a list of (rows, columns, d) chunks, one per forward, joined
+    only where rows change (a fork, rows that finished) or speculation starts, so a decode
+    step copies none of it."""
 
     def __init__(self, model, prompts: list[list[int]], params: list[SamplingParams], eos: set[int], generators,
-                 progress, max_new_tokens: int, speculation: Speculation | None):
+                 progress, max_new_tokens: int, speculation: Speculation | None, share_prompt: bool):
         self.model, self.prompts, self.params, self.eos_ids, self.generators = model, prompts, params, eos, generators
         self.progress, self.max_new_tokens, self.speculation = progress, max_new_tokens, speculation
+        self.share_prompt = share_prompt
         # Speculation crops the cache it takes over: every position kept (hf_compat.full_cache).
         self.cache = DynamicCache(config=model.config) if speculation is None else full_cache(model)
+        self.shared: SharedPrompts | None = None
+        self.mask: torch.Tensor | None = None
         self.branches = [_Branch(tree=i, path=()) for i in range(len(prompts))]
         self.leaves: list[tuple[_Branch, bool]] = []
         self.positions = [0] * len(prompts)
         self.trace = DecodeTrace()
         self.features: list[torch.Tensor] | None = [] if speculation is not None else None
+        self.prompt_features: list[torch.Tensor] = []
         self.forks_done = False  # set at the last level: only then may speculation start
 
     def prefill(self) -> None:
+        for i, p in enumerate(self.prompts):
+            self.positions[i] += len(p)
+        if self.share_prompt:
+            self._prefill_shared()
+        else:
+            self._prefill_padded()
+        self._count_kv()
+
+    def _prefill_shared(self) -> None:
+        """Each prompt encoded on its own, its K/V kept once (rollout.shared_prompt)."""
+        keep = self.features is not None
+        kvs, last = [], []
+        for tree, prompt in enumerate(self.prompts):
+            kv, hidden = encode_prompt(self.model, prompt, keep, prefill_logger(tree, len(self.prompts), len(prompt)))
+            kvs.append(kv)
+            last.append(hidden[:, -1])
+            if keep:
+                self.prompt_features.append(hidden)
+        self.shared = SharedPrompts(kvs, list(range(len(self.prompts))))
+        self.logits = float_logits(self.model, torch.cat(last))
+
+    def _prefill_padded(self) -> None:
+        """The prompts left-padded into one batch, encoded PREFILL_CHUNK columns a forward."""
         device = self.model.device
         width = max(map(len, self.prompts))
         ids = torch.zeros(len(self.prompts), width, dtype=torch.long, device=device)
-        self.mask = torch.zeros(len(self.prompts), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(self.prompts), width, dtype=torch.long, device=device)
         for i, p in enumerate(self.prompts):
             ids[i, width - len(p):] = torch.tensor(p)
-            self.mask[i, width - len(p):] = 1
-            self.positions[i] += len(p)
-        self._forward(ids, (self.mask.cumsum(-1) - 1).clamp(min=0))
+            mask[i, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        progress = prefill_logger(0, 1, width)
+        for start in range(0, width, PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, width)
+            self.mask = mask[:, :end]
+            self._forward(ids[:, start:end], positions[:, start:end])
+            if progress is not None:
+                progress(end)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        hidden = decoder(self.model)(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids,
-                                       use_cache=True, **with_cache(self.cache)).last_hidden_state
+        with attending(self.model.config, self.shared):
+            hidden = decoder(self.model)(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                                         **attention_inputs(self.shared, self.mask),
+                                         **with_cache(self.cache)).last_hidden_state
         self.logits = float_logits(self.model, hidden[:, -1])
         if self.features is not None:
             self.features.append(hidden)
 
+    def _count_kv(self) -> None:
+        """The K/V bytes the batch holds now, into the trace's peak."""
+        held = sum(t.numel() * t.element_size() for layer in self.cache.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+        if self.shared is not None:
+            held += self.shared.nbytes()
+        self.trace.kv_bytes_peak = max(self.trace.kv_bytes_peak, held)
+
     def _joined_features(self) -> torch.Tensor:
         """The features of every cache column as one tensor (the chunks go as they are joined)."""
         chunks, self.features = self.features, None
+        if not chunks:  # the prompts shared, no completion token encoded yet
+            first = self.prompt_features[0]
+            return first.new_empty(len(self.branches), 0, first.shape[-1])
         joined = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
         del chunks
         return joined
@@ -201,8 +264,12 @@ class _Batch:
     def _select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.logits.device)
         self.cache.reorder_cache(index)
-        self.logits, self.mask = self.logits[index], self.mask[index]
-        if self.features is not None:
+        self.logits = self.logits[index]
+        if self.mask is not None:
+            self.mask = self.mask[index]
+        if self.shared is not None:
+            self.shared.select(rows)
+        if self.features:
             self.features = [self._joined_features()[index]]
         self.branches = [self.branches[i] for i in rows]
 
@@ -259,11 +326,15 @@ class _Batch:
         return self.forks_done and self.speculation is not None and live <= self.speculation.threshold
 
     def _encode(self, tokens: torch.Tensor) -> None:
-        positions = self.mask.sum(-1, keepdim=True)
-        self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=-1)
+        if self.shared is None:
+            positions = self.mask.sum(-1, keepdim=True)
+            self.mask = torch.cat([self.mask, torch.ones_like(positions)], dim=-1)
+        else:
+            positions = (self.shared.lengths + self.cache.get_seq_length())[:, None]
         for b in self.branches:
             self.positions[b.tree] += 1
         self._forward(tokens[:, None], positions)
+        self._count_kv()
 
     def _speculate(self, last: torch.Tensor) -> None:
         """Finish the live branches by speculative rounds; `last` holds their newest tokens,
@@ -274,8 +345,13 @@ class _Batch:
         eos_ids = self.eos_ids
         speculator = Speculator(self.model, spec.drafter, self.params[branches[0].tree], self._spec_generator(),
                                 spec.draft_vocab, self.trace.spec)
-        speculator.resume(self.cache, self._encoded_ids(), self.mask.bool(), self._joined_features(), last)
-        self.cache = None  # the speculator owns it and the features now
+        ids = self._encoded_ids()
+        if self.shared is None:
+            speculator.resume(self.cache, ids, self.mask.bool(), self._joined_features(), last)
+        else:
+            speculator.resume(self.cache, ids, torch.ones_like(ids, dtype=torch.bool), self._joined_features(), last,
+                              HeldPrompts(self.shared, self.prompts, self.prompt_features))
+        self.cache = self.shared = None  # the speculator owns them and the features now
 
         def on_round(rows: list[int], draft_len: int, tokens: int, seconds: float, ended: list[int]) -> None:
             for row in rows:
@@ -305,12 +381,14 @@ class _Batch:
         return torch.Generator(device=self.model.device).manual_seed(seed)
 
     def _encoded_ids(self) -> torch.LongTensor:
-        """The token of every cache column: each row's prompt and encoded tokens, right-aligned."""
-        width = self.mask.shape[1]
-        ids = torch.zeros(len(self.branches), width, dtype=torch.long, device=self.mask.device)
+        """The token of every cache column: each row's encoded tokens after its prompt (unless
+        the prompts are shared), right-aligned."""
+        width = self.cache.get_seq_length()
+        ids = torch.zeros(len(self.branches), width, dtype=torch.long, device=self.logits.device)
         for row, b in enumerate(self.branches):
-            encoded = self.prompts[b.tree] + b.tokens[:-1]
-            ids[row, width - len(encoded):] = torch.tensor(encoded)
+            encoded = ([] if self.shared is not None else self.prompts[b.tree]) + b.tokens[:-1]
+            if encoded:
+                ids[row, width - len(encoded):] = torch.tensor(encoded)
         return ids
 
     def rollouts(self, branching: list[int]) -> list[TreeRollout]:
@@ -339,6 +417,7 @@ def sample_trees(
     generators: list[torch.Generator],
     progress: Callable[[int], None] | None = None,
     speculation: Speculation | None = None,
+    share_prompt: bool | None = None,
 ) -> tuple[list[TreeRollout], DecodeTrace]:
     """Sample the rollout trees of several prompts together, in one batch.
 
@@ -349,7 +428,9 @@ def sample_trees(
     given, is called with the number of tokens sampled at each decode step (plain or
     speculative). `speculation`: finish the tail speculatively (see `Speculation`); it
     needs one SamplingParams for all prompts. Sampling stays exact in distribution and
-    greedy decoding gives the plain tokens; every token's logprob is the raw policy's."""
+    greedy decoding gives the plain tokens; every token's logprob is the raw policy's.
+    `share_prompt`: hold each prompt's K/V once (see the module docstring); None = wherever
+    the model allows it (`shares_prompt`), False = every row its own copy."""
     for p in prompts:
         _validate(p, branching, segment_tokens, max_new_tokens)
     params = params if isinstance(params, list) else [params] * len(prompts)
@@ -357,8 +438,13 @@ def sample_trees(
         raise ValueError("speculation needs the same SamplingParams for every prompt: the speculative "
                          "phase verifies rows of several trees in one batch under one sampling rule")
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    batch = _Batch(model, prompts, params, eos, generators, progress, max_new_tokens, speculation)
     with evaluating(model, *([speculation.drafter] if speculation is not None else [])):
+        if share_prompt is None:
+            share_prompt = shares_prompt(model)
+        elif share_prompt and not shares_prompt(model):
+            raise ValueError(f"share_prompt=True, but {type(model).__name__} cannot attend to a shared prompt here "
+                             "(rollout.shared_prompt.shares_prompt); leave share_prompt unset")
+        batch = _Batch(model, prompts, params, eos, generators, progress, max_new_tokens, speculation, share_prompt)
         batch.prefill()
         ends = _level_ends(segment_tokens, max_new_tokens)
         for level, (fan_out, end) in enumerate(zip(branching, ends)):

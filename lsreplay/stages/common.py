@@ -14,6 +14,7 @@ from lsreplay.core.run import Run
 from lsreplay.data.preferences import offline
 from lsreplay.models.distribution import RAW, SamplingParams
 from lsreplay.replay.heads import Heads, logprob_heads
+from lsreplay.stages.versions import stamp_staleness, too_stale
 from lsreplay.state.resident import RESIDENT
 from lsreplay.tree import RolloutTree
 
@@ -55,10 +56,11 @@ class StateClock:
 
 
 def load_trees(run: Run, step: int) -> tuple[list[dict], list[RolloutTree]]:
-    """The step's rollout records, in prompt order, and their tries: from the shard files the
-    trees stage's manifest lists (a run of before, from its one trees.json)."""
+    """The step's rollout records, in prompt order, each with its staleness in this step's
+    update (stages.versions), and their tries: from the shard files the trees stage's
+    manifest lists (a run of before, from its one trees.json)."""
     files = [(entry, "trees") for entry in run.manifest(step, "trees")["files"]]
-    records = records_in_prompt_order(run, step, files)
+    records = stamp_staleness(records_in_prompt_order(run, step, files), step)
     return records, [RolloutTree.from_sequences(r["prompt_ids"], r["completions"]) for r in records]
 
 
@@ -100,6 +102,16 @@ def training_rewards(cfg, record: dict) -> list[float | None]:
             for r, c in zip(record["rewards"], record["completions"])]
 
 
+def dpo_rewards(cfg, record: dict) -> list[float | None]:
+    """The training rewards DPO pairs a tree's leaves by: None (in no pair, as a leaf no
+    reward function applies to) for an answer cut at the limit under algo.overlong=mask,
+    which leaves it out of every loss."""
+    rewards = training_rewards(cfg, record)
+    if cfg.algo.overlong != "mask":
+        return rewards
+    return [r if finished else None for r, finished in zip(rewards, record["finished"])]
+
+
 def all_alike(rewards: list[float | None]) -> bool:
     """Whether every scored leaf of a tree got the same reward: no GRPO gradient, no DPO pair."""
     scored = [r for r in rewards if r is not None]
@@ -126,24 +138,25 @@ def filter_values(cfg, record: dict) -> list:
 def trains_nothing(cfg, record: dict) -> bool:
     """Whether every loss weight of a tree is zero whatever the policy scores, so that
     neither the caching pass nor replay has anything to do for it: the loss leaves it out
-    (dynamic sampling), masks every answer (algo.overlong=mask), DPO finds no pair in it, or
-    the clipped surrogate is all it trains (no KL term, no critic) and its leaves' training
-    rewards are all alike, so that every advantage is 0."""
+    (too stale, or dynamic sampling), masks every answer (algo.overlong=mask), DPO finds no
+    pair in it (of the answers the mask keeps), or the clipped surrogate is all it trains (no
+    KL term, no critic) and its leaves' training rewards are all alike, so that every
+    advantage is 0."""
     a = cfg.algo
-    if a.dynamic_sampling and all_alike(filter_values(cfg, record)):
+    if too_stale(cfg, record) or (a.dynamic_sampling and all_alike(filter_values(cfg, record))):
         return True
-    alike = all_alike(training_rewards(cfg, record))
     if a.name == "dpo":
-        return alike
+        return all_alike(dpo_rewards(cfg, record))
+    alike = all_alike(training_rewards(cfg, record))
     if a.overlong == "mask" and not any(record["finished"]):
         return True
     return alike and a.kl_coef == 0 and not a.critic
 
 
 def left_out(cfg, records: list[dict]) -> list[bool]:
-    """Per tree: whether the loss leaves it out. Dynamic sampling keeps only trees whose
-    leaves differ on its metric (DAPO); one still all alike when the draws ran out counts in
-    no term and no denominator. Without dynamic sampling every tree is in."""
-    if not cfg.algo.dynamic_sampling:
-        return [False] * len(records)
-    return [all_alike(filter_values(cfg, r)) for r in records]
+    """Per tree: whether the loss leaves it out, counting in no term and no denominator: a
+    tree older than rollout.max_staleness allows (stages.versions), and with dynamic
+    sampling, which keeps only trees whose leaves differ on its metric (DAPO), one still all
+    alike when the draws ran out."""
+    dynamic = cfg.algo.dynamic_sampling
+    return [too_stale(cfg, r) or (dynamic and all_alike(filter_values(cfg, r))) for r in records]

@@ -6,9 +6,13 @@ slots their finished shards free (flows/train.py), and trains until those rollou
 after every `drafter.checkpoint_every` steps it checkpoints (its float32 master weights,
 optimizer, sampler state) and looks whether step t+1's trees are finished. A preempted or killed trainer
 resumes from its last checkpoint. The last step's drafter, with no rollouts after it,
-trains all `drafter.steps`. Rollouts of step t+2 are the first to use it. Without an
+trains all `drafter.steps`. Rollouts of step t+2 are the first to use it (with
+asynchronous rollouts, the first sampled by policy version t+2: the drafter follows the
+version it shares its embedding and head with, lsreplay.stages.versions). Without an
 accelerator the freed slot is CPU time the rollouts share, so the trainer runs at idle
-priority (devices.on_idle_cpu) and never slows them.
+priority (devices.on_idle_cpu) and never slows them; unless the rollouts have devices of
+their own (pool.rollout_devices), when its slot is the update's, idle until the rollouts
+it overlaps end, and no rollout's: there it runs at normal priority, as the update would.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from lsreplay.core.storage import CorruptEntry, MissingEntry, Store
 from lsreplay.drafter.distill import distill, drafter_train_state, evaluate
 from lsreplay.drafter.export import save_hf
 from lsreplay.drafter.model import Drafter
+from lsreplay.models.loading import seeded
 from lsreplay.models.train_state import TrainState
 from lsreplay.stages.common import StateClock, load_trees, policy_before
 from lsreplay.stages.prefixes import load_activations
@@ -49,14 +54,14 @@ class _Trainer:
 
 def distill_drafter(run: Run, step: int, devices: list[int] | None = None) -> dict:
     """`devices`: the pool slot held. On a CPU slot the time is shared with the rollouts,
-    so the trainer runs at idle priority.
+    so the trainer runs at idle priority (not on the update's, with pool.rollout_devices).
 
     The drafter drafts for, and shares the embedding and LM head of, the policy after
     `step`: the one the rollouts it overlaps (step + 1's) use, held by this process."""
     if done := run.done(step, "drafter"):
         return done
     device = run.device(devices)
-    if device.type != "cpu":
+    if device.type != "cpu" or run.cfg.pool.rollout_devices:
         return _distill_drafter(run, step, devices, device)
     return on_idle_cpu(lambda: _distill_drafter(run, step, devices, device))
 
@@ -152,8 +157,7 @@ def _start_or_resume(run: Run, step: int, target) -> _Trainer:
 def _fresh(run: Run, step: int, target) -> _Trainer:
     """The newest trained drafter's masters (none yet: a new drafter, seeded per step so that
     a resumed process starts from the same weights), a new optimizer, a seeded batch sampler."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(run.seed(step, "drafter-init"))
+    with seeded(run.seed(step, "drafter-init")):
         drafter = Drafter.from_target(target)
     train = drafter_train_state(drafter, run.cfg.drafter.lr)
     if (previous := newest_drafter(run, step - 1)) is not None:

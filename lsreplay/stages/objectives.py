@@ -7,11 +7,16 @@ critic's values, by head: lsreplay.replay.heads) of the trees of a minibatch, wh
 - grpo: group advantages (over each tree's leaves), the clipped surrogate at ratio 1 (one
   update per batch starts from the weights that scored it, so the old logprobs need no
   values unless a KL term, importance weights or the overlong mask read them), KL.
+  Asynchronous rollouts (rollout.max_staleness > 0; docs/async.md) were sampled by an
+  older policy: the ratio is then against the behaviour policy's logprobs (those the
+  rollouts recorded), or with algo.decoupled against the caching pass's (the proximal
+  policy), each token weighted by its capped behaviour ratio (AReaL's decoupled PPO).
 - ppo: the same surrogate over `algo.epochs` x `algo.minibatches` updates against the
   caching pass's old logprobs, with group advantages or GAE from the critic's old values,
   and the critic's clipped value loss.
 - dpo: each tree's best leaf against its worst (trees whose leaves all scored alike give
-  no pair), against the frozen reference's sequence logprobs.
+  no pair; an answer algo.overlong=mask leaves out takes no part), against the frozen
+  reference's sequence logprobs.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from lsreplay.core.config import model_token_budget
 from lsreplay.core.run import Run
 from lsreplay.replay.capture import TreeActivations
 from lsreplay.replay.heads import LOGPROB, Heads
-from lsreplay.stages.common import leaf_counts, leaf_subtrees, left_out, policy_heads, training_rewards
+from lsreplay.stages.common import (dpo_rewards, leaf_counts, leaf_subtrees, left_out, policy_heads, trains_nothing,
+                                    training_rewards)
 from lsreplay.stages.prefixes import load_activations
+from lsreplay.stages.versions import off_policy_figures, staleness_figures
 
 
 @dataclass
@@ -58,16 +65,16 @@ def updates_per_step(cfg) -> int:
 def needs_activations(cfg) -> bool:
     """Whether the update reads the caching pass's scores (else ratio 1 needs no values)."""
     a = cfg.algo
-    return a.name != "grpo" or a.kl_coef > 0 or a.tis_cap > 0
+    return a.name != "grpo" or a.kl_coef > 0 or a.tis_cap > 0 or a.decoupled or cfg.rollout.max_staleness > 0
 
 
 def objective(run: Run, step: int, records: list[dict], trees, prefixes: dict) -> Objective:
     cfg = run.cfg
     acts = ([load_activations(run, step, i, prefixes) for i in range(len(trees))] if needs_activations(cfg)
             else [TreeActivations()] * len(trees))  # the drafter's hidden states are not read here
-    if cfg.algo.name == "dpo":
-        return _dpo(cfg, records, trees, acts)
-    return _clipped(run, step, records, trees, acts)
+    goal = _dpo(cfg, records, trees, acts) if cfg.algo.name == "dpo" else _clipped(run, step, records, trees, acts)
+    goal.extras.update(staleness_figures(cfg, records))
+    return goal
 
 
 def completion_values(tree, entries: torch.Tensor | None) -> list[torch.Tensor]:
@@ -130,15 +137,10 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
         advantages = [list(tree_advantages(r, algo.scale_rewards, n, leaf_subtrees(rec) if algo.tree_baseline ==
                                            "independent" else None, batch_std))
                       for r, n, rec in zip(rewards, counts, records)]
-    if algo.tis_cap:
-        engine = [[[lp for lp, f in zip(lps, flags) if f] for lps, flags in zip(r["logprobs"], sampled_flags(r))]
-                  for r in records]
-        weights = [importance_weights(o, e, algo.tis_cap) for o, e in zip(old, engine)]
-        advantages = [[a * w for a, w in zip(advs, ws)] for advs, ws in zip(advantages, weights)]
-        extras.update(tis_figures(weights, algo.tis_cap, mask))
+    loss_old, advantages = _off_policy(cfg, records, acts, old, advantages, mask, extras)
     ref = model_tokens([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)], sampled) \
         if algo.kl_coef > 0 else None
-    batch = PPOBatch(advantages=advantages, old_logprobs=old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
+    batch = PPOBatch(advantages=advantages, old_logprobs=loss_old, clip_eps=algo.clip_eps, loss_agg=algo.loss_agg,
                      max_tokens=max_tokens, counts=counts, clip_eps_high=algo.clip_eps_high or None, mask=mask,
                      ref_logprobs=ref, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
                      critic=critic, vf_coef=algo.vf_coef)
@@ -155,7 +157,7 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
     def figures(idx: list[int], scores) -> dict:
         sub, scores = batch.select(idx), model_token_scores(scores, pick(sampled, idx))
         logprobs = scores[LOGPROB] if critic is not None else scores
-        out = clip_fractions(logprobs, sub.old_logprobs, sub.advantages, sub.clip_eps, sub.clip_eps_high)
+        out = clip_fractions(logprobs, sub.old_logprobs, sub.advantages, sub.clip_eps, sub.clip_eps_high, sub.mask)
         if critic is not None:
             out["value_loss"] = float(value_loss(scores[VALUE], sub.critic))
             out["value_clip_fraction"] = value_clip_fraction(scores[VALUE], sub.critic)
@@ -165,17 +167,50 @@ def _clipped(run: Run, step: int, records: list[dict], trees, acts: list[TreeAct
     return Objective(loss_for, orders, old_scores, policy_heads(cfg), extras, figures)
 
 
-def importance_weights(trainer: list[torch.Tensor], engine: list[list[float]], cap: float) -> list[torch.Tensor]:
+def _off_policy(cfg, records: list[dict], acts: list[TreeActivations], old, advantages, mask, extras: dict):
+    """The clipped surrogate's old logprobs and advantages where the sampler's probabilities
+    are not the caching pass's: truncated importance sampling (algo.tis_cap) and AReaL's
+    decoupled loss (algo.decoupled) keep the caching pass's (the proximal policy) and weight
+    each token's advantage by min(p_proximal / p_behaviour, cap); with asynchronous rollouts
+    otherwise the ratio is to the behaviour policy itself (its logprobs as the rollouts
+    recorded them). Their figures go to `extras`, per staleness with asynchronous rollouts."""
+    algo, off_policy = cfg.algo, cfg.rollout.max_staleness > 0
+    if not (algo.tis_cap or algo.decoupled or off_policy):
+        return old, advantages
+    behaviour = [[torch.tensor([lp for lp, f in zip(lps, flags) if f], dtype=torch.float64)
+                  for lps, flags in zip(r["logprobs"], sampled_flags(r))] for r in records]
+    cap = algo.tis_cap or algo.behaviour_cap or math.inf
+    if off_policy:
+        scored = [a.entry_logprobs is not None for a in acts]
+        extras.update(off_policy_figures(records, old, behaviour, cap, scored, mask))
+    if not (algo.tis_cap or algo.decoupled):
+        return behaviour, advantages
+    weights = [importance_weights(o, e, cap) for o, e in zip(old, behaviour)]
+    extras.update(tis_figures(weights, cap, trained_only(cfg, records, mask)))
+    return old, [[a * w for a, w in zip(advs, ws)] for advs, ws in zip(advantages, weights)]
+
+
+def importance_weights(trainer: list[torch.Tensor], engine: list, cap: float) -> list[torch.Tensor]:
     """Truncated importance sampling (algo.tis_cap): per completion, each token's
     min(p_trainer / p_engine, cap), the weight on its advantage, correcting for the rollout
     engine sampling from slightly other probabilities than the trainer computes (vLLM's
-    kernels, bf16). Both logprobs are of the distribution sampled from (tempered, truncated)."""
-    return [torch.exp(t - torch.tensor(e, dtype=torch.float64)).clamp(max=cap) for t, e in zip(trainer, engine)]
+    kernels, bf16), or from an older policy (algo.decoupled). Both logprobs are of the
+    distribution sampled from (tempered, truncated)."""
+    return [torch.exp(t - torch.as_tensor(e, dtype=torch.float64)).clamp(max=cap) for t, e in zip(trainer, engine)]
+
+
+def trained_only(cfg, records: list[dict], mask) -> list[list[bool]]:
+    """The response mask less every completion of a tree that trains nothing
+    (common.trains_nothing): the caching pass scored none of them, so a figure of the
+    trainer's logprobs (the importance weights') has nothing of theirs to read."""
+    keep = mask or [[True] * len(r["completions"]) for r in records]
+    return [[k and not nothing for k in row] for row, nothing in zip(keep, (trains_nothing(cfg, r) for r in records))]
 
 
 def tis_figures(weights: list[list[torch.Tensor]], cap: float, mask) -> dict:
-    """What truncated importance sampling did to the tokens in the loss: the share whose
-    weight the cap cut (tis_capped_fraction) and the mean weight after the cap (tis_weight_mean)."""
+    """What truncated importance sampling did to the tokens in the loss (of the completions
+    `mask` keeps: trained_only): the share whose weight the cap cut (tis_capped_fraction) and
+    the mean weight after the cap (tis_weight_mean)."""
     keep = [True] * sum(map(len, weights)) if mask is None else [m for row in mask for m in row]
     tokens = [w for w, k in zip((w for row in weights for w in row), keep) if k and w.numel()]
     if not tokens:
@@ -192,7 +227,7 @@ def _dpo(cfg, records: list[dict], trees, acts: list[TreeActivations]) -> Object
     ref = sequence_logprobs(model_tokens([completion_values(t, a.ref_entry_logprobs) for t, a in zip(trees, acts)],
                                          sampled))
     pairs = [[] if gone else tree_pairs for tree_pairs, gone in
-             zip(best_worst_pairs([training_rewards(cfg, r) for r in records]), left_out(cfg, records))]
+             zip(best_worst_pairs([dpo_rewards(cfg, r) for r in records]), left_out(cfg, records))]
     beta = cfg.algo.dpo_beta
 
     def loss_for(idx: list[int]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 
 import torch
 
@@ -21,6 +22,7 @@ from lsreplay.models.train_state import TrainState, local, master_dtype
 from lsreplay.stages.common import StateClock, all_alike, left_out, load_trees, policy_heads, training_rewards
 from lsreplay.stages.objectives import Objective, objective, updates_per_step
 from lsreplay.stages.prefixes import StoredPrefixKV, capture_now
+from lsreplay.stages.versions import too_stale
 from lsreplay.state.resident import RESIDENT, policy_model, policy_train_state
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,9 @@ def _trains_nothing(cfg, step: int, records: list[dict]) -> None:
     alike = sum(all_alike(training_rewards(cfg, r)) for r in records)
     why = [f"{alike} of {len(records)} trees have leaves that all got the same reward"
            + ("" if cfg.algo.dynamic_sampling else " (algo.dynamic_sampling=true replaces them by other prompts)")]
-    if out := sum(left_out(cfg, records)):
+    if stale := sum(map(partial(too_stale, cfg), records)):
+        why.append(f"{stale} trees were older than rollout.max_staleness allows, and dropped")
+    if out := sum(left_out(cfg, records)) - stale:
         why.append(f"dynamic sampling left {out} trees out of the loss (all alike on "
                    f"{cfg.algo.dynamic_sampling_metric} after algo.dynamic_sampling_draws rounds)")
     if cfg.algo.overlong == "mask":
@@ -85,9 +89,10 @@ def _update(run: Run, step: int, trees, goal: Objective, prefixes: dict, device:
     replay = cfg.replay.mode == "replay"
     try:
         done = minibatch_updates(
-            train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, goal.heads,
+            train.model, trees, goal.loss_for, goal.orders, take_step, cfg.replay.mode, heads=goal.heads,
             first=(goal.old, StoredPrefixKV(run, prefixes, device) if replay else None),
             budget_bytes=cfg.replay.budget_mb * 2**20 or None, join_below=cfg.replay.join_below,
+            offload_prefix=cfg.replay.offload_prefix,
             capture=lambda sub: capture_now(run, train.model, sub, goal.heads))
     except BaseException:
         if norms:  # the held state is part of the way through the update: unusable
@@ -114,7 +119,8 @@ def _stats_fields(stats: list) -> dict:
     return {"objective": sum(s.objective for s in stats), "positions": positions,
             "per_rollout_positions": per_rollout, "positions_ratio": per_rollout / max(positions, 1),
             "peak_activation_bytes": max(s.peak_activation_bytes for s in stats),
-            "device_peak_bytes": max(peaks) if peaks else None, "backward_seconds": sum(s.seconds for s in stats)}
+            "device_peak_bytes": max(peaks) if peaks else None, "backward_seconds": sum(s.seconds for s in stats),
+            "layer_by_layer_positions": sum(s.layer_by_layer_positions for s in stats)}
 
 
 def _commit_step(run: Run, step: int, train: TrainState, loss: float, forget, sharded: bool = False) -> float:
@@ -221,7 +227,8 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     stats = data_parallel_backward(model, trees, weights, rank, world, mode=cfg.replay.mode, fsdp=fsdp,
                                    prefix_kv=StoredPrefixKV(run, prefixes, device),
                                    budget_bytes=cfg.replay.budget_mb * 2**20 or None,
-                                   join_below=cfg.replay.join_below, grad_params=train.masters,
+                                   join_below=cfg.replay.join_below, offload_prefix=cfg.replay.offload_prefix,
+                                   grad_params=train.masters,
                                    heads=policy_heads(cfg))
     try:
         if fsdp or rank == 0:

@@ -148,10 +148,12 @@ def capture_now(run: Run, model, trees, heads: Heads):
 
 def kv_read(run: Run, model, tree) -> set[int]:
     """The tree nodes whose K/V the replay backward will read: those of its branching spans
-    whose graphs it does not keep (replay_plan), none for the per-rollout baseline."""
+    it neither keeps the graph of nor runs layer by layer (replay_plan), none for the
+    per-rollout baseline."""
     if run.cfg.replay.mode != "replay":
         return set()
-    spans, kept, _ = replay_plan(model, tree, run.cfg.replay.join_below, run.cfg.replay.budget_mb * 2**20 or None)
+    spans, kept, _ = replay_plan(model, tree, run.cfg.replay.join_below, run.cfg.replay.budget_mb * 2**20 or None,
+                                 run.cfg.replay.offload_prefix)
     return read_kv_nodes(spans, kept)
 
 
@@ -205,7 +207,8 @@ class TreeNeeds:
     def of(cls, run: Run, step: int, record: dict, model, tree) -> TreeNeeds:
         cfg = run.cfg
         trains = not trains_nothing(cfg, record)
-        gap = measures_gap(cfg, step) and record.get("logprobs") is not None  # a preference pair was not sampled
+        # A preference pair was not sampled; a stale tree's logprobs differ by the updates since too.
+        gap = measures_gap(cfg, step) and record.get("logprobs") is not None and not record.get("staleness", 0)
         score = (trains and scores_logprobs(cfg)) or gap
         heads = {name: head for name, head in policy_heads(cfg).items()
                  if (name == LOGPROB and score) or (name != LOGPROB and trains)}
@@ -243,9 +246,10 @@ def _cache_tree(run: Run, step: int, index: int, tree, model, reference,
 
 def scores_logprobs(cfg) -> bool:
     """Whether the caching pass scores the policy's logprobs for the loss: for the KL term,
-    truncated importance sampling, PPO's old logprobs, DPO's margins."""
+    truncated importance sampling, PPO's old logprobs, DPO's margins, and the off-policy
+    correction of stale trees (the ratio to the behaviour policy is no longer 1 at the start)."""
     a = cfg.algo
-    return a.kl_coef > 0 or a.tis_cap > 0 or a.name in ("ppo", "dpo")
+    return a.kl_coef > 0 or a.tis_cap > 0 or a.name in ("ppo", "dpo") or a.decoupled or cfg.rollout.max_staleness > 0
 
 
 def measures_gap(cfg, step: int) -> bool:

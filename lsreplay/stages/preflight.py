@@ -7,7 +7,10 @@ from __future__ import annotations
 import math
 import posixpath
 
-from lsreplay.core.config import Config, ConfigError, multi_turn
+import torch
+
+from lsreplay.commands.plan import TreeShape, kept_view, model_dims
+from lsreplay.core.config import Config, ConfigError, completion_tokens, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
 from lsreplay.data.chat_formats import Chat
@@ -27,11 +30,12 @@ from lsreplay.rollout.vllm_engine import check_engine
 
 def preflight(cfg: Config, force: bool = False) -> Run:
     """What can be checked before any work: the store answers, the config fits an existing
-    run, the model folder is there and of a family replay is exact on, the trackers are installed, the reward functions import
+    run, the model folder is there, of a family replay is exact on, and reaches the positions
+    the prompts and completions need (model.rope_scaling), the trackers are installed, the reward functions import
     and take what the data gives them, the tools and environment import, and the prompts load, have the shape of prompts,
     split into training and held-out sets, can be scored and fit their token limit
-    (lsreplay.data.prompt_sets.check_prompts). Raises ConfigError, StorageError, ModelError or
-    DatasetError with a message that says what to do. Returns the run with its thread count
+    (lsreplay.data.prompt_sets.check_prompts), and the replay backward fits its budget.
+    Raises ConfigError, StorageError, ModelError or DatasetError with a message that says what to do. Returns the run with its thread count
     pinned (`Run.with_pinned_threads`)."""
     run = Run(cfg)
     run.check_config(force)
@@ -41,8 +45,11 @@ def preflight(cfg: Config, force: bool = False) -> Run:
     if not cfg.model.arch:  # a random model of that shape otherwise, no weights
         check_weights(model_dir)
     family(hf_config(cfg.model))  # replay is exact on it, or it is refused here
-    check_positions(cfg)
+    completion = completion_tokens(cfg.rollout)
+    check_positions(cfg.model, cfg.data.max_prompt_tokens + completion,
+                    f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {completion} completion tokens")
     check_lora(cfg.model)
+    check_replay_budget(cfg)
     if cfg.rollout.engine == "vllm":
         check_engine(cfg, model_dir)
     if cfg.drafter.enabled:
@@ -54,6 +61,18 @@ def preflight(cfg: Config, force: bool = False) -> Run:
         check_preferences(cfg, tokenizer)
     check_prompts(cfg, prompt_renderer(cfg, tokenizer), reward, training=not offline(cfg))
     return run.with_pinned_threads()
+
+
+def check_replay_budget(cfg: Config) -> None:
+    """The replay backward can run the config's largest trees (prompts at
+    data.max_prompt_tokens, completions at their longest) within replay.budget_mb, as
+    `lsreplay plan` decides it (memory.kept_spans): a ConfigError naming the budget it needs
+    now, not at the first step's update."""
+    if cfg.replay.mode == "replay":
+        _, dims = model_dims(cfg, dict(cfg.model.arch))
+        kept_view(dims, getattr(torch, cfg.model.dtype), TreeShape.of_rollouts(cfg.data.max_prompt_tokens, cfg.rollout),
+                  cfg.replay.budget_mb * 2**20 or None, cfg.pool.accelerator == "cuda", cfg.replay.join_below,
+                  cfg.replay.offload_prefix)
 
 
 def prompt_renderer(cfg: Config, tokenizer):

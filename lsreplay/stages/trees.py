@@ -30,11 +30,11 @@ from lsreplay.rollout.episodes import sample_episodes
 from lsreplay.rollout.hf_turns import HFTurns
 from lsreplay.rollout.vllm_turns import VLLMTurns
 from lsreplay.rollout.tree_sampler import Speculation, length_summary, sample_trees
-from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, policy_before,
-                                    records_in_prompt_order, sampled_as,
-                                    training_rewards)
+from lsreplay.stages.common import (StateClock, all_alike, filter_values, leaf_counts, records_in_prompt_order,
+                                    sampled_as, training_rewards)
 from lsreplay.stages.drafter import load_drafter, newest_drafter
 from lsreplay.stages.trainer_state import tokens_seen, trainer_state
+from lsreplay.stages.versions import sampling_version
 from lsreplay.state.resident import RESIDENT
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,10 @@ def generate_trees(run: Run, step: int) -> dict:
 def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[float], None] | None = None,
                         devices: list[int] | None = None) -> dict:
     """Sample the trees of prompts shard, shard + shards, ... of the step (each with its own
-    generator, so the draws do not depend on the sharding). `progress`, if given, is called
-    with the fraction of the shard's token budget sampled so far; `devices`: the pool slot held.
+    generator, so the draws do not depend on the sharding) with the policy version the step
+    samples with (stages.versions; recorded in every tree's record). `progress`, if given,
+    is called with the fraction of the shard's token budget sampled so far; `devices`: the
+    pool slot held.
 
     Dynamic sampling: a tree whose leaves all score alike (algo.dynamic_sampling_metric) is replaced by the tree of
     the prompt the prompts stage drew for its place in the next round (with a generator of
@@ -71,8 +73,9 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     if offline(cfg):
         return _preference_shard(run, step, shard, stored["preferences"], devices)
     indices = list(range(shard, len(stored["prompts"]), r.shards))
-    device, clock = run.device(devices), StateClock()
-    model, tokenizer, reward = clock(policy_before, run, step, device), load_tokenizer(cfg.model), Reward(cfg, device)
+    device, clock, version = run.device(devices), StateClock(), sampling_version(cfg, step)
+    model, tokenizer = clock(RESIDENT.sampler, run, version, device), load_tokenizer(cfg.model)
+    reward = Reward(cfg, device)
     state = trainer_state(run, step)
     draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
     records, rounds, pending, logged, start = {}, [], indices, {}, time.perf_counter()
@@ -83,6 +86,8 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     budget = len(indices) * math.prod(r.branching) * r.max_turns * r.max_new_tokens
     with tqdm(total=budget, desc=f"step {step} rollouts", unit="tok", leave=False) as bar, \
             contextlib.ExitStack() as stack:
+        if r.engine == "vllm":  # the engine holds this version until the shard's last request
+            stack.enter_context(RESIDENT.serving(device, version))
         # Episodes' tool and environment calls: one event loop and one pool for the stage.
         calls = stack.enter_context(Calls(r.tool_timeout_seconds, episode_workers(r))) if multi_turn(r) else None
 
@@ -119,7 +124,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         log.warning("step %d shard %d: %d trees still had leaves all alike on %s after %d rounds of draws "
                     "(algo.dynamic_sampling_draws); the loss leaves them out", step, shard, len(pending),
                     cfg.algo.dynamic_sampling_metric, draws)
-    records = [records[i] for i in indices]
+    records = [{**records[i], "policy_version": version} for i in indices]
     entry = run.store.write_json(run.key(step, "trees", f"shard_{shard:02d}.json"),
                                  {"prompt_indices": indices, "trees": records})
     lengths = [n for rnd in rounds for n in rnd["lengths"]]
@@ -134,7 +139,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
     faults.hook("trees", step, "mid")
     done = run.finish(step, shard_name(shard), {
         "files": [entry, decisions], "shard": shard, "devices": devices, "device": str(device),
-        "engine": r.engine, "drafter_step": drafter_step,
+        "engine": r.engine, "policy_version": version, "drafter_step": drafter_step,
         "forward_positions": sum(rnd["forward_positions"] for rnd in rounds), "completion_tokens": sum(lengths),
         "prompts_drawn": sum(rnd["prompts"] for rnd in rounds), "seconds": seconds, "state_seconds": clock.seconds,
         "logged": logged, **summary, **cache, **episode_figures(rounds)})
@@ -294,14 +299,20 @@ def _preference_shard(run: Run, step: int, shard: int, rows: list[dict], devices
         "seconds": time.perf_counter() - start, **length_summary(lengths), **decode})
 
 
+def rollout_drafter(run: Run, step: int) -> int | None:
+    """The step of the drafter `step`'s rollouts speculate with: for rollouts sampled by
+    policy version v (stages.versions; v = step when synchronous), the newest trained one up
+    to step v - 2's (step v - 1's trains alongside the first rollouts of version v, and
+    shares its embedding and head with version v); None before there is one."""
+    version = sampling_version(run.cfg, step)
+    return newest_drafter(run, version - 2) if version >= 2 else None
+
+
 def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation | None, int | None]:
-    """The long-tail engine and the step of the drafter it uses: the newest trained one up
-    to step - 2's (step - 1's is training alongside these rollouts). None before there is
-    one, or when rollout.spec_threshold = 0 or the drafter is disabled."""
+    """The long-tail engine and the step of the drafter it uses (`rollout_drafter`). None
+    before there is one, or when rollout.spec_threshold = 0 or the drafter is disabled."""
     r = run.cfg.rollout
-    if r.spec_threshold == 0 or not run.cfg.drafter.enabled or step < 2:
-        return None, None
-    if (source := newest_drafter(run, step - 2)) is None:
+    if r.spec_threshold == 0 or not run.cfg.drafter.enabled or (source := rollout_drafter(run, step)) is None:
         return None, None
     drafter = load_drafter(run, source, Drafter.from_target(model))
     bandit = DraftLengthBandit(arms=r.draft_lens, seed=run.seed(step, "bandit", shard))
@@ -313,17 +324,15 @@ ENGINE_COUNTS = ("decode_steps", "prompt_positions", "cached_positions", "genera
 
 
 def device_engine(run: Run, step: int, device, clock: StateClock):
-    """This device's vLLM engine (rollout.engine=vllm), holding the policy acting in `step` and
-    speculating in the tail with the drafter the HF engine would use (`newest_drafter` up to
-    step - 2), and that drafter's step (None: none)."""
+    """This device's vLLM engine (rollout.engine=vllm), holding the policy version that
+    samples `step` and speculating in the tail with the drafter the HF engine would use
+    (`adaptive_engine`), and that drafter's step (None: none)."""
     r = run.cfg.rollout
-    source = None
-    if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled and step >= 2:
-        source = newest_drafter(run, step - 2)
+    source = rollout_drafter(run, step) if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled else None
     with contextlib.ExitStack() as copies:  # the engine has read the drafter's files when it returns
         drafter = None if source is None else \
             (source, copies.enter_context(run.store.local_folder(f"{run.checkpoint('drafter', source)}/hf")))
-        return clock(RESIDENT.engine, run, step, device, drafter), source
+        return clock(RESIDENT.engine, run, sampling_version(run.cfg, step), device, drafter), source
 
 
 def engine_progress(step: int, engine, advance) -> Callable[[int], None]:
@@ -384,6 +393,7 @@ def collect_trees(run: Run, step: int) -> dict:
         # dynamic sampling, prompts_drawn - trees of the step's trees were dropped for that.
         "trees_all_alike": sum(all_alike(training_rewards(run.cfg, rec)) for rec in records),
         "prompts_drawn": drawn, "trees_dropped": drawn - len(records),
+        "policy_version": min(m.get("policy_version", step) for m in shards),  # every shard's (stages.versions)
         **rollout_metrics(records, run.cfg.rollout.max_new_tokens), **episode_metrics(records),
         "num_tokens": tokens_seen(run, step) + sample_tokens(records), "logged": logged_means(shards),
         "completion_tokens": sum(lengths),
@@ -467,8 +477,9 @@ def group_stats(records: list[dict]) -> dict:
 
 def combine_traces(shards: list[dict], lengths: list[int]) -> dict:
     """The shards' decode summaries as one: the length distribution over all rollouts, times
-    and counts summed, shares of decode time weighted by each shard's decode time, and
-    accept_len as tokens per sequence-verification over all speculative rounds."""
+    and counts summed, shares of decode time weighted by each shard's decode time, accept_len
+    as tokens per sequence-verification over all speculative rounds, and the most K/V bytes
+    one shard's sampler held (the HF engine's; absent where no shard says)."""
     decode = [m["decode_seconds"] for m in shards]
     total = sum(decode) or 1e-9
 
@@ -477,7 +488,8 @@ def combine_traces(shards: list[dict], lengths: list[int]) -> dict:
 
     spec_tokens = sum(m["spec_tokens"] for m in shards)
     verify_rows = sum(m["spec_tokens"] / m["accept_len"] for m in shards if m["accept_len"])
-    return {**length_summary(lengths), "decode_seconds": sum(decode),
+    held = [m["kv_bytes_peak"] for m in shards if "kv_bytes_peak" in m]
+    return {**({"kv_bytes_peak": max(held)} if held else {}), **length_summary(lengths), "decode_seconds": sum(decode),
             "decode_steps": sum(m["decode_steps"] for m in shards), "tail_time_share": share("tail_time_share"),
             "spec_rounds": sum(m["spec_rounds"] for m in shards), "spec_tokens": spec_tokens,
             "accept_len": spec_tokens / verify_rows if verify_rows else 0.0,

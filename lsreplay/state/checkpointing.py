@@ -154,8 +154,11 @@ def prune(run: Run) -> list[int]:
     uncommitted ones older than those), and the drafters nothing after them can load; returns
     the policy steps deleted. Never the newest committed one, nor any newer one: a checkpoint
     written in the background is complete before its step's done marker, so until that marker
-    is there keep_last + 1 checkpoints stand."""
+    is there keep_last + 1 checkpoints stand. With rollout.max_staleness = K, at least K + 1
+    stand: a resume from the newest samples the rollouts still to do with versions up to K
+    older (lsreplay.stages.versions), loaded from their checkpoints."""
     keep, present = run.cfg.checkpoint.keep_last, _steps(run, POLICY)
+    keep = keep and max(keep, run.cfg.rollout.max_staleness + 1)
     committed = committed_steps(run, present)
     if keep == 0 or len(committed) <= keep:
         return []

@@ -15,6 +15,11 @@ in place. A stage asking for the policy of a step gets, in this order:
 `checkpoint.resident=false` keeps nothing: every request loads from the store, as a
 process that serves one stage and exits must.
 
+Asynchronous rollouts (rollout.max_staleness > 0) sample with older versions of the policy
+while the update changes its copy in place (`sampler`): each update publishes a frozen copy
+of the policy it made (`updated`), rollouts on any device of the process read it, and the
+newest max_staleness + 1 versions are kept; one not held is loaded from its checkpoint.
+
 With `rollout.engine=vllm` a process also holds one vLLM engine per (run, device)
 (`Resident.engine`): started once, it takes the weights of the policy each step acts in
 from this process's copy, in memory, and the newest drafter, in place.
@@ -83,6 +88,10 @@ class Resident:
     def __init__(self):
         self._copies: dict[tuple[str, str], _Copy] = {}
         self._references: dict[tuple[str, str], PreTrainedModel] = {}
+        # Asynchronous rollouts: (run id, version) -> {device: a frozen copy of that policy},
+        # and per (run id, device) the copies of versions let go, whose memory the next take.
+        self._versions: dict[tuple[str, int], dict[str, PreTrainedModel]] = {}
+        self._spare: dict[tuple[str, str], list[PreTrainedModel]] = {}
         self._engines: dict[str, _Engine] = {}  # by device
         self._lock = threading.RLock()  # stages of one process run on several threads
         # An engine starts and takes weights for a while: per device (the devices of a process
@@ -90,6 +99,10 @@ class Resident:
         # the lookups: closing the engines takes neither, so it waits on no start or call.
         self._device_locks: dict[str, threading.Lock] = {}
         self._engines_lock = threading.Lock()
+        # Per device: the policy version its engine serves and how many shards sample with it
+        # (`serving`); a shard of another version waits for them.
+        self._serving: dict[str, list[int]] = {}
+        self._serving_changed = threading.Condition()
         # (run id, step) -> the weights of that policy from another process that holds it, or
         # None: set by a host whose peers are processes of their own (lsreplay.distributed.hosts).
         self.peer_weights: Callable[[str, int], dict[str, torch.Tensor] | None] | None = None
@@ -113,6 +126,47 @@ class Resident:
                 model = self._load(run, step, device)
             self._copies[_key(run, device)] = _Copy(model, step)
             return model
+
+    def sampler(self, run: Run, version: int, device: torch.device) -> PreTrainedModel:
+        """The policy of `version` (after updates 0 .. version - 1) as the rollouts sample
+        with it on `device`. Synchronous steps (rollout.max_staleness = 0) sample with the
+        copy the update changes (`policy`: nothing changes it while they run). Asynchronous
+        ones with a frozen copy that no update changes: published by the update that made
+        it, copied to `device` if it is on another, else loaded from the base model or that
+        version's checkpoint."""
+        if not run.cfg.rollout.max_staleness:
+            return self.policy(run, version, device)
+        if not run.cfg.checkpoint.resident:
+            return self._load(run, version, device)
+        with self._lock:
+            copies = self._versions.setdefault((_run_id(run), version), {})
+            if (model := copies.get(str(device))) is None:
+                if copies:
+                    model = self._frozen_copy(run, next(iter(copies.values())), device)
+                else:  # not another copy's weights: an update may be changing them
+                    model = self._load(run, version, device).requires_grad_(False)
+                copies[str(device)] = model
+            return model
+
+    def _publish(self, run: Run, version: int, model: PreTrainedModel) -> None:
+        """Keep a frozen copy of `model`, the policy of `version`, for the rollouts that sample
+        with it; let go of the versions no rollout asks for any more (older than version -
+        max_staleness: the flow submits none of them after this update, and the rollouts of
+        the steps it trained before have ended)."""
+        oldest, run_id = version - run.cfg.rollout.max_staleness, _run_id(run)
+        for key in [k for k in self._versions if k[0] == run_id and k[1] < oldest]:
+            for device, old in self._versions.pop(key).items():
+                self._spare.setdefault((run_id, device), []).append(old)
+        device = next(model.parameters()).device
+        self._versions[(run_id, version)] = {str(device): self._frozen_copy(run, model, device)}
+
+    def _frozen_copy(self, run: Run, model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+        """A copy of `model`'s weights on `device` that takes no gradient, in the memory of a
+        version let go where there is one (building a model reads the base from disk)."""
+        spare = self._spare.get((_run_id(run), str(device)))
+        frozen = spare.pop() if spare else policy_model(run.cfg, device).requires_grad_(False)
+        frozen.load_state_dict(model.state_dict())
+        return frozen
 
     def train_state(self, run: Run, step: int, device: torch.device) -> TrainState:
         """The trainable state that acts in `step`, on `device` (the policy update's)."""
@@ -144,10 +198,33 @@ class Resident:
                 self._references[key] = load_model(run.cfg.model, trainable=False, device=device)
             return self._references[key]
 
+    @contextlib.contextmanager
+    def serving(self, device: torch.device, version: int):
+        """Hold `device`'s engine at policy `version` from a rollout shard's first request to
+        its last: shards of the same version share it, one of another version waits until
+        they end. So new weights reach the engine between shards, never while a shard's
+        requests (a dynamic sampling round, an episode's turns) are under way, and every
+        token a shard records was drawn by the version it records."""
+        key = str(device)
+        with self._serving_changed:
+            while (held := self._serving.get(key)) is not None and held[0] != version:
+                self._serving_changed.wait()
+            held = self._serving.setdefault(key, [version, 0])
+            held[1] += 1
+        try:
+            yield
+        finally:
+            with self._serving_changed:
+                held[1] -= 1
+                if not held[1]:
+                    del self._serving[key]
+                    self._serving_changed.notify_all()
+
     def engine(self, run: Run, step: int, device: torch.device, drafter: tuple[int, str] | None) -> VLLMEngine:
-        """The vLLM engine of `device`, holding the weights of the policy that acts in `step`
-        and speculating with `drafter` ((its step, its exported folder), or None). Started
-        if none serves this run's config there (the first drafter needs a start of its own)."""
+        """The vLLM engine of `device`, holding the weights of policy version `step` (the
+        policy that acts in that step: `sampler`) and speculating with `drafter` ((its
+        step, its exported folder), or None). Started if none serves this run's config
+        there (the first drafter needs a start of its own)."""
         with self._device_lock(device):
             spec = engine_spec(run.cfg, device, str(resolve_model_dir(run.cfg.model)), run.seed(step, "vllm") % 2**32,
                                drafter[1] if drafter else None)
@@ -166,7 +243,7 @@ class Resident:
                 held.engine.wake_up()
                 held.asleep = False
             if held.acts_in != step:
-                policy = self.policy(run, step, device)
+                policy = self.sampler(run, step, device)
                 if run.cfg.model.lora.enabled:
                     seconds, what = held.engine.load_adapters(policy, run.cfg.model), "adapters"
                 else:
@@ -212,10 +289,13 @@ class Resident:
                 copy.acts_in = UPDATING
 
     def updated(self, run: Run, step: int, device: torch.device) -> None:
-        """The copy on `device` now holds the policy after update `step`."""
+        """The copy on `device` now holds the policy after update `step` (published, for
+        asynchronous rollouts: `sampler`)."""
         with self._lock:
             if copy := self._copies.get(_key(run, device)):
                 copy.acts_in = step + 1
+                if run.cfg.rollout.max_staleness:
+                    self._publish(run, step + 1, copy.model)
 
     def drop(self, run: Run, device: torch.device) -> None:
         """Forget the copy on `device` (an update that failed half-way leaves it unusable)."""
@@ -230,6 +310,8 @@ class Resident:
                 del self._copies[key]
             for key in [k for k in self._references if k[0] == _run_id(run)]:
                 del self._references[key]
+            self._versions = {k: v for k, v in self._versions.items() if k[0] != _run_id(run)}
+            self._spare = {k: v for k, v in self._spare.items() if k[0] != _run_id(run)}
 
     def held(self, run: Run) -> dict[str, int]:
         """{device: step its policy acts in} for `run`."""
@@ -239,8 +321,12 @@ class Resident:
     def weights(self, run_id: str, step: int) -> dict[str, torch.Tensor] | None:
         """The weights of run `run_id`'s policy acting in `step` on the CPU, if held here.
         Read without the lock: a peer asks while this process may be busy loading."""
-        copy = next((c for k, c in list(self._copies.items()) if k[0] == run_id and c.acts_in == step), None)
-        return None if copy is None else {k: v.cpu() for k, v in copy.model.state_dict().items()}
+        published = self._versions.get((run_id, step))
+        model = next(iter(published.values()), None) if published else None
+        if model is None:
+            copy = next((c for k, c in list(self._copies.items()) if k[0] == run_id and c.acts_in == step), None)
+            model = None if copy is None else copy.model
+        return None if model is None else {k: v.cpu() for k, v in model.state_dict().items()}
 
     # -- loading ---------------------------------------------------------------------------
     def _held_weights(self, run: Run, step: int) -> dict[str, torch.Tensor] | None:
