@@ -38,7 +38,7 @@ class DeviceHost:
 
     def __init__(self, cfg: Config, indices: list[int]):
         self.name, self.pool = host_name(cfg, indices), host_name(cfg, [])
-        if cfg.pool.accelerator == "cuda":  # Ray shows it its GPUs only (pool.ray_gpus > 0: core/config.py)
+        if cfg.pool.accelerator == "cuda":  # Ray shows it its GPUs only (pool.ray_gpus > 0: core/config/validation.py)
             device_pins.check_accelerator(cfg.pool, len(indices))
             device_pins.pin(indices, [torch.device("cuda", i) for i in range(len(indices))])
         RESIDENT.peer_weights = self._peer_weights
