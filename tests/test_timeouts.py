@@ -14,7 +14,7 @@ import time
 import uuid
 
 import pytest
-from flowrun import tiny
+from flowrun import lsreplay_chain, tiny, unique_pool
 
 from lsreplay.core.config import ConfigError, load_config
 
@@ -38,21 +38,31 @@ def test_a_reward_function_that_hangs_stops_the_stage(tmp_path):
     assert Reward(quick).score([exact], [["7"]], [[[7]]], state=None).totals == [[1.0]]
 
 
-def test_a_stage_that_hangs_times_out_and_is_retried(prefect_server, tiny_model_dir, tmp_path, monkeypatch):
-    """Step 0's caching pass hangs for two minutes (an injected stall); its try is stopped at
-    pool.stage_timeout_seconds, and the retry finishes the run."""
-    from flows.train import train
+def test_a_stage_blocked_in_c_ends_its_process_at_the_deadline_and_the_run_resumes(prefect_server, tiny_model_dir,
+                                                                                  tmp_path, monkeypatch):
+    """Step 0's caching pass blocks in one C call for ten minutes (an injected stall: time.sleep,
+    which no interruption between bytecodes reaches, as a socket read or a collective). At
+    pool.stage_timeout_seconds the process ends, naming the stage, the step, where it was
+    blocked and the resume command; that command, in a new process, finishes the run."""
+    from lsreplay.core.deadline import TIMED_OUT_EXIT
     from lsreplay.core.run import Run
 
-    monkeypatch.setenv("LSREPLAY_FAULTS", "prefixes@0:stall")
-    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "120")
-    monkeypatch.setenv("LSREPLAY_RETRY_DELAY", "0.05")
+    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "600")
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    train(overrides=[*tiny(run_dir, tiny_model_dir, steps=1), "pool.stage_timeout_seconds=10"])
-    assert time.monotonic() - start < 110
+    timed_out, resumed = lsreplay_chain([
+        (["train", *tiny(run_dir, tiny_model_dir, steps=1), "pool.stage_timeout_seconds=10"], "prefixes@0:stall"),
+        (["resume", str(run_dir), unique_pool()], "")], tmp_path, timeout=300)
+    assert time.monotonic() - start < 300  # never the stall's ten minutes
+    assert timed_out["returncode"] == TIMED_OUT_EXIT, timed_out["log"][-3000:]
+    log = timed_out["log"]
+    assert "stage prefixes of step 0 ran past pool.stage_timeout_seconds=10: ending this process" in log, log[-3000:]
+    assert f"continue the run with: lsreplay resume {run_dir}" in log
+    assert 'faults.py", line' in log and "in hook\n    time.sleep(seconds)" in log  # where the stage was blocked
+    assert resumed["returncode"] == 0, resumed["log"][-3000:]
     ran = Run(load_config(None, [f"run_dir={run_dir}"])).executions()
     assert ran[0, "prefixes"] == 2 and ran[0, "policy"] == 1, ran
+    assert len(Run(load_config(None, [f"run_dir={run_dir}"])).metrics()) == 1
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import torch
 from lsreplay import stages
 from lsreplay.core import devices as device_pins
 from lsreplay.core.config import Config
+from lsreplay.core.deadline import stage_deadline
 from lsreplay.core.run import Run
 from lsreplay.state import checkpointing
 from lsreplay.state.resident import RESIDENT
@@ -96,7 +97,8 @@ def ray_host(cfg: Config, indices: list[int]):
 def run_on_host(stage: str, cfg: Config, step: int, devices: list[int], **kwargs) -> dict:
     """Run stage `stage` for the pool slots `devices`: here (thread runner) or on their Ray host."""
     if cfg.pool.task_runner != "ray":
-        return STAGE_FUNCTIONS[stage](Run(cfg), step, devices=devices, **kwargs)
+        with stage_deadline(cfg, stage, step):
+            return STAGE_FUNCTIONS[stage](Run(cfg), step, devices=devices, **kwargs)
     import ray
 
     host = ray_host(cfg, devices)

@@ -73,7 +73,10 @@ class PoolConfig:
     ray_address: str = ""
     # GPUs a device's Ray host asks for (0 on CPU).
     ray_gpus: float = 0.0
-    # Seconds one try of a stage may run; longer fails the try (retried as transient). 0 = no limit.
+    # Seconds one try of a stage may run. Longer ends the flow's process (a stage blocked in C or
+    # on a socket cannot be stopped otherwise), naming the stage and `lsreplay resume` (thread
+    # runner: lsreplay.core.deadline); under Ray the stage's host is ended and the try retried.
+    # 0 = no limit.
     stage_timeout_seconds: float = 7200.0
     # Seconds a stage waits for its pool slots and devices (another run holding them, or the
     # lease of a killed one); longer fails the try. 0 = no limit.
