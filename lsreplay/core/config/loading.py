@@ -213,7 +213,7 @@ def schema_keys(cls=Config, prefix: str = "") -> list[str]:
 
 def _unknown_keys_message(keys: list[str]) -> str:
     """One message for every unknown key: each with the keys allowed where it is, and
-    lsreplay's name for TRL's and verl's (lsreplay.core.aliases) or the nearest keys."""
+    lsreplay's name for TRL's and verl's (aliases.py) or the nearest keys."""
     if len(keys) == 1:
         return _unknown_key_message(keys[0])
     return f"{len(keys)} unknown config keys:\n" + "\n".join(f"  {_unknown_key_message(k)}" for k in keys)
