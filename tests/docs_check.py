@@ -112,8 +112,8 @@ def _keys_named(span: str, sections: set[str], code: bool) -> list[str]:
     names = OVERRIDE.findall(span)
     if not code:
         names.append(span.split("=")[0].strip().lstrip("+"))
-    return [n for n in dict.fromkeys(names) if re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", n) and n.split(".")[0] in sections
-            and not n.endswith(FILE_SUFFIXES)]
+    return [n for n in dict.fromkeys(names) if re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", n)
+            and n.split(".")[0] in sections and not n.endswith(FILE_SUFFIXES)]
 
 
 def _is_key(name: str, keys: set[str]) -> bool:

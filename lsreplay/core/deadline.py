@@ -76,11 +76,13 @@ def _children() -> list[int]:
 
 def _report(cfg: Config, stage: str, step: int, seconds: float, thread: int) -> None:
     frame = sys._current_frames().get(thread)  # readable while the thread is blocked in C
+    uri = cfg.storage.uri or cfg.run_dir
+    # An S3 run's lease outlives this process by its life (lsreplay.core.run_lock): --wait waits it out.
+    resume = f"lsreplay resume {uri}" + (" --wait" if uri.startswith("s3://") else "")
     where = "".join(traceback.format_stack(frame)) if frame is not None else "  (the stage's thread has ended)\n"
     log.error("stage %s of step %d ran past pool.stage_timeout_seconds=%g: ending this process, since a stage "
               "blocked in C or on a socket cannot be stopped otherwise. Everything committed before is kept; "
-              "continue the run with: lsreplay resume %s (raise pool.stage_timeout_seconds if the stage is only "
-              "slow). Where the stage was, most recent call last:\n%s", stage, step, seconds,
-              cfg.storage.uri or cfg.run_dir, where.rstrip("\n"))
+              "continue the run with: %s (raise pool.stage_timeout_seconds if the stage is only slow). Where the "
+              "stage was, most recent call last:\n%s", stage, step, seconds, resume, where.rstrip("\n"))
     for handler in logging.getLogger().handlers:
         handler.flush()
