@@ -86,7 +86,7 @@ bench: setup
 	$(PY) bench/rollout.py
 	$(PY) bench/e2e.py
 
-# The config keys, flags, files, tests and modules README.md and docs/ name all exist (a second).
+# The config keys, flags, files, tests, modules and make targets README.md and docs/ name all exist.
 docs-check:
 	$(PY) tests/docs_check.py
 
