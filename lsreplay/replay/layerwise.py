@@ -90,13 +90,16 @@ class SpanPeers(Protocol):
     """What one rank's share of a span split over ranks exchanges with the others at each
     layer (lsreplay.distributed.context implements it; one device has none)."""
 
-    def before(self, layer: int, keys: torch.Tensor, values: torch.Tensor, grad: bool) -> list[PrefixKV]:
-        """Layer `layer`'s K/V of the positions before this share, as prefix parts in order
-        (leaf tensors with `grad`, whose .grad collects what this share's queries send them),
-        given this share's own `keys` and `values` of the layer, which the ranks after it read."""
+    def before(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+               grad: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer `layer`'s keys and values of the positions before this share, in parts in
+        order (leaf tensors with `grad`, whose .grad collects what this share's queries send
+        them), given this share's own `keys` and `values` of the layer, which the ranks after
+        it read."""
 
-    def sent_back(self, layer: int, before: list[PrefixKV]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Hand the gradients `before`'s K/V collected to their holders; the gradient of this
+    def sent_back(self, layer: int,
+                  before: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Hand the gradients `before`'s parts collected to their holders; the gradient of this
         share's keys and values of layer `layer` from the later ranks' queries (None: none)."""
 
 
@@ -129,6 +132,7 @@ class LayerByLayerSpan:
         self.keys: list[torch.Tensor | None] = [None] * len(self.layers)
         self.values: list[torch.Tensor | None] = [None] * len(self.layers)
         self.calls: list[list[tuple[tuple, dict]]] = []  # per chunk, per layer: (args after the input, kwargs)
+        self.exchanged: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the running layer's from the peers
         self.cache_keyword = CACHE_KEYWORD
         # The meter's handles: of what the span holds throughout, and of each layer's K/V.
         self.counted = [meter.keep(self.grad)]
@@ -162,6 +166,7 @@ class LayerByLayerSpan:
                     elif mine := [(i, p - lo, t) for i, p, t in zip(ids, positions, targets) if lo <= p < hi]:
                         self._differentiate_top(score, y, lo, hi, mine)
                 del before
+                self.exchanged = None
                 if out is not None:
                     self.inputs.written(layer + 1)
                 self.inputs.forwarded(layer)
@@ -254,7 +259,8 @@ class LayerByLayerSpan:
                 _, new = self._call(layer, index, hidden[:, lo:hi] if layer else self._embedded(lo, hi), [],
                                     keys_only=True)
                 self._keep_kv(layer, lo, hi, new)
-        return self.peers.before(layer, self.keys[layer].detach(), self.values[layer].detach(), grad)
+        self.exchanged = self.peers.before(layer, self.keys[layer].detach(), self.values[layer].detach(), grad)
+        return [_at_layer(layer, len(self.layers), k, v) for k, v in self.exchanged]
 
     def _differentiate_top(self, score: Score, top: torch.Tensor, lo: int, hi: int, entries) -> None:
         """The gradient of the chunk's entries' scores at the last layer's output, into self.grad."""
@@ -295,11 +301,11 @@ class LayerByLayerSpan:
                 before = self._peers_before(layer, None, grad=True)
                 for index in reversed(range(len(self.chunks))):
                     self._backward_chunk(layer, index, inputs, before, key_grad, value_grad)
-                if self.peers is not None and (later := self.peers.sent_back(layer, before)) is not None:
+                if self.peers is not None and (later := self.peers.sent_back(layer, self.exchanged)) is not None:
                     for index in range(len(self.chunks)):
                         self._backward_keys(layer, index, inputs, *later)
                 # What only this layer needed.
-                self.keys[layer] = self.values[layer] = inputs = key_grad = value_grad = before = None
+                self.keys[layer] = self.values[layer] = inputs = key_grad = value_grad = before = self.exchanged = None
                 self.counted_kv[layer] = []
                 self.inputs.drop(layer)
         self.counted = []
