@@ -271,6 +271,8 @@ class ContextParallel:
     threshold: int = 0
     group: object = None  # the members' process group (None: the default one, all of them)
     traffic: Traffic = field(default_factory=Traffic)
+    number: int = 0  # this group among the step's `groups`
+    groups: int = 1
 
     @property
     def ranks(self) -> int:
@@ -336,3 +338,18 @@ class ContextParallel:
                     f"of {length} tokens (sha {digest:016x}), rank {self.members[rank]}'s one of {their_length} "
                     f"tokens (sha {their_digest:016x}); every rank must read the same step's trees with the same "
                     "tokenizer")
+
+
+def context_group(rank: int, world: int, ranks: int, threshold: int = 0) -> ContextParallel | None:
+    """This rank's context-parallel group where the step's `world` ranks form groups of `ranks`
+    consecutive ones (replay.context_parallel; a collective where there are several: every
+    rank makes every group); None for `ranks` 1."""
+    if ranks <= 1:
+        return None
+    if world % ranks:
+        raise ValueError(f"replay.context_parallel={ranks} does not divide the step's {world} ranks")
+    members = [list(range(first, first + ranks)) for first in range(0, world, ranks)]
+    handles = [dist.new_group(m) for m in members] if len(members) > 1 else [None]
+    number = rank // ranks
+    return ContextParallel(members[number], rank % ranks, threshold, handles[number], number=number,
+                           groups=len(members))
