@@ -113,6 +113,7 @@ class _Replay:
         self.w = {name: w.to(self.objective.device) for name, w in entry_weights.items() if w.ne(0).any()}
         self.spans, self.kept, self.budget = replay_plan(self.model, tree, self.join_below, self.budget_bytes,
                                                          self.offload_prefix, self.context if split else None)
+        self.split = split  # the caching pass keeps no K/V of a split tree (stages/prefixes.py)
         self.live = _live_spans(self.spans, entry_weights)
         root = self.spans[0]
         if not self.live[root.id]:
@@ -214,7 +215,7 @@ class _Replay:
     def cached_kv(self, span: Span) -> PrefixKV | None:
         """The span's K/V from the caching pass: its tree nodes', joined; None if one is
         missing or unusable."""
-        if not self.prefix_kv:
+        if not self.prefix_kv or self.split:
             return None
         parts = []
         for node in (self.t.nodes[s] for s in span.sources):
