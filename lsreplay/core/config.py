@@ -175,6 +175,11 @@ class VLLMConfig:
     # seconds: an engine that has not answered by then is killed, and the task's retry starts
     # a new one. Start-up has its own (10 minutes).
     timeout_s: float = 1800.0
+    # -- A prompt too long for one device's rollouts (docs/pool-and-scale-out.md, "Context
+    # parallelism"): vLLM's tensor parallelism over this many devices, each rollout shard
+    # holding that many pool slots; every device holds a share of the weights and of the K/V
+    # heads (a head on several where there are fewer K/V heads than devices). 1: one device.
+    tensor_parallel_size: int = 1
 
 
 ENGINES = ("hf", "vllm")
@@ -880,7 +885,8 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_context_parallel(cfg: Config) -> None:
-    """replay.context_parallel and what the plan times it at."""
+    """A prompt too long for one device: replay.context_parallel, the rollouts'
+    rollout.vllm.tensor_parallel_size, and what the plan times them at."""
     r, p = cfg.replay, cfg.pool
     _check(r.context_parallel >= 1, "replay.context_parallel", "an integer >= 1 (1 = no prompt split over ranks)",
            r.context_parallel)
@@ -891,6 +897,11 @@ def _validate_context_parallel(cfg: Config) -> None:
            f"set pool.devices_per_step to a multiple of it", r.context_parallel)
     _check(r.context_parallel == 1 or r.mode == "replay", "replay.context_parallel", "1 with replay.mode=naive "
            "(the per-rollout backward runs whole rollouts)", r.context_parallel)
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    _check(tp >= 1, "rollout.vllm.tensor_parallel_size", "an integer >= 1 (1 = a vLLM engine on one device)", tp)
+    _check(tp <= (len(p.rollout_devices) or p.slots), "rollout.vllm.tensor_parallel_size",
+           f"at most the rollouts' devices ({len(p.rollout_devices) or p.slots}: pool.rollout_devices, or "
+           "pool.slots): a rollout shard's engine spans that many", tp)
     _check(p.interconnect_gbps >= 0, "pool.interconnect_gbps", "must be >= 0 (0 = unknown)", p.interconnect_gbps)
     _check(p.device_tflops >= 0, "pool.device_tflops", "must be >= 0 (0 = unknown)", p.device_tflops)
 
