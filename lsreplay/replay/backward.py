@@ -61,7 +61,7 @@ from lsreplay.replay.memory import (ActivationMeter, KeptLayers, LayerByLayer, M
                                     split_spans)
 from lsreplay.replay.recompute import recomputed_layers
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
-from lsreplay.replay.view import Span, replay_view
+from lsreplay.replay.view import Span, replay_view, share_of
 from lsreplay.tree import Node, RolloutTree
 
 if TYPE_CHECKING:
@@ -320,17 +320,9 @@ def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0, 
     offload = offload_prefix and next(model.parameters()).device.type == "cuda"
     if context is not None:
         lo, hi = context.share(len(spans[0].tokens))
-        return spans, split_spans(spans, dims, elt, budget, _share_of(spans[0], lo, hi), lo, offload), budget
+        return spans, split_spans(spans, dims, elt, budget, share_of(spans[0], lo, hi), lo, offload), budget
     kept = kept_spans(spans, dims, elt, budget, cascade, cascade and layer_by_layer_applies(model), offload)
     return spans, kept, budget
-
-
-def _share_of(root: Span, lo: int, hi: int) -> Span:
-    """Positions lo..hi of a root span, with their entries, as a span of their own."""
-    mine = [(i, p - lo, t) for i, p, t in zip(root.entry_ids, root.entry_pos, root.entry_targets) if lo <= p < hi]
-    return Span(id=root.id, parent=-1, start=root.start + lo, tokens=root.tokens[lo:hi], children=root.children,
-                entry_ids=[i for i, _, _ in mine], entry_pos=[p for _, p, _ in mine],
-                entry_targets=[t for _, _, t in mine], sources=root.sources)
 
 
 def splits(model: PreTrainedModel, tree: RolloutTree, context: ContextParallel | None, join_below: int = 0,

@@ -370,9 +370,16 @@ def share_bytes(dims: ModelDims, elt: int, width: int, before: int, offload: boo
     parallelism, lsreplay.distributed.context) holds from its forward to the end of its
     backward: what a span of its width run layer by layer holds and its K/V's gradient, and,
     one layer at a time, the keys and values of the `before` positions of the shares before
-    it and (in the backward) their gradient."""
+    it and (in the backward) their gradient, while its own layers run (gathered_bytes)."""
     return (layer_by_layer_bytes(dims, elt, width, offload) + kv_bytes_per_position(dims, elt) * width
-            + 2 * before * 2 * dims.kv_dim * elt)
+            + gathered_bytes(dims, elt, before))
+
+
+def gathered_bytes(dims: ModelDims, elt: int, before: int) -> int:
+    """One layer's keys and values of `before` positions and their gradient: what a share of a
+    split prompt holds of the shares before it while its own layer runs (not while its
+    subtree does)."""
+    return 2 * before * 2 * dims.kv_dim * elt
 
 
 def layer_run_bytes(dims: ModelDims, elt: int, chunk: int) -> int:
