@@ -137,7 +137,8 @@ def format_context(p: ContextPlan) -> list[str]:
              f"(replay.context_parallel), planned at a share of {s.width:,} positions after {s.before:,}", ""]
     lines += [f"{label:<66} {b / GiB:>10.2f}" for label, b in p.lines]
     if p.host:
-        lines.append(f"{'the share's layer inputs in pinned host memory (replay.offload_prefix)':<66} {p.host / GiB:>10.2f}")
+        label = "the share's layer inputs in pinned host memory (replay.offload_prefix)"
+        lines.append(f"{label:<66} {p.host / GiB:>10.2f}")
     comm = p.comm_seconds()
     lines.append(f"sent by the busiest rank a step: {p.sent / GiB:.2f} GiB (the shares' K/V and their gradient, the "
                  f"answers' queries and results)" + (f", {comm:.1f} s at {p.gbps:g} GB/s (pool.interconnect_gbps)"

@@ -899,6 +899,8 @@ def _validate_context_parallel(cfg: Config) -> None:
            "(the per-rollout backward runs whole rollouts)", r.context_parallel)
     tp = cfg.rollout.vllm.tensor_parallel_size
     _check(tp >= 1, "rollout.vllm.tensor_parallel_size", "an integer >= 1 (1 = a vLLM engine on one device)", tp)
+    _check(tp == 1 or cfg.rollout.engine == "vllm", "rollout.vllm.tensor_parallel_size", "1 with rollout.engine=hf "
+           "(the HF sampler decodes on one device; rollout.engine=vllm spreads one over several)", tp)
     _check(tp <= (len(p.rollout_devices) or p.slots), "rollout.vllm.tensor_parallel_size",
            f"at most the rollouts' devices ({len(p.rollout_devices) or p.slots}: pool.rollout_devices, or "
            "pool.slots): a rollout shard's engine spans that many", tp)

@@ -167,9 +167,7 @@ class VLLMEngine:
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "OMP_NUM_THREADS": str(self.spec.threads), "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
         if self.spec.device.startswith("cuda"):
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(physical_device(int(d.partition(":")[2] or 0), visible)
-                                                   for d in self.spec.devices or (self.spec.device,))
+            env["CUDA_VISIBLE_DEVICES"] = engine_gpus(self.spec, os.environ.get("CUDA_VISIBLE_DEVICES"))
         else:
             if (iomp := intel_openmp(self.spec.python)) is not None:
                 # vLLM's CPU kernels want Intel OpenMP preloaded (speculative decoding ran 4x slower without).
@@ -601,6 +599,12 @@ def cpu_shares(workers: int) -> str:
     size = max(1, len(cores) // workers)
     groups = [cores[(i * size) % len(cores):][:size] for i in range(workers)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def engine_gpus(spec: EngineSpec, visible: str | None) -> str:
+    """The engine's CUDA_VISIBLE_DEVICES: the physical GPUs of its devices (a tensor-parallel
+    engine's `devices`, else its `device`), in their order, given the trainer's `visible`."""
+    return ",".join(physical_device(int(d.partition(":")[2] or 0), visible) for d in spec.devices or (spec.device,))
 
 
 def physical_device(index: int, visible: str | None) -> str:
