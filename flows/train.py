@@ -71,6 +71,33 @@ def run_steps(cfg: Config, force: bool = False) -> list[dict]:
         return _run_locked(run, force, lock)
 
 
+class _Recorded:
+    """A task whose every submission's future is kept in `futures`."""
+
+    def __init__(self, task, futures: list):
+        self.task, self.futures = task, futures
+
+    def submit(self, **kwargs):
+        future = self.task.submit(**kwargs)
+        self.futures.append(future)
+        return future
+
+
+@contextmanager
+def _settled(futures: list):
+    """On leaving the block, however: the submitted tasks that have not started cancelled, the
+    others waited for. A failed stage ends the flow's body while other shards and the drafter
+    may still write: the run's lock, and the hosts, stay until they end."""
+    try:
+        yield
+    finally:
+        for future in futures:
+            if (wrapped := getattr(future, "wrapped_future", None)) is not None:
+                wrapped.cancel()
+        for future in futures:
+            future.wait()
+
+
 def _run_locked(run, force: bool, lock) -> list[dict]:
     logger = get_run_logger()
     run.save_or_check_config(force=force)
@@ -81,11 +108,12 @@ def _run_locked(run, force: bool, lock) -> list[dict]:
     logger.info("run %s: %d steps, storage %s, %d torch threads", cfg.run_dir, cfg.steps, run.store.uri,
                 cfg.threads)
     checkpointing.rewind(run)  # this process holds nothing yet
-    tasks = configured(cfg)
+    submitted: list = []
+    tasks = {name: _Recorded(task, submitted) for name, task in configured(cfg).items()}
     trackers = Trackers(cfg)  # report_to: this process reports, the stages' never do
     ahead = RolloutsAhead(tasks, cfg)
     try:
-        with ray_session(cfg):
+        with ray_session(cfg), _settled(submitted):
             return _run_steps(run, tasks, cfg, trackers, lock, ahead)
     finally:
         ahead.wait()  # rollouts submitted ahead write into the run: not past its lock
@@ -190,7 +218,7 @@ def _result(future, stage: str, step: int) -> dict:
     """A stage's manifest; a failure becomes StageFailed naming the stage and step."""
     try:
         return future.result()
-    except (InputCorrupt, StateLost):
+    except (InputCorrupt, StateLost, run_lock.RunLockLost):
         raise
     except Exception as e:
         get_run_logger().error("stage %s of step %d failed: %s: %s", stage, step, type(e).__name__, e)

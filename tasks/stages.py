@@ -13,6 +13,7 @@ from lsreplay.core.config import Config, ConfigError
 from lsreplay.core.faults import InjectedError
 from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import InputCorrupt, Run
+from lsreplay.core.run_lock import RunLockLost
 from lsreplay.core.storage import CorruptEntry, MalformedEntry, MissingEntry
 from lsreplay.data.sources import DatasetError
 from lsreplay.distributed.hosts import run_on_host
@@ -25,7 +26,7 @@ from tasks.pool import pool_devices
 # Errors that a retry cannot fix: the run stops at once with the message. (InputCorrupt and
 # StateLost are not retried either: the flow recomputes what was damaged or lost.)
 PERMANENT = (ConfigError, DatasetError, ModelError, CheckpointError, NonFiniteLoss, InjectedError,
-             InputCorrupt, StateLost, MissingEntry, CorruptEntry, MalformedEntry, EngineStartError)
+             InputCorrupt, StateLost, MissingEntry, CorruptEntry, MalformedEntry, EngineStartError, RunLockLost)
 
 # Transient failures (storage errors the store's own retries did not absorb, a flaky node,
 # an injected fault) are retried this many times, after exponentially growing delays with

@@ -7,7 +7,7 @@ import hashlib
 import json
 
 import pytest
-from flowrun import reference_run, step0_copy, unique_pool
+from flowrun import digests, reference_run, step0_copy, unique_pool
 
 from lsreplay import cli
 
@@ -22,7 +22,10 @@ def test_parse_faults():
     assert [(f.target, f.step, f.action, f.remaining) for f in parsed][:3] == [
         ("trees", 1, "kill", 1), ("prefixes", 0, "fail", 2), ("storage", None, "fail", 3)]
     assert (parsed[-1].action, parsed[-1].remaining) == ("kill_engine", 1)
-    for bad in ("trees@x:kill", "tree@1:kill", "trees@1:explode", "storage@1:fail", "trees:nan", "policy:kill_engine"):
+    assert [(f.target, f.step, f.action, f.remaining) for f in faults.parse("policy@1:interrupt")] == [
+        ("policy", 1, "interrupt", 1)]
+    for bad in ("trees@x:kill", "tree@1:kill", "trees@1:explode", "storage@1:fail", "trees:nan", "policy:kill_engine",
+                "trees@1:interrupt"):
         with pytest.raises(ValueError, match="LSREPLAY_FAULTS"):
             faults.parse(bad)
 
@@ -77,3 +80,17 @@ def test_nan_loss_stops_the_run_and_commits_nothing(prefect_server, tiny_model_d
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
     # Not retried: a NaN does not go away.
     assert Run(load_config(None, [f"run_dir={run_dir}"])).executions()[1, "policy"] == 1
+
+
+def test_a_try_interrupted_after_its_optimizer_step_is_not_stepped_twice(prefect_server, tiny_model_dir,
+                                                                         tmp_path_factory, tmp_path, monkeypatch):
+    """Step 1's update is interrupted right after AdamW stepped the copy it holds, before the
+    copy is recorded as updated (where Prefect's task timeout can strike); the retry does not
+    step that copy again: the run ends with the reference run's weights."""
+    ref = reference_run(tmp_path_factory, tiny_model_dir)
+    run_dir = step0_copy(ref, tmp_path / "run")
+    monkeypatch.setenv("LSREPLAY_FAULTS", "policy@1:interrupt")
+    monkeypatch.setenv("LSREPLAY_RETRY_DELAY", "0.05")
+    assert cli.main(["resume", str(run_dir), "--steps", "2", unique_pool()]) == 0
+    assert Run(load_config(None, [f"run_dir={run_dir}"])).executions()[1, "policy"] == 2  # interrupted, retried
+    assert digests(run_dir, "checkpoints/policy") == digests(ref.run_dir, "checkpoints/policy")

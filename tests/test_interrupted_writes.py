@@ -16,6 +16,7 @@ from flowrun import lsreplay_chain, tiny, unique_pool
 from s3server import BUCKET, KEY, SECRET
 
 from lsreplay.core import faults
+from lsreplay.core.run_lock import LEASE_ENV
 from lsreplay.core.storage import PART_BYTES_ENV, Store
 
 PART = 5 * 2**20  # S3's smallest part
@@ -125,6 +126,7 @@ def test_a_run_killed_writing_its_checkpoint_resumes_to_nothing_but_its_named_fi
     removes it and rewrites the checkpoint; then the store holds exactly what the run names."""
     endpoint, options = s3_endpoint
     monkeypatch.setenv(PART_BYTES_ENV, str(PART))  # the tiny model's 12.6 MB of weights: three parts
+    monkeypatch.setenv(LEASE_ENV, "2")
     prefix = f"runs/{uuid.uuid4().hex[:8]}"
     s3 = [f"storage.uri=s3://{BUCKET}/{prefix}", f"storage.endpoint_url={endpoint}", f"storage.key={KEY}",
           f"storage.secret={SECRET}"]
@@ -138,9 +140,11 @@ def test_a_run_killed_writing_its_checkpoint_resumes_to_nothing_but_its_named_fi
         assert WEIGHTS in leftovers(store, endpoint).values(), store
         assert everything(store, endpoint) - named(store)  # the leftovers, at least
 
+    # The killed run's lease runs out 2 s after its last renewal (--wait waits for it); the local
+    # run_dir and the model folder the bucket's config names are named again.
     resumed = lsreplay_chain([(["resume", str(local), unique_pool()], ""),
                               (["resume", f"s3://{BUCKET}/{prefix}", *s3[1:], f"model.path={tiny_model_dir}",
-                                unique_pool()], "")], tmp_path)
+                                f"run_dir={tmp_path / 'unused'}", "--wait", unique_pool()], "")], tmp_path)
     assert [r["returncode"] for r in resumed] == [0, 0], resumed[-1]["log"][-3000:]
     for store in stores:
         assert leftovers(store, endpoint) == {}

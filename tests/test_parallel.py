@@ -8,9 +8,12 @@ RMSNorm computes in float32, so a correct result lands near 1e-7 on the gradient
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import RAW_LOGPROB
@@ -143,3 +146,41 @@ def test_two_gloo_ranks_equal_one_process():
     total = sum(p.numel() for p in model.parameters())
     assert r0["fsdp_local_numel"] + r1["fsdp_local_numel"] == total
     assert max(r0["fsdp_local_numel"], r1["fsdp_local_numel"]) <= 0.55 * total
+
+
+def _own_sockets() -> list[tuple[str, str]]:
+    """(local address, TCP state) of every TCP socket this process holds, IPv4 and IPv6, from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                found.append((fields[1].split(":")[0], fields[3]))
+    return found
+
+
+def _rank_sockets(rank: int, world: int) -> list[tuple[str, str]]:
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every rank connected to every other
+    return _own_sockets()
+
+
+# Loopback, as /proc writes it: 127.0.0.1 (IPv4), ::1 and ::ffff:127.0.0.1 (IPv6).
+LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+def test_the_ranks_rendezvous_where_only_this_user_and_host_reach():
+    """No socket of any rank listens beyond the loopback interface (before: rank 0's TCP store
+    listened on every interface, `::`, with no authentication), and the ranks still meet."""
+    per_rank = launch(_rank_sockets, world_size=2, backend="gloo")
+    assert all(per_rank), per_rank  # gloo's own sockets are there: the check reads them
+    listening = [address for sockets in per_rank for address, state in sockets if state == "0A"]
+    assert listening and all(a in LOOPBACK for a in listening), per_rank

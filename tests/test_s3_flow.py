@@ -53,9 +53,11 @@ def test_run_in_s3_resumes_and_keeps_no_secret(prefect_server, s3_endpoint, tiny
     assert len(executions) == 2 * len(STAGES)
 
     # Resume from the bucket: every stage is found finished; nothing runs again. The model
-    # folder the bucket's config names is named again: a resume runs only what its command names.
+    # folder and the local run_dir the bucket's config names are named again: a resume takes
+    # what names a model or where the run writes from its own command.
     assert cli.main(["resume", f"s3://{BUCKET}/{PREFIX}", f"storage.endpoint_url={endpoint}",
-                     f"storage={{key: {KEY}, secret: {SECRET}}}", f"model.path={tiny_model_dir}"]) == 0
+                     f"storage={{key: {KEY}, secret: {SECRET}}}", f"model.path={tiny_model_dir}",
+                     f"run_dir={local}"]) == 0
     second = capfd.readouterr()
     again = objects(endpoint)
     assert sorted(k for k in again if k.startswith("executions/")) == executions

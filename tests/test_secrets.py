@@ -124,9 +124,9 @@ def test_a_resume_from_a_bucket_runs_only_code_its_command_names(s3_endpoint, cl
     with pytest.raises(ConfigError) as refused:
         open_run_config(uri, where)
     message = str(refused.value)
-    assert f"{uri}/config.json names code or weights this resume would run: reward.functions=" \
+    assert f"{uri}/config.json names code, a model, data or destinations this resume would use: reward.functions=" \
            '["tests.varied_rewards:alike_on_even_prompts"] model.path=/models/theirs' in message, message
-    assert "a resume runs only what its own command names: repeat them" in message
+    assert "a resume takes these from its own command: repeat them" in message
     with pytest.raises(ConfigError, match="model.path=/models/theirs"):  # one of the two given
         open_run_config(uri, [*where, "reward.functions=[tests.varied_rewards:alike_on_even_prompts]"])
     cfg = open_run_config(uri, [*where, *NAMES_CODE])
@@ -139,5 +139,5 @@ def test_a_run_folder_others_can_write_is_not_trusted_with_code(tmp_path):
     stored_run(str(run_dir), [f"run_dir={run_dir}"])
     assert open_run_config(str(run_dir)).model.path == "/models/theirs"  # this user's own folder
     run_dir.chmod(0o777)
-    with pytest.raises(ConfigError, match="names code or weights this resume would run"):
+    with pytest.raises(ConfigError, match="names code, a model, data or destinations this resume would use"):
         open_run_config(str(run_dir))

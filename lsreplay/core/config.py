@@ -235,6 +235,12 @@ class RolloutConfig:
     # tool call past it answers as a tool error (as TRL returns errors), an environment's hook
     # past it stops the run naming it; either way the stall is logged. 0 = no limit.
     tool_timeout_seconds: float = 60.0
+    # The tools of rollout.tools are code you did not write (or trust): each call runs in a
+    # child process of its own with sandbox's CPU and memory limits, killed past
+    # tool_timeout_seconds, instead of in this process, where a tool that holds the
+    # interpreter (a huge power) would stall the run. It gets the call's JSON arguments and
+    # answers str(result). The environment (rollout.environment) always runs in this process.
+    untrusted_tools: bool = False
     # Where a prompt's rollouts fork: "tokens", at the segment_tokens offsets of the first
     # reply (as single-turn rollouts), or "turns", branching[k] replies at turn k, each after
     # the environment's answer to the turn before.
@@ -398,6 +404,11 @@ class RewardConfig:
     # Seconds the reward functions may take to score one batch (a rollout shard's completions,
     # or the held-out answers of an evaluation); longer stops the run naming them. 0 = no limit.
     timeout_seconds: float = 600.0
+    # The reward functions are code you did not write (or trust): they run in a child process
+    # with sandbox's CPU and memory limits, killed past timeout_seconds, instead of in this
+    # one. They get JSON values (a TRL-style function's trainer_state as a TrainerState again;
+    # its log_metric and log_extra calls are replayed here); reward models always run here.
+    untrusted: bool = False
 
 
 @dataclass
@@ -575,6 +586,37 @@ class TrackingConfig:
 
 
 @dataclass
+class LimitsConfig:
+    # Sizes refused before any work, naming the key and the figure: a zero too many would
+    # otherwise end hours later out of memory, or in a rewind that walks every step. Raise
+    # one for a run that truly needs more.
+    # The most steps a run may have.
+    steps: int = 100_000
+    # The most rollouts (leaves) one prompt's tree may have: the product of rollout.branching.
+    rollouts_per_prompt: int = 1024
+    # The most rollouts one step samples: data.prompts_per_step x the product of
+    # rollout.branching (x algo.dynamic_sampling_draws with dynamic sampling).
+    rollouts_per_step: int = 65_536
+    # The most model turns an episode may take (rollout.max_turns).
+    turns: int = 256
+
+
+@dataclass
+class SandboxConfig:
+    # Computation on what others wrote runs in a child process this one kills
+    # (lsreplay.core.sandbox): reasoning-gym's checkers that evaluate model text (always), the
+    # reward functions with reward.untrusted and the tools with rollout.untrusted_tools.
+    # Each call's CPU seconds (the kernel stops the child past them).
+    cpu_seconds: float = 60.0
+    # The child's address space, MiB (a call that allocates more fails with MemoryError).
+    memory_mb: int = 4096
+    # Wall seconds one reasoning-gym checker may take on one answer; past it the child is
+    # killed and the answer scores 0 (logged). Reward functions and tools have their own
+    # (reward.timeout_seconds, rollout.tool_timeout_seconds).
+    checker_seconds: float = 30.0
+
+
+@dataclass
 class Config:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -602,6 +644,8 @@ class Config:
     # "none".
     report_to: list[str] = field(default_factory=list)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 SECRET_KEYS = ("storage.key", "storage.secret")
@@ -609,13 +653,44 @@ SECRET_KEYS = ("storage.key", "storage.secret")
 # with those parts as REDACTED (redact_url).
 CREDENTIAL_URL_KEYS = ("storage.endpoint_url", "tracking.mlflow_uri")
 REDACTED = "***"
-# Keys naming code a run executes (reward functions, the vLLM interpreter) or weights it
-# loads: a resume takes them from its own command line, not from the stored config, which
-# whoever can write the store can change (lsreplay.core.run.open_run_config).
-EXECUTABLE_KEYS = ("reward.functions", "reward.function", "rollout.vllm.python", "model.path")
+# What each key that holds text names, for a resume (lsreplay.core.run.open_run_config): a
+# stored config.json is what whoever can write the store wrote (the result_hash beside it
+# they can recompute), so a key that names code, an interpreter, a cluster, a model, its
+# weights, data or where the run writes and sends comes from the resume's own command where
+# the store is not this user's alone. Numbers and booleans name nothing; every key holding
+# text (or a list or dict of it) is classified here or in PLAIN_TEXT_KEYS, and
+# tests/test_trust.py fails on one that is not.
+COMMAND_KEYS = {
+    "code": ("reward.functions", "reward.function", "rollout.tools", "rollout.environment",
+             # transformers loads an attention kernel a name like kernels-community/... names
+             "model.attn_implementation"),
+    "interpreter": ("rollout.vllm.python",),
+    "cluster": ("pool.ray_address",),  # the driver unpickles what that cluster's actors return
+    "model": ("model.path", "model.arch"),
+    "weights": ("model.cache_dir",),  # where the default model's converted weights and tokenizer lie
+    "data": ("data.path", "eval.path", "data.tasks", "data.task_args"),
+    # Where the run writes, and where it sends its credentials and metrics.
+    "destination": ("run_dir", "storage.uri", "storage.endpoint_url", "tracking.dir", "tracking.mlflow_uri"),
+}
+# Keys holding text that names none of those: a choice among fixed values (validated), a
+# column's or split's name, text the model reads, a name for the trackers, keywords.
+PLAIN_TEXT_KEYS = (
+    "model.dtype", "model.lora.target_modules", "model.rope_scaling", "data.prompt_truncation", "data.columns.prompt",
+    "data.columns.question", "data.columns.answer", "data.columns.task", "data.split", "data.system_prompt",
+    "data.answer_instruction", "data.example_messages", "data.chat_template_kwargs", "data.reward_fn_key",
+    "rollout.engine", "rollout.branch_at", "rollout.tool_call_format", "algo.name", "algo.loss_agg",
+    "algo.scale_rewards", "algo.tree_baseline", "algo.kl_estimator", "algo.advantage", "algo.dpo_source",
+    "algo.dynamic_sampling_metric", "algo.overlong", "optim.schedule", "reward.styles", "reward.kwargs", "eval.split",
+    "replay.mode", "replay.kv_offload", "pool.name", "pool.accelerator", "pool.task_runner", "report_to",
+    "tracking.project", "tracking.run_name")
 # Keys that do not change what a run computes: allowed to differ on resume.
 NON_RESULT_KEYS = ("run_dir", "steps", "threads", "checkpoint", "storage", "pool", "report_to", "tracking",
-                   "reward.timeout_seconds")
+                   "reward.timeout_seconds", "reward.untrusted", "rollout.untrusted_tools", "limits", "sandbox")
+
+
+def command_keys() -> tuple[str, ...]:
+    """Every key a resume takes from its own command where the store is not this user's alone."""
+    return tuple(key for keys in COMMAND_KEYS.values() for key in keys)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -748,7 +823,8 @@ def _unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
     for name, value in layer.items():
         key = f"{prefix}{name}"
         if name not in known:
-            out += [f"{key}.{leaf}" for leaf in _leaves(value)] if isinstance(value, dict) and value else [key]
+            out += [f"{key}.{leaf}" for leaf in dotted_leaves(value)] if isinstance(value, dict) and value \
+                else [key]
             continue
         default = _default_of(known[name])
         if is_dataclass(default) and isinstance(value, dict):
@@ -756,11 +832,11 @@ def _unknown_keys(layer: dict, cls=Config, prefix: str = "") -> list[str]:
     return out
 
 
-def _leaves(d: dict) -> list[str]:
+def dotted_leaves(d: dict) -> list[str]:
     """The dotted keys of a nested dict's values."""
     out = []
     for k, v in d.items():
-        out += [f"{k}.{leaf}" for leaf in _leaves(v)] if isinstance(v, dict) and v else [str(k)]
+        out += [f"{k}.{leaf}" for leaf in dotted_leaves(v)] if isinstance(v, dict) and v else [str(k)]
     return out
 
 
@@ -878,6 +954,7 @@ def validate(cfg: Config) -> None:
     _validate_async(cfg)
     _validate_pool(cfg)
     _validate_tracking(cfg)
+    _validate_limits(cfg)
     _check(cfg.storage.bandwidth_gbps > 0, "storage.bandwidth_gbps", "a number > 0", cfg.storage.bandwidth_gbps)
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
@@ -1279,6 +1356,33 @@ def _validate_pool(cfg: Config) -> None:
            "the caching pass and the update; raise pool.slots or name fewer", rollout)
 
 
+def _validate_limits(cfg: Config) -> None:
+    """Sizes beyond limits.* are refused with the figure, the key and the limit to raise."""
+    lim, r = cfg.limits, cfg.rollout
+    for key in ("steps", "rollouts_per_prompt", "rollouts_per_step", "turns"):
+        _check(getattr(lim, key) >= 1, f"limits.{key}", "an integer >= 1", getattr(lim, key))
+    raise_it = "; raise {} if the run truly needs more"
+    _check(cfg.steps <= lim.steps, "steps", f"at most limits.steps = {lim.steps}" + raise_it.format("limits.steps"),
+           cfg.steps)
+    per_prompt = math.prod(r.branching)
+    _check(per_prompt <= lim.rollouts_per_prompt, "rollout.branching", f"{per_prompt} rollouts per prompt (the "
+           f"product of the fan-outs), more than limits.rollouts_per_prompt = {lim.rollouts_per_prompt}"
+           + raise_it.format("limits.rollouts_per_prompt"), r.branching)
+    draws = cfg.algo.dynamic_sampling_draws if cfg.algo.dynamic_sampling else 1
+    per_step = cfg.data.prompts_per_step * per_prompt * draws
+    _check(per_step <= lim.rollouts_per_step, "data.prompts_per_step", f"{per_step} rollouts a step (data."
+           f"prompts_per_step x {per_prompt} rollouts per prompt{f' x {draws} draws' if draws > 1 else ''}), more "
+           f"than limits.rollouts_per_step = {lim.rollouts_per_step}" + raise_it.format("limits.rollouts_per_step"),
+           cfg.data.prompts_per_step)
+    _check(r.max_turns <= lim.turns, "rollout.max_turns", f"at most limits.turns = {lim.turns} turns an episode"
+           + raise_it.format("limits.turns"), r.max_turns)
+    sb = cfg.sandbox
+    for key in ("cpu_seconds", "checker_seconds"):
+        _check(0 < getattr(sb, key) < math.inf, f"sandbox.{key}", "a finite number of seconds > 0", getattr(sb, key))
+    _check(sb.memory_mb >= 256, "sandbox.memory_mb", "at least 256 (MiB of address space for the child process, "
+           "whose Python and imports need some)", sb.memory_mb)
+
+
 def to_dict(cfg: Config, redact: bool = True) -> dict:
     """Plain dict of the config; secrets replaced by REDACTED unless `redact` is False: the
     credential keys, and the credentials in URLs (redact_url)."""
@@ -1294,8 +1398,8 @@ def to_dict(cfg: Config, redact: bool = True) -> dict:
     return d
 
 
-# Query parameters of a URL whose values are credentials.
-_SECRET_PARAMETER = re.compile(r"token|secret|password|passwd|key|signature|credential|auth", re.IGNORECASE)
+# Names of what holds a credential: a URL's query parameters, environment variables.
+SECRET_NAME = re.compile(r"token|secret|password|passwd|key|signature|credential|auth", re.IGNORECASE)
 
 
 def has_credentials(url: str) -> bool:
@@ -1309,7 +1413,7 @@ def redact_url(url: str) -> str:
     netloc = parts.netloc
     if "@" in netloc:
         netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
-    query = "&".join(f"{name}={REDACTED}" if _SECRET_PARAMETER.search(name) else f"{name}={value}" if sep else name
+    query = "&".join(f"{name}={REDACTED}" if SECRET_NAME.search(name) else f"{name}={value}" if sep else name
                      for name, sep, value in (p.partition("=") for p in parts.query.split("&") if p))
     if (netloc, query) == (parts.netloc, parts.query):
         return url

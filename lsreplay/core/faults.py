@@ -15,6 +15,8 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     policy[@STEP]:kill_rank  SIGKILL the last rank of a data-parallel update (pool.devices_per_step
                              > 1) as its backward starts, once: the ranks waiting on it fail, and
                              the stage's try with them
+    policy[@STEP]:interrupt  raise a transient InjectedFault right after the optimizer step,
+                             before the update is recorded (a stage timeout may strike there)
     checkpoint[@STEP]:tear   SIGKILL this process halfway through writing the weights file of
                              the step's policy checkpoint: a torn write (a partial temporary
                              file beside a local store's entry, an incomplete S3 multipart upload)
@@ -51,7 +53,7 @@ from lsreplay.core.layout import MODEL_FILE, STAGES, checkpoint_folder
 log = logging.getLogger(__name__)
 
 ENV = "LSREPLAY_FAULTS"
-ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full", "kill_engine", "kill_rank")
+ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full", "kill_engine", "interrupt", "kill_rank")
 STALL_ENV = "LSREPLAY_STALL_SECONDS"
 _SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z_]+)(?:\*(?P<count>\d+))?$")
 
@@ -90,8 +92,9 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: unknown action {action!r} in {item!r}; one of {', '.join(ACTIONS)}")
         if target == "storage" and (action != "fail" or m["step"]):
             raise ValueError(f"{ENV}: {item!r}: storage faults are storage:fail[*N]")
-        if action == "nan" and target != "policy":
-            raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN")
+        if action in ("nan", "interrupt") and target != "policy":
+            raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN and an optimizer step "
+                             "to interrupt")
         if action == "kill_rank" and target != "policy":
             raise ValueError(f"{ENV}: {item!r}: only the policy update has ranks (policy[@STEP]:kill_rank)")
         if action == "kill_engine" and target != "trees":
@@ -99,8 +102,8 @@ def parse(spec: str) -> list[Fault]:
         if action in ("tear", "full") and target != "checkpoint":
             raise ValueError(f"{ENV}: {item!r}: only a checkpoint's write can be torn or find the disk full "
                              f"(checkpoint[@STEP]:{action})")
-        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall", "tear", "kill_engine", "kill_rank")
-                                                  else 2**31)
+        count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall", "tear", "kill_engine",
+                                                                    "interrupt", "kill_rank") else 2**31)
         faults.append(Fault(target, int(m["step"]) if m["step"] else None, action, count))
     return faults
 
@@ -137,7 +140,8 @@ def _take(target: str, step: int | None, actions: tuple[str, ...]) -> Fault | No
 
 
 def hook(stage: str, step: int, point: str) -> None:
-    """Called by each stage at "start" (after deciding to run) and "mid" (outputs partly written)."""
+    """Called by each stage at "start" (after deciding to run) and "mid" (outputs partly written);
+    by the policy stage at "stepped" (after an optimizer step, before the update is recorded)."""
     if not os.environ.get(ENV):
         return
     if point == "start":
@@ -155,6 +159,9 @@ def hook(stage: str, step: int, point: str) -> None:
     elif point == "mid" and _take(stage, step, ("kill",)):
         log.warning("injected kill in the middle of stage %s of step %d", stage, step)
         _kill()
+    elif point == "stepped" and _take(stage, step, ("interrupt",)):
+        log.warning("injected interruption of stage %s of step %d after its optimizer step", stage, step)
+        raise InjectedFault(f"injected interruption of stage {stage} of step {step} after its optimizer step")
 
 
 def engine_call(stage: str, step: int, pid: int) -> None:

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import yaml
 from omegaconf import OmegaConf
 
 from lsreplay.core import config as config_mod
@@ -163,7 +164,7 @@ class Run:
         self.check_config(force)
         self.store.write_bytes("config.yaml", config_mod.to_yaml(self.cfg).encode())
         self.store.write_json("config.json", {"result_hash": self.config_hash,
-                                              "config": config_mod.to_dict(self.cfg)})
+                                              "config": config_mod.to_dict(self.cfg)}, commit=True)
 
     # -- stage completion -------------------------------------------------------------------
     def done(self, step: int, stage: str) -> dict | None:
@@ -200,7 +201,8 @@ class Run:
         if manifest is not None and name not in manifest.get("released", []):
             kept = [e for e in manifest["files"] if not e["key"].startswith(folder + "/")]
             self.store.write_json(self.key(step, f"{stage}.done.json"),
-                                  {**manifest, "files": kept, "released": [*manifest.get("released", []), name]})
+                                  {**manifest, "files": kept, "released": [*manifest.get("released", []), name]},
+                                  commit=True)
         self.store.delete_prefix(folder)
 
     def manifest(self, step: int, stage: str) -> dict:
@@ -270,7 +272,7 @@ class Run:
         `begin`, unless given) and `ended` times, so overlapping stages can be told apart."""
         times = {"started": getattr(self, "_started", None), "ended": time.time()}
         manifest = {"step": step, "stage": stage, "config_hash": self.config_hash, **times, **manifest}
-        self.store.write_json(self.key(step, f"{stage}.done.json"), manifest)
+        self.store.write_json(self.key(step, f"{stage}.done.json"), manifest, commit=True)
         return manifest
 
     def append_metrics(self, record: dict) -> None:
@@ -280,7 +282,7 @@ class Run:
         earlier = next((r for r in rows if r.get("step") == record["step"]), {})
         rows = [r for r in rows if r.get("step") != record["step"]] + [{**earlier, **record}]
         rows.sort(key=lambda r: r["step"])
-        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode(), commit=True)
 
     def keep_metrics_until(self, step: int) -> None:
         """Drop metrics.jsonl's lines after `step`, but the held-out figures of step + 1 (the
@@ -291,7 +293,7 @@ class Run:
                 row = {k: v for k, v in row.items() if k == "step" or k.startswith("eval_")}
             if row["step"] <= step or len(row) > 1:
                 rows.append(row)
-        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+        self.store.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode(), commit=True)
 
     def metrics(self) -> list[dict]:
         """metrics.jsonl's lines; MalformedEntry naming the line that is not a step's record."""
@@ -318,8 +320,8 @@ def open_run_config(uri: str, overrides: list[str] = (), runs_code: bool = True)
     `uri` is the run directory or the run's storage URI (s3://bucket/prefix; give the
     endpoint as the override storage.endpoint_url=... if it is not AWS's). Redacted secrets
     are dropped: credentials come from the environment or the overrides. `runs_code`: the
-    config is for running the run (a resume), so the stored values of EXECUTABLE_KEYS must be
-    vouched for (`_check_executable_keys`)."""
+    config is for running the run (a resume), so the stored values of the keys that name
+    code, models, data and destinations must be vouched for (`_check_command_keys`)."""
     local = "://" not in uri or uri.startswith("file://")
     where = [f"run_dir={uri}"] if local else [f"storage.uri={uri}"]
     probe = config_mod.load_config(None, where + [o for o in overrides if o.lstrip("+").startswith("storage")])
@@ -332,7 +334,7 @@ def open_run_config(uri: str, overrides: list[str] = (), runs_code: bool = True)
         if config_mod.REDACTED in str(saved.get(section, {}).get(name, "")):
             saved[section][name] = ""
     if runs_code:
-        _check_executable_keys(store, saved, overrides, uri)
+        _check_command_keys(store, saved, [*overrides, *where], uri)
     if local:
         saved["run_dir"] = uri
     else:
@@ -345,24 +347,44 @@ def open_run_config(uri: str, overrides: list[str] = (), runs_code: bool = True)
         os.unlink(f.name)
 
 
-def _check_executable_keys(store: Store, saved: dict, overrides: list[str], uri: str) -> None:
-    """Refuse a stored config whose EXECUTABLE_KEYS name code or weights the resume's own
-    command does not: whoever can write the store can change config.json, and a resume would
-    run what it names. A key given among `overrides` (or its section) takes the command's
+def _check_command_keys(store: Store, saved: dict, given: list[str], uri: str) -> None:
+    """Refuse a stored config whose keys naming code, an interpreter, a cluster, a model, its
+    weights, data or destinations (config.COMMAND_KEYS) hold what the resume's own command
+    does not name: whoever can write the store can change config.json, and a resume would
+    run, load, read or send to what it names. A key the command gives (among `given`, the
+    overrides and where the command opened the run; or its section) takes the command's
     value; a stored value equal to the default needs none. A run folder on this machine that
     only this user can write is this user's own record, and trusted."""
     if store.local and _only_mine(Path(store.uri) / "config.json"):
         return
-    given = [o.partition("=")[0].strip().lstrip("+") for o in overrides]
+    named = _given_keys(given)
     defaults = config_mod.to_dict(Config())
-    named = {key: value for key in config_mod.EXECUTABLE_KEYS
-             if (value := _select(saved, key)) != _select(defaults, key)
-             and not any(key == g or key.startswith(g + ".") for g in given)}
-    if named:
-        repeat = " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in named.items())
-        raise ConfigError(f"{store.url('config.json')} names code or weights this resume would run: {repeat}; whoever "
-                          "can write the store can change that file, so a resume runs only what its own command "
-                          f"names: repeat them (lsreplay resume {uri} {repeat})")
+    stored = {key: value for key in config_mod.command_keys()
+              if (value := _select(saved, key)) != _select(defaults, key)
+              and not any(key == g or key.startswith(g + ".")
+                          or (key in config_mod.FREE_DICTS and g.startswith(key + ".")) for g in named)}
+    if stored:
+        repeat = " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in stored.items())
+        raise ConfigError(f"{store.url('config.json')} names code, a model, data or destinations this resume would "
+                          f"use: {repeat}; whoever can write the store can change that file, so a resume takes these "
+                          f"from its own command: repeat them (lsreplay resume {uri} {repeat})")
+
+
+def _given_keys(overrides: list[str]) -> list[str]:
+    """The dotted keys `key=value` overrides set: a section given as a mapping sets the keys
+    inside it only (the others keep their stored values), a free dict (model.arch) is one key."""
+    out = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.strip().lstrip("+")
+        try:
+            given = yaml.safe_load(value)
+        except yaml.YAMLError:
+            given = None
+        whole = any(key == d or key.startswith(d + ".") for d in config_mod.FREE_DICTS)
+        mapping = isinstance(given, dict) and given and not whole
+        out += [f"{key}.{leaf}" for leaf in config_mod.dotted_leaves(given)] if mapping else [key]
+    return out
 
 
 def _only_mine(path: Path) -> bool:

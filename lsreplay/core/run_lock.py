@@ -8,11 +8,19 @@ lines of metrics.jsonl are lost between their read-modify-writes. So `lsreplay t
 - a local store: an advisory lock (flock) on that file, which dies with its process; the
   file names the holder (host, pid, since) for the message a second process gets.
 - S3: a lease, the object itself, created with a conditional PUT (If-None-Match: *) and
-  renewed every LEASE_SECONDS / 3 with a PUT on its ETag (If-Match). A holder that stops
-  renewing loses it LEASE_SECONDS after its last renewal, by the server's clock; a holder on
-  this host whose process is gone loses it at once. Another process then takes it over with
-  a PUT on the ETag it read, and the former holder's next renewal is refused: it stops its
-  run (RunLockLost, at the next step). Released with a conditional DELETE.
+  renewed every LEASE_SECONDS / 3 with a PUT on its ETag (If-Match), by a process of its own
+  (lsreplay.core.lease_renewer: nothing this process computes delays a renewal). A holder
+  that stops renewing loses it LEASE_SECONDS after its last renewal, by the server's clock,
+  whether its process is gone or stalled, on this host or another (a process of another
+  container may share this host's name: only the heartbeat tells). Another process then
+  takes it over with a PUT on the ETag it read. Released with a conditional DELETE.
+
+A lease fences this process's writes to the run's store (every thread's: the background
+checkpoint writer's too, lsreplay.core.storage.fence): a write starts only before the last
+renewal + LEASE_SECONDS - MARGIN, measured on this machine's monotonic clock from when that
+renewal's request left, so it starts before anyone could take the lease over; a commit
+write (a done marker, a checkpoint's record, the run's config and metrics) renews the lease
+first and is refused if that renewal is (RunLockLost).
 
 Within a process the lock is reentrant: the command takes it (and waits with --wait) before
 its flow starts, and the flow takes it again.
@@ -26,7 +34,10 @@ import fcntl
 import json
 import logging
 import os
+import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -34,14 +45,20 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lsreplay.core import storage
 from lsreplay.core.config import ConfigError
-from lsreplay.core.storage import Contended, MissingEntry, StorageError, Store
+from lsreplay.core.storage import StorageError, Store
 
 log = logging.getLogger(__name__)
 
 LOCK_KEY = "run.lock"
 # An S3 lease's life without renewal; the environment sets it (tests make it short).
 LEASE_ENV, LEASE_SECONDS = "LSREPLAY_RUN_LEASE_SECONDS", 60.0
+# The part of its life before its end at which a holder stops writing: time for a write that
+# started to finish before anyone may take the lease over.
+MARGIN = 0.25
+# How long the renewer process may take to start and answer the first request.
+RENEWER_START_SECONDS = 120.0
 # How often a process that waits for the lock (--wait) tries again.
 POLL_SECONDS = 2.0
 
@@ -77,18 +94,6 @@ class Holder:
 
     def describe(self) -> str:
         return f"host {self.host}, pid {self.pid}, since {self.since}"
-
-    def gone(self) -> bool:
-        """Whether this is a process of this host that no longer runs."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # another user's: it runs
-            return False
-        return False
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -130,7 +135,7 @@ def _acquire(lock: _Lock, store: Store, wait: bool) -> None:
         who = "a process that is starting" if holder == STARTING else holder.describe()
         if not wait:
             raise RunLocked(f"the run at {store.uri} is being run by another process ({who}): one writer per run. "
-                            "Wait for it to end (--wait waits for it), or stop it first")
+                            f"Wait for it to end (--wait waits for it), or stop it first{lock.hint()}")
         if not waiting:
             log.warning("the run at %s is being run by another process (%s); waiting for it to end", store.uri, who)
             waiting = True
@@ -145,6 +150,10 @@ class _Lock:
 
     def check(self) -> None:
         """RunLockLost if the lock is no longer this process's."""
+
+    def hint(self) -> str:
+        """What a process refused the lock may want to know besides its holder."""
+        return ""
 
     def release(self) -> None:
         raise NotImplementedError
@@ -186,72 +195,138 @@ class _FileLock(_Lock):
         os.close(self.fd)  # and with it the lock
 
 
+def lease_clock() -> float:
+    """Seconds on this machine's monotonic clock that also counts time suspended (Linux's
+    CLOCK_BOOTTIME): a lease's life passes on the server while the machine sleeps."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 class _Lease(_Lock):
-    """The run's lease in an object store (see the module's docstring)."""
+    """The run's lease in an object store, held by a renewer process (see the module's docstring)."""
 
     def __init__(self, store: Store):
         self.store = store
         self.lease = float(os.environ.get(LEASE_ENV, LEASE_SECONDS))
+        self.margin = self.lease * MARGIN
         self.holder = Holder.me()
-        self.etag: str | None = None
+        self.renewed: float | None = None  # when the newest renewal (or the taking) left, on lease_clock
         self.lost: str | None = None
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
+        self._held_age: float | None = None  # of another's lease, as the last try found it
+        self._renewer: subprocess.Popen | None = None
+        self._pending = b""
+        self._asked = 0
+        self._io = threading.Lock()  # the writers of every thread fence through it
 
     def try_acquire(self) -> Holder | None:
-        while True:
-            try:
-                self.etag = self.store.write_if(LOCK_KEY, self.holder.encode(), None)
-                break
-            except Contended:
-                pass
-            try:
-                data, etag, age = self.store.read_versioned(LOCK_KEY)
-            except MissingEntry:  # released meanwhile: try again
-                continue
-            holder = Holder.parse(data) or Holder("(a writer not of lsreplay)", 0, "?", "")
-            if age <= self.lease and not holder.gone():
-                return holder
-            try:  # a lease its holder stopped renewing: taken over, unless another process was first
-                self.etag = self.store.write_if(LOCK_KEY, self.holder.encode(), etag)
-            except Contended:
-                continue
-            log.warning("took over the lease of the run at %s from %s (%s)", self.store.uri, holder.describe(),
-                        "its process is gone" if holder.gone() else f"not renewed for {age:.0f} s")
-            break
-        self._renewer = threading.Thread(target=self._renew, name="run-lease", daemon=True)
-        self._renewer.start()
+        with self._io:
+            answer = self._ask({"acquire": asdict(self.holder)}, RENEWER_START_SECONDS)
+        self._held_age = answer.get("age")
+        if "held" in answer:
+            return Holder.parse(answer["held"].encode()) or Holder("(a writer not of lsreplay)", 0, "?", "")
+        if "acquired" not in answer:
+            raise StorageError(f"could not take the lease of the run at {self.store.uri}: {answer.get('failed')}")
+        if answer.get("took_over"):
+            log.warning("took over the lease of the run at %s from %s", self.store.uri, answer["took_over"])
+        self.renewed = answer["acquired"]
+        storage.fence(self.store.uri, self.fence)
         return None
 
-    def _renew(self) -> None:
-        renewed = time.monotonic()
-        while not self._stop.wait(self.lease / 3):
-            self.holder = Holder(**{**asdict(self.holder), "renewals": self.holder.renewals + 1})
-            try:
-                self.etag = self.store.write_if(LOCK_KEY, self.holder.encode(), self.etag)
-                renewed = time.monotonic()
-            except Contended:
-                self.lost = "another process took the run's lease over"
-            except StorageError as e:
-                log.warning("could not renew the lease of the run at %s: %s", self.store.uri, e)
-                if time.monotonic() - renewed > self.lease:
-                    self.lost = f"its lease could not be renewed for {self.lease:.0f} s ({e})"
-            if self.lost:
-                log.error("the run at %s is no longer this process's: %s", self.store.uri, self.lost)
-                return
+    def hint(self) -> str:
+        return (f". Its lease was renewed {self._held_age:.0f} s ago; one its holder stops renewing (a process that "
+                f"was killed) is taken over {self.lease:.0f} s after its last renewal, which --wait waits for"
+                if self._held_age is not None else "")
+
+    def fence(self, commit: bool) -> None:
+        """RunLockLost unless this process may write to the run's store now; a `commit` write
+        renews the lease first (its renewal refused: RunLockLost)."""
+        with self._io:
+            if commit and not self.lost:
+                answer = self._ask({"renew": True}, max(0.0, self._deadline() - lease_clock()))
+                if "renewed" in answer:
+                    self.renewed = answer["renewed"]
+                else:
+                    self.lost = self.lost or f"its renewal before a commit failed ({answer.get('failed')})"
+            else:
+                self._drain(0.0)
+            self._raise_if_lost()
 
     def check(self) -> None:
+        with self._io:
+            self._drain(0.0)
+            self._raise_if_lost()
+
+    def _deadline(self) -> float:
+        return self.renewed + self.lease - self.margin
+
+    def _raise_if_lost(self) -> None:
+        if not self.lost and lease_clock() > self._deadline():
+            self.lost = (f"its lease was not renewed for {self.lease - self.margin:.0f} s (its life, "
+                         f"{self.lease:.0f} s, less a margin): another process may take it over")
         if self.lost:
             raise RunLockLost(f"the run at {self.store.uri} is no longer this process's: {self.lost}; it stops "
                               "rather than write beside another (`lsreplay resume` continues it)")
 
-    def release(self) -> None:
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join()
-        if self.lost or self.etag is None:
-            return
+    def _ask(self, request: dict, seconds: float) -> dict:
+        """The renewer's answer to `request` (started if need be), read within `seconds`; its
+        other messages on the way are taken in. {"failed": ...} if none comes in time."""
+        if self._renewer is None:
+            self._renewer = subprocess.Popen([sys.executable, "-m", "lsreplay.core.lease_renewer"],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+            self._send({"uri": self.store.uri, "options": self.store.options, "lease": self.lease})
+        self._asked += 1
+        self._send({**request, "id": self._asked})
+        return self._drain(seconds, self._asked) or {"failed": f"no answer from the lease's renewer in {seconds:.0f} s"}
+
+    def _send(self, message: dict) -> None:
         try:
-            self.store.delete_if(LOCK_KEY, self.etag)
-        except StorageError as e:  # taken over meanwhile, or unreachable: it expires
-            log.warning("could not release the lease of the run at %s: %s", self.store.uri, e)
+            self._renewer.stdin.write(json.dumps(message).encode() + b"\n")
+            self._renewer.stdin.flush()
+        except OSError:  # it ended: its messages say why, or its status does
+            pass
+
+    def _drain(self, seconds: float, reply: int | None = None) -> dict | None:
+        """Take in the renewer's messages that arrive within `seconds` (0: those there now), up
+        to the answer to request `reply`, which is returned."""
+        end = lease_clock() + seconds
+        while self._renewer is not None:
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                message = json.loads(line)
+                self._take(message)
+                if reply is not None and message.get("reply") == reply:
+                    return message
+            if not select.select([self._renewer.stdout], [], [], max(0.0, end - lease_clock()))[0]:
+                return None
+            chunk = os.read(self._renewer.stdout.fileno(), 1 << 16)
+            if not chunk:
+                self.lost = self.lost or f"its lease's renewer ended (status {self._renewer.wait()})"
+                return None
+            self._pending += chunk
+        return None
+
+    def _take(self, message: dict) -> None:
+        if "renewed" in message:
+            self.renewed = message["renewed"]
+        elif "lost" in message and self.renewed is not None:
+            self.lost = self.lost or message["lost"]
+            log.error("the run at %s is no longer this process's: %s", self.store.uri, message["lost"])
+        elif "failed" in message and "reply" not in message:  # a renewal of its own (an answer is the asker's)
+            log.warning("could not renew the lease of the run at %s: %s", self.store.uri, message["failed"])
+
+    def release(self) -> None:
+        storage.fence(self.store.uri, None)
+        with self._io:
+            if self._renewer is None:
+                return
+            if not self.lost:
+                answer = self._ask({"release": True}, self.lease)
+                if "failed" in answer:  # taken over meanwhile, or unreachable: it runs out
+                    log.warning("could not release the lease of the run at %s: %s", self.store.uri,
+                                answer["failed"])
+            self._renewer.stdin.close()  # the renewer ends (without releasing what it may still hold)
+            try:
+                self._renewer.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._renewer.kill()
+                self._renewer.wait()
+            self._renewer = None

@@ -4,7 +4,9 @@ Every artefact a run keeps (checkpoints, replay shards, manifests) goes through 
 that a step can be resumed from any process that can reach the root. Writes are atomic: a
 reader sees either the previous entry or the complete new one, never a partial file.
 Entries are described by small dicts {"key", "uri", "sha256", "bytes"} that manifests carry,
-so a reader can check it got exactly what the writer wrote.
+so a reader can check it got exactly what the writer wrote. torch is imported where tensors
+are written or read: a process that only holds the run's lease (lsreplay.core.run_lock)
+starts without it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import email.utils
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -28,8 +31,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import fsspec
 import fsspec.asyn
-import safetensors.torch
-import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors import SafetensorError
 
@@ -78,6 +79,21 @@ _WRITING: set[str] = set()
 _WRITING_LOCK = threading.Lock()
 
 
+# Per store URI, a check this process makes before every write and delete there: the run's
+# lease (lsreplay.core.run_lock), which raises once this process may no longer write. Called
+# with commit=True before a commit write (an entry that makes work count).
+_FENCES: dict[str, Callable[[bool], None]] = {}
+
+
+def fence(uri: str, check: Callable[[bool], None] | None) -> None:
+    """Make this process's writes and deletes to the store at `uri` (a Store's uri), from any
+    thread, call check(commit) first; None: no longer."""
+    if check is None:
+        _FENCES.pop(uri, None)
+    else:
+        _FENCES[uri] = check
+
+
 class StorageError(RuntimeError):
     """A store operation failed; the message names the URI and what to check."""
 
@@ -113,7 +129,7 @@ class Store:
     def __init__(self, uri: str, storage_options: dict | None = None):
         options = dict(storage_options or {})
         fs, root = fsspec.url_to_fs(uri, **_with_defaults(uri, options))
-        self._fs = fs
+        self._fs, self._options = fs, options
         self._local = isinstance(fs, LocalFileSystem)
         self._s3 = "s3" in fs.protocol
         self._root = os.path.normpath(root) if self._local else root.rstrip("/")
@@ -124,6 +140,16 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.uri!r})"
+
+    def _fenced(self, commit: bool = False) -> None:
+        if (check := _FENCES.get(self.uri)) is not None:
+            check(commit)
+
+    @property
+    def options(self) -> dict:
+        """The storage options the store was opened with (credentials included): for a process
+        of lsreplay's own that opens it again (the lease's renewer), never to be written out."""
+        return dict(self._options)
 
     @property
     def local(self) -> bool:
@@ -157,22 +183,26 @@ class Store:
 
         return self._call(key, op)
 
-    def write_bytes(self, key: str, data: bytes) -> dict:
-        return self._write(key, [data])
+    def write_bytes(self, key: str, data: bytes, commit: bool = False) -> dict:
+        """`commit`: the entry makes work count (a done marker, a checkpoint's record): a fence
+        on the store renews the run's lease first (`fence`)."""
+        return self._write(key, [data], commit)
 
-    def _write(self, key: str, pieces: list) -> dict:
+    def _write(self, key: str, pieces: list, commit: bool = False) -> dict:
         """Write the concatenation of `pieces` (bytes-like) as entry `key`. A local file is
         written piece by piece from them, hashed as it goes: both release the GIL, so a
-        background writer never holds it through a copy of a large file."""
+        background writer never holds it through a copy of a large file. The store's fence
+        is asked before the write starts and again before it is published."""
         path = self._path(key)
         digest, size = hashlib.sha256(), sum(memoryview(p).nbytes for p in pieces)
 
         def op() -> None:
             faults.storage_write(key)
+            self._fenced(commit)
             if self._local:
-                _write_local_atomic(path, pieces, lambda: faults.partly_written(key))
+                _write_local_atomic(path, pieces, lambda: faults.partly_written(key), self._fenced)
             elif self._s3 and size > _part_bytes(size):
-                self._upload_multipart(path, pieces, size, lambda: faults.partly_written(key))
+                self._upload_multipart(path, pieces, size, lambda: faults.partly_written(key), self._fenced)
             else:
                 # An object store publishes an object only once its upload completes.
                 self._fs.pipe_file(path, b"".join(pieces))
@@ -192,6 +222,7 @@ class Store:
 
         def op() -> None:
             faults.storage_write(key)
+            self._fenced()
             if not self._local:
                 self._fs.copy(source, path)
                 return
@@ -229,10 +260,10 @@ class Store:
             )
         return data
 
-    def write_json(self, key: str, obj: object) -> dict:
+    def write_json(self, key: str, obj: object, commit: bool = False) -> dict:
         # Sorted keys give equal objects equal bytes, hence equal hashes. Compact: a step's
         # records are mostly token ids and logprobs, one per line indented (2.4x the bytes).
-        return self.write_bytes(key, json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+        return self.write_bytes(key, json.dumps(obj, sort_keys=True, separators=(",", ":")).encode(), commit)
 
     def read_json(self, key: str, sha256: str | None = None) -> object:
         data = self.read_bytes(key, sha256)
@@ -247,6 +278,8 @@ class Store:
         return self._write(key, _safetensors_pieces(_standalone(tensors), metadata))
 
     def read_tensors(self, key: str, sha256: str | None = None) -> dict[str, torch.Tensor]:
+        import safetensors.torch
+
         data = self.read_bytes(key, sha256)
         try:
             return safetensors.torch.load(data)
@@ -350,6 +383,7 @@ class Store:
         path = self._path(key)
 
         def op() -> None:
+            self._fenced()
             with contextlib.suppress(FileNotFoundError):
                 self._fs.rm_file(path)
 
@@ -362,6 +396,7 @@ class Store:
         path = self._path(prefix)
 
         def op() -> None:
+            self._fenced()
             if self._fs.exists(path):
                 self._fs.rm(path, recursive=True)
 
@@ -387,6 +422,7 @@ class Store:
         return found
 
     def _remove_temporary_files(self) -> dict:
+        self._fenced()
         files = size = 0
         for path, info in self._fs.find(self._root, detail=True).items():
             if _TMP_MARK in posixpath.basename(path) and not _writing(path):
@@ -396,6 +432,7 @@ class Store:
         return {"files": files, "bytes": size}
 
     def _abort_incomplete_uploads(self) -> int:
+        self._fenced()
         bucket, root, _ = self._fs.split_path(self._root)
         query = {"Bucket": bucket, "Prefix": f"{root}/" if root else ""}
         uploads = []
@@ -409,9 +446,11 @@ class Store:
             self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         return len(uploads)
 
-    def _upload_multipart(self, path: str, pieces: list, size: int, midway: Callable[[], None]) -> None:
+    def _upload_multipart(self, path: str, pieces: list, size: int, midway: Callable[[], None],
+                          publishing: Callable[[], None]) -> None:
         """Upload the `size` bytes of `pieces`, concatenated, to `path` in parts (_part_bytes);
-        `midway()` runs once the first half of the parts are up."""
+        `midway()` runs once the first half of the parts are up, `publishing()` before the
+        upload is completed (it may refuse)."""
         fs, part_bytes = self._fs, _part_bytes(size)
         bucket, key, _ = fs.split_path(path)
         upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
@@ -426,6 +465,7 @@ class Store:
                 parts = send(range(1, count // 2 + 1))
                 midway()  # out of the filesystem's event loop: it may use the store
                 parts += send(range(count // 2 + 1, count + 1))
+                publishing()
                 fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
                            MultipartUpload={"Parts": parts})
             except BaseException:
@@ -530,10 +570,11 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_local_atomic(path: str, pieces: list, midway: Callable[[], None]) -> None:
+def _write_local_atomic(path: str, pieces: list, midway: Callable[[], None], publishing: Callable[[], None]) -> None:
     """Write to a temporary file beside the target, flush it to disk, then rename over the
     target: a rename within one directory is atomic, so readers never see a partial file.
-    `midway()` runs once the first half of the pieces are in the file."""
+    `midway()` runs once the first half of the pieces are in the file, `publishing()` before
+    the rename (it may refuse)."""
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f"{name}{_TMP_MARK}{uuid.uuid4().hex}")
@@ -547,6 +588,7 @@ def _write_local_atomic(path: str, pieces: list, midway: Callable[[], None]) -> 
                     f.write(piece)
                 f.flush()
                 os.fsync(f.fileno())
+            publishing()
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -630,23 +672,31 @@ async def _upload_parts(fs, bucket: str, key: str, upload_id: str, parts: Iterat
         raise
 
 
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL"}
+@functools.cache
+def _safetensors_dtypes() -> dict:
+    import torch
+
+    return {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+            torch.bool: "BOOL"}
 
 
 def _safetensors_pieces(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> list:
     """A safetensors file as pieces: its header, then every tensor's own memory (no copy).
     As safetensors itself does, the widest dtypes come first, so that every tensor starts at
     a multiple of its item size (the header is padded to 8 bytes)."""
-    if any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+    import safetensors.torch
+    import torch
+
+    dtypes = _safetensors_dtypes()
+    if any(t.dtype not in dtypes for t in tensors.values()):
         return [safetensors.torch.save(tensors, metadata)]
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name in order:
         t = tensors[name]
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": dtypes[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -658,6 +708,8 @@ def _safetensors_pieces(tensors: dict[str, torch.Tensor], metadata: dict[str, st
 def _standalone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous tensors with one storage each, as safetensors requires: a tensor
     sharing storage with an earlier one (a view, a tied weight) is written as its own copy."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, tensor in tensors.items():

@@ -5,16 +5,8 @@ environment that says "wrong, try again" (configs/agentic.yaml)."""
 
 from __future__ import annotations
 
-import ast
-import operator
-
+from lsreplay.data.expressions import arithmetic
 from lsreplay.data.rewards import extract_answer
-
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-              ast.Pow: operator.pow, ast.Mod: operator.mod, ast.FloorDiv: operator.floordiv,
-              ast.USub: operator.neg, ast.UAdd: operator.pos}
-# A bound on exponents, so that a model writing 9**9**9 does not stall the rollouts.
-_MAX_EXPONENT = 100
 
 
 def calculator(expression: str) -> str:
@@ -23,21 +15,10 @@ def calculator(expression: str) -> str:
     Args:
         expression: numbers with + - * / // % ** and parentheses, e.g. "(3 + 4) * 5"
     """
-    value = _evaluate(ast.parse(expression, mode="eval").body)
+    # Every integer it makes is sized first (lsreplay.data.expressions): a model writing
+    # 9**9**9 gets an error back at once, instead of stalling the rollouts.
+    value = arithmetic(expression)
     return str(int(value) if isinstance(value, float) and value.is_integer() else value)
-
-
-def _evaluate(node):
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:
-            raise ValueError(f"exponent {right} is too large (at most {_MAX_EXPONENT})")
-        return _OPERATORS[type(node.op)](left, right)
-    raise ValueError(f"not arithmetic: {ast.unparse(node)}")
 
 
 def _correct(text: str, answer: str) -> bool:

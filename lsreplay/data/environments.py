@@ -52,12 +52,14 @@ from typing import Protocol
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
-from lsreplay.core.config import RolloutConfig
+from lsreplay.core.config import RolloutConfig, SandboxConfig
+from lsreplay.core.sandbox import limits_of
 from lsreplay.data.chat_formats import Chat, EpisodeError
 from lsreplay.data.rendering import fit_prompt
 from lsreplay.data.reward_functions import callable_name, load_function
 from lsreplay.data.rewards import Overdue, within
 from lsreplay.data.sources import Prompt
+from lsreplay.data.untrusted import UntrustedFunction, untrusted_function
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +69,8 @@ ENVIRONMENT_HOOKS = ("reset", "get_reward", "close", "fork")
 
 def tool_schema(function: Callable, what: str) -> dict:
     """The function's JSON schema, as the chat template's `tools=` takes it."""
-    try:
-        return get_json_schema(function)
+    try:  # an untrusted tool's, as its child process read it
+        return getattr(function, "json_schema", None) or get_json_schema(function)
     except (DocstringParsingException, TypeHintParsingException) as e:
         raise EpisodeError(f"{what}: {e} A tool needs a type hint on every parameter and a Google-style docstring "
                            "(a description, then an Args: section with a line per parameter), from which "
@@ -127,12 +129,15 @@ class Play:
         return {**self.functions, **{name: getattr(instance, name) for name in self.methods}}
 
 
-def load_play(r: RolloutConfig) -> Play:
-    """The configured tools and environment, their schemas checked."""
+def load_play(r: RolloutConfig, sandbox: SandboxConfig | None = None) -> Play:
+    """The configured tools and environment, their schemas checked; with
+    rollout.untrusted_tools the tools run in a child process with `sandbox`'s limits."""
     play = Play({}, timeout=r.tool_timeout_seconds, max_answer_tokens=r.max_environment_tokens,
                 format=r.tool_call_format)
     for i, spec in enumerate(r.tools):
-        function = load_function(spec, f"tool rollout.tools[{i}] =")
+        what = f"tool rollout.tools[{i}] ="
+        function = untrusted_function(spec, what, limits_of(sandbox or SandboxConfig()), r.tool_timeout_seconds,
+                                      tool=True) if r.untrusted_tools else load_function(spec, what)
         name = callable_name(function)
         if name in play.functions:
             raise EpisodeError(f"rollout.tools[{i}] = {spec!r}: a tool named {name!r} is listed already; the model "
@@ -198,7 +203,9 @@ class Calls:
         """function(*args, **kwargs), awaited on the loop if it returns an awaitable, within
         the timeout (0: none): Overdue past it (a coroutine is cancelled)."""
         started = time.monotonic()
-        value = within(self.timeout, lambda: function(*args, **kwargs)) if self.timeout else function(*args, **kwargs)
+        # An untrusted tool keeps the time of its call itself, in its child process (killed past it).
+        bounded = self.timeout and not isinstance(function, UntrustedFunction)
+        value = within(self.timeout, lambda: function(*args, **kwargs)) if bounded else function(*args, **kwargs)
         if not inspect.isawaitable(value):
             return value
         future = asyncio.run_coroutine_threadsafe(_awaited(value), self.loop)

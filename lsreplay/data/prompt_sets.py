@@ -20,6 +20,7 @@ import numpy as np
 
 from lsreplay.core.config import Config, reward_specs
 from lsreplay.data import long_context
+from lsreplay.data.checkers import check_rows
 from lsreplay.data.environments import environment_rewards
 from lsreplay.data.rendering import rendered_ids
 from lsreplay.data.rewards import Reward, unscorable_tasks
@@ -140,7 +141,8 @@ def check_prompts(cfg: Config, render, reward: Reward, training: bool = True) ->
     first if need be), the held-out set and the training set are there, every row's prompt is
     a string or chat messages, the reward functions take what the data gives them, every task
     the default reward must score is a reasoning-gym task, and the longest prompts fit
-    data.max_prompt_tokens once `render`ed (render(prompt) -> token ids). training=False:
+    data.max_prompt_tokens once `render`ed (render(prompt) -> token ids); a row whose task's
+    checker evaluates it is one lsreplay generated (lsreplay.data.checkers). training=False:
     the held-out set only (offline DPO trains on a preference dataset)."""
     sets = ([training_prompts(cfg)] if training else []) + [s for s in [heldout_prompts(cfg)] if s is not None]
     for prompts in sets:
@@ -156,6 +158,10 @@ def check_prompts(cfg: Config, render, reward: Reward, training: bool = True) ->
                 raise DatasetError(f"{prompts.path}: tasks {unknown[:5]} are not reasoning-gym tasks, so the default "
                                    "reward cannot score them; give reward.functions=[module:function], or fix "
                                    f"the column data.columns.task={cfg.data.columns.task!r} names.")
+            try:  # a checker that evaluates its row gets only rows lsreplay generated
+                check_rows(cfg, prompts)
+            except DatasetError as e:
+                raise DatasetError(f"{prompts.path}: {e}") from None
     for prompts in sets:
         lengths = [len(prompt_key(q or "")) for q in prompts.column("question")]
         for i in sorted(range(len(prompts)), key=lambda i: -lengths[i])[:LONGEST_CHECKED]:

@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import contextvars
 import dataclasses
-import functools
 import inspect
 import json
 import logging
@@ -29,12 +28,16 @@ import threading
 from collections.abc import Callable
 
 from lsreplay.core.config import Config, is_reward_model, reward_specs
+from lsreplay.core.sandbox import Overdue, limits_of
+from lsreplay.data.checkers import SANDBOXED, Checking
+from lsreplay.data.hardened_checkers import checker as checker_of
 from lsreplay.data.reward_functions import (RewardError, RewardFunction, CallLog, callable_name, check_call,
                                             check_trl_keywords, detect_style, load_function, trl_keywords,
                                             verl_keywords)
 from lsreplay.data.reward_models import RewardModel
 from lsreplay.data.long_context import TASKS as LONG_CONTEXT_TASKS
 from lsreplay.data.sources import DatasetError, Prompt, reasoning_gym_tasks
+from lsreplay.data.untrusted import UntrustedFunction, untrusted_function
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +76,6 @@ def extract_answer(completion: str) -> str | None:
     return numbers_found[-1].replace(",", "") if numbers_found else None
 
 
-@functools.lru_cache(maxsize=None)
-def _checker(task: str, args_json: str):
-    # size=1 keeps construction cheap (some generators precompute per-row state); the
-    # seed does not affect checking. Four checkers (decimal_arithmetic, puzzle24,
-    # polynomial_equations, time_intervals) read their config, hence args_json.
-    if task not in reasoning_gym_tasks():  # a DatasetError saying so where reasoning-gym is missing
-        raise DatasetError(f"prompt task {task!r} is not a reasoning-gym task; cannot score it "
-                           "(give your own reward.functions=[module:function] to score other data).")
-    import reasoning_gym
-
-    return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(args_json))
-
-
 def unscorable_tasks(tasks: set[str]) -> list[str]:
     """Those of `tasks` the default reward cannot score: neither exact answers (EXACT_TASKS)
     nor reasoning-gym's. reasoning-gym is imported only when another task asks for it, so
@@ -97,19 +87,29 @@ def unscorable_tasks(tasks: set[str]) -> list[str]:
 _warned_tasks: set[str] = set()
 
 
-def score(prompt: Prompt, completion: str, task_args: dict | None = None) -> float:
+def score(prompt: Prompt, completion: str, task_args: dict | None = None, checking: Checking | None = None) -> float:
     """Reward in [0, 1] from reasoning-gym's own checker for `prompt.task` (exact match for
     the rows of EXACT_TASKS).
 
     Pass the `task_args` the prompt was generated with when the task's checker depends
-    on its config (see `_checker`); the others ignore it.
+    on its config (see lsreplay.data.hardened_checkers.checker); the others ignore it. A task whose
+    checker evaluates text (lsreplay.data.checkers.SANDBOXED) is scored by `checking`, in a
+    child process.
     """
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
     if prompt.task in EXACT_TASKS:
         return float(answer.strip() == prompt.answer.strip())
-    checker = _checker(prompt.task, json.dumps(task_args or {}, sort_keys=True))
+    if prompt.task not in reasoning_gym_tasks():  # a DatasetError saying so where reasoning-gym is missing
+        raise DatasetError(f"prompt task {prompt.task!r} is not a reasoning-gym task; cannot score it "
+                           "(give your own reward.functions=[module:function] to score other data).")
+    if prompt.task in SANDBOXED:
+        if checking is None:
+            raise DatasetError(f"task {prompt.task!r}'s checker evaluates text: it is scored in a child process, "
+                               "through lsreplay.data.rewards.Reward (or give a Checking)")
+        return checking.score(prompt, answer, task_args)
+    checker = checker_of(prompt.task, json.dumps(task_args or {}, sort_keys=True))
     entry = {"question": prompt.question, "answer": prompt.answer, "metadata": prompt.metadata}
     try:
         reward = float(checker.score_answer(answer=answer, entry=entry))
@@ -175,7 +175,8 @@ def _function(cfg: Config, i: int, spec: str, device) -> RewardFunction:
             raise RewardError(f"reward model {spec!r} takes no keywords; leave its reward.kwargs entry empty ({{}})")
         model = RewardModel(spec, device, cfg.data.chat_template_kwargs)
         return RewardFunction(spec, model.name, "model", weight, model)
-    function = load_function(spec)
+    function = untrusted_function(spec, "reward function", limits_of(cfg.sandbox), r.timeout_seconds) \
+        if r.untrusted else load_function(spec)
     style = r.styles[i] if r.styles and r.styles[i] != "auto" else detect_style(function)
     rf = RewardFunction(spec, callable_name(function), style, weight, function, kwargs)
     check_call(rf)
@@ -191,6 +192,7 @@ class Reward:
         self.task_args = dict(cfg.data.task_args)
         self.answer_column, self.source_column = cfg.data.columns.answer, cfg.data.reward_fn_key
         self.timeout = cfg.reward.timeout_seconds
+        self.checking = Checking(cfg)
         self.functions = [_function(cfg, i, spec, device) for i, spec in enumerate(reward_specs(cfg.reward))]
         names = [rf.name for rf in self.functions]
         for rf in self.functions:
@@ -220,6 +222,9 @@ class Reward:
         the only one when reward.functions is empty (no default checker then). A RewardError
         if the functions take longer than reward.timeout_seconds (a function that hangs)."""
         args = (prompts, completions, completion_ids, state, messages, environment, environments)
+        for rf in self.functions:
+            if isinstance(rf.function, UntrustedFunction):  # its child's start-up is not the batch's time
+                rf.function.start()
         if not self.timeout:
             return self._score(*args)
         try:
@@ -237,7 +242,8 @@ class Reward:
         if not self.functions and environment is not None:
             return Scores(environment, {ENVIRONMENT_NAME: environment}, {}, {})
         if not self.functions:
-            values = [[score(p, c, self.task_args.get(p.task)) for c in cs] for p, cs in zip(prompts, completions)]
+            values = [[score(p, c, self.task_args.get(p.task), self.checking) for c in cs]
+                      for p, cs in zip(prompts, completions)]
             return Scores(values, {DEFAULT_NAME: values}, {}, {})
         flat = [(p, c, i) for p, cs, ids in zip(prompts, completions, completion_ids) for c, i in zip(cs, ids)]
         calls, logged = self._calls(flat, state, None if messages is None else [m for ms in messages for m in ms],
@@ -336,10 +342,6 @@ class Reward:
             log.warning("no reward function applies to a completion of prompt %d (every one returned None): it is "
                         "left out of the baselines and the reward figures, and its advantage is 0", prompt.index)
         return None
-
-
-class Overdue(TimeoutError):
-    """A call `within` gave a deadline did not return by then (not a TimeoutError of its own)."""
 
 
 def within(seconds: float, fn: Callable, *args):

@@ -9,6 +9,7 @@ is scored lives in lsreplay.data.rewards.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -156,27 +157,53 @@ def _create(path: Path, name: str, size: int, seed: int, args: dict):
         ) from e
 
 
-def _rows(path: Path, tasks: list[str], size: int, seed: int, task_args: dict[str, dict], measure):
-    # Spread the remainder over the first tasks so the file has exactly `size` rows.
+def _shares(tasks: list[str], size: int) -> list[tuple[str, int]]:
+    """The rows each task gets of `size`: an equal share, the remainder over the first tasks
+    so that the file has exactly `size` rows."""
     share, extra = divmod(size, len(tasks))
-    for i, name in enumerate(tasks):
-        n = share + (i < extra)
+    return [(name, share + (i < extra)) for i, name in enumerate(tasks)]
+
+
+def _rows(path: Path, tasks: list[str], size: int, seed: int, task_args: dict[str, dict], measure):
+    for name, n in _shares(tasks, size):
         if n == 0:
             continue
         if name in long_context.TASKS:
             yield from long_context.rows(name, n, seed, task_args[name], measure)
             continue
         for entry in _create(path, name, n, seed, task_args.get(name, {})):
-            yield {
-                "question": entry["question"],
-                # Tasks with many valid solutions (rush_hour, ...) have answer None and
-                # checkers that ignore it; "" keeps the column a plain string column.
-                "answer": "" if entry["answer"] is None else str(entry["answer"]),
-                "task": name,
-                # A JSON string, not a nested object: each task's metadata has its own
-                # shape, and one Arrow struct column cannot hold them all.
-                "metadata": json.dumps(jsonable(entry.get("metadata", {})), sort_keys=True),
-            }
+            yield _row(name, entry)
+
+
+def _row(name: str, entry: dict) -> dict:
+    """A generated entry as the prompt file holds it."""
+    return {
+        "question": entry["question"],
+        # Tasks with many valid solutions (rush_hour, ...) have answer None and
+        # checkers that ignore it; "" keeps the column a plain string column.
+        "answer": "" if entry["answer"] is None else str(entry["answer"]),
+        "task": name,
+        # A JSON string, not a nested object: each task's metadata has its own
+        # shape, and one Arrow struct column cannot hold them all.
+        "metadata": json.dumps(jsonable(entry.get("metadata", {})), sort_keys=True),
+    }
+
+
+def generated_row(tasks: list[str], size: int, seed: int, task_args: dict[str, dict], task: str, index: int) -> dict:
+    """Row `index` of `task` (reasoning-gym's metadata.source_index) of the file
+    generate_prompt_file(..., tasks, size, seed, task_args) writes, generated again, without
+    the file; DatasetError if that file holds no such row."""
+    shares = dict(_shares(tasks, size))
+    if not 0 <= index < shares.get(task, 0):
+        raise DatasetError(f"the prompts generated from data.tasks={tasks}, data.size={size} and seed {seed} hold no "
+                           f"row {index} of task {task!r}")
+    args = json.dumps(task_args_for(tasks, task_args).get(task, {}), sort_keys=True)
+    return _row(task, _generator(task, shares[task], seed, args)[index])
+
+
+@functools.lru_cache(maxsize=32)
+def _generator(task: str, size: int, seed: int, args_json: str):
+    return _create(Path(f"reasoning-gym task {task}"), task, size, seed, json.loads(args_json))
 
 
 def _write_atomic(path: Path, lines) -> None:

@@ -25,15 +25,16 @@ Two ways to hold the model:
   parameters are resharded. During the backward a rank therefore holds the full compute
   weights and a full gradient accumulator; `lsreplay.commands.plan` counts exactly that.
 
-`launch` runs a function on `world_size` local processes (torch.multiprocessing spawn,
-127.0.0.1 on a free port) and returns each rank's return value.
+`launch` runs a function on `world_size` local processes (torch.multiprocessing spawn; they
+meet in a file of a folder only this user can open, and talk over the loopback interface) and
+returns each rank's return value.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -290,23 +291,32 @@ def full_grads(model) -> dict[str, torch.Tensor | None]:
 
 
 # -- launching ---------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple, results,
+def loopback_interface() -> str:
+    """The name of this host's loopback network interface (Linux's `lo`)."""
+    for name in sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []:
+        try:
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+        except (OSError, ValueError):
+            continue
+    return "lo"
+
+
+def _worker(rank: int, fn: Callable, world_size: int, rendezvous: str, backend: str, args: tuple, results,
             threads: int | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # The ranks meet in a file of a folder only this user can open (no TCP store listening on
+    # every interface), and gloo's and NCCL's own sockets are on the loopback interface.
+    loopback = loopback_interface()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME=loopback,
+                      NCCL_SOCKET_IFNAME=loopback)
     if threads:
         torch.set_num_threads(threads)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         out = fn(rank, world_size, *args)
     finally:
@@ -319,7 +329,8 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, a
 def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None = None,
            threads: int | None = None) -> list:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes joined in one
-    process group (127.0.0.1, a free port; gloo on CPU, NCCL on GPU). `fn` must be
+    process group (a FileStore in a 0700 temporary folder, sockets on the loopback interface;
+    gloo on CPU, NCCL on GPU). `fn` must be
     importable (module level); its return value travels back through torch.save, so
     keep it small (tensors, dicts, numbers). Returns the values by rank; a rank's
     exception is raised here. threads: torch threads per rank. With NCCL, `fn` sets its
@@ -330,9 +341,6 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None 
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = mp.spawn(_worker, args=(fn, world_size, port, backend or default_backend(), args, results, threads),
-                     nprocs=world_size, join=False)
     out: list = [None] * world_size
 
     def drain(timeout: float) -> None:
@@ -344,7 +352,11 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None 
         except queue.Empty:
             pass
 
-    while not procs.join(timeout=0.05):  # raises if a rank failed
-        drain(0.05)
+    with tempfile.TemporaryDirectory(prefix="lsreplay-ranks-") as folder:  # 0700: this user's alone
+        procs = mp.spawn(_worker, args=(fn, world_size, os.path.join(folder, "rendezvous"),
+                                        backend or default_backend(), args, results, threads),
+                         nprocs=world_size, join=False)
+        while not procs.join(timeout=0.05):  # raises if a rank failed
+            drain(0.05)
     drain(0.2)
     return out

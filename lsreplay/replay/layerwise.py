@@ -57,9 +57,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 from transformers import Cache, PreTrainedModel
 
+from lsreplay.models.attention_switch import attention_for_thread, model_configs
 from lsreplay.models.hf_compat import CACHE_KEYWORD, decoder, decoder_layers, full_cache, with_cache
 from lsreplay.replay.attention.windows import layer_visibility
-from lsreplay.replay.cascade import CascadePrefix, KeysOnly, cascade_attending
+from lsreplay.replay.cascade import IMPLEMENTATION, CascadePrefix, KeysOnly
 from lsreplay.replay.memory import ActivationMeter
 from lsreplay.replay.segments import PrefixKV, padded_batch
 
@@ -151,7 +152,7 @@ class LayerByLayerSpan:
             self.calls.append(self._captured_calls(lo, hi))
             self.counted += [self.meter.keep(t) for t in _tensors(self.calls[-1])]  # rotary tables, positions
         last = len(self.layers) - 1
-        with torch.no_grad(), cascade_attending(self.model):
+        with torch.no_grad(), attention_for_thread(model_configs(self.model), IMPLEMENTATION):
             hidden = None  # the running layer's input at every position (layer 0's: embedded chunk by chunk)
             for layer in range(len(self.layers)):
                 log.debug("span at %d: layer %d forward, %.1f s in", self.start, layer, time.perf_counter() - start)
@@ -213,7 +214,7 @@ class LayerByLayerSpan:
             layer.forward = recorder(index)
         prefix = CascadePrefix([], self.start + lo, layer_visibility(self.model.config))
         try:
-            with cascade_attending(self.model):
+            with attention_for_thread(model_configs(self.model), IMPLEMENTATION):
                 decoder(self.model)(input_ids=ids, position_ids=positions, use_cache=True, cascade_prefix=prefix,
                                     **with_cache(full_cache(self.model)))
         except _Stop:
@@ -292,7 +293,7 @@ class LayerByLayerSpan:
         peers, then the later ranks' gradient of the share's K/V through the layer's keys
         and values."""
         start = time.perf_counter()
-        with cascade_attending(self.model):
+        with attention_for_thread(model_configs(self.model), IMPLEMENTATION):
             for layer in reversed(range(len(self.layers))):
                 log.debug("span at %d: layer %d again, %.1f s in", self.start, layer, time.perf_counter() - start)
                 inputs = self.inputs.take(layer) if layer else None

@@ -80,6 +80,7 @@ def _update(run: Run, step: int, trees, goal: Objective, prefixes: dict, device:
 
     def take_step(m: Minibatch) -> None:
         train.schedule(step * per_step + m.index, cfg.steps * per_step)
+        RESIDENT.updating(run, device)  # usable again only once `updated` (below) says which step it acts in
         norms.append(_commit_step(run, step, train, faults.loss("policy", step, m.loss),
                                   lambda: RESIDENT.drop(run, device)))
         figures.append(goal.figures(m.trees, m.scores))
@@ -136,6 +137,7 @@ def _commit_step(run: Run, step: int, train: TrainState, loss: float, forget, sh
     except BaseException:
         forget()
         raise
+    faults.hook("policy", step, "stepped")  # stepped, not yet recorded: where a timeout may strike
     bad = train.nonfinite()
     if _any_rank(bool(bad)) if sharded else bad:
         forget()
@@ -182,12 +184,9 @@ def _data_parallel_update(run: Run, step: int, goal: Objective, devices) -> dict
     backend = "nccl" if run.cfg.pool.accelerator == "cuda" else "gloo"
     rank_devices = [str(run.device([index])) for index in devices[:world]]
     doomed = faults.doomed_rank("policy", step, world)
-    try:
-        outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, rank_devices, shared, doomed),
-                      backend=backend, threads=max(1, run.cfg.threads // world))
-    except BaseException:
-        RESIDENT.drop(run, host)  # a rank may have written part of its update back: the held state is unusable
-        raise
+    RESIDENT.updating(run, host)  # the ranks write the stepped state back into this copy's
+    outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, rank_devices, shared, doomed),
+                  backend=backend, threads=max(1, run.cfg.threads // world))
     if "nonfinite" in outs[0]:  # no rank wrote anything back
         raise NonFiniteLoss(outs[0]["nonfinite"])
     train.follow_masters()

@@ -81,7 +81,7 @@ def prompt_renderer(cfg: Config, tokenizer):
     checks they import and have schemas, and an instance reset with the prompt's row must fork."""
     if not multi_turn(cfg.rollout):
         return lambda prompt: render_prompt(tokenizer, prompt, cfg.data)
-    play = load_play(cfg.rollout)
+    play = load_play(cfg.rollout, cfg.sandbox)
     chat = Chat(tokenizer, play.schemas, cfg.data, [tokenizer.eos_token_id], play.format)  # end-of-turn: later turns
 
     def render(prompt):

@@ -204,7 +204,7 @@ def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[
     speculation) and the positions re-reading each turn's history would have prefilled."""
     cfg, r = run.cfg, run.cfg.rollout
     eos = eos_ids(tokenizer, model)
-    play = load_play(r)
+    play = load_play(r, cfg.sandbox)
     episodes = Episodes(play, Chat(tokenizer, play.schemas, cfg.data, eos, play.format), prompts, calls,
                         StoreJournal(run, step, shard, draw))
     draws = [draw] if draw else []

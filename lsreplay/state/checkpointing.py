@@ -25,6 +25,7 @@ import contextvars
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -109,7 +110,7 @@ def write(run: Run, snap: Snapshot) -> dict:
     record = {"step": snap.step, "config_hash": run.config_hash, "snapshot_seconds": snap.seconds,
               "write_seconds": time.perf_counter() - start,
               "files": {name: {k: e[k] for k in ("key", "bytes", "sha256")} for name, e in files.items()}}
-    run.store.write_json(f"{prefix}/{COMPLETE}", record)
+    run.store.write_json(f"{prefix}/{COMPLETE}", record, commit=True)
     return record
 
 
@@ -177,6 +178,11 @@ def _prune_drafters(run: Run, oldest_kept: int) -> None:
     trained = [s for s in steps if s < oldest_kept and (done := run.done(s, "drafter")) and done.get("checkpoint")]
     for step in (s for s in steps if trained and s < max(trained)):
         run.release(step, "drafter", run.checkpoint("drafter", step), "checkpoint")
+
+
+def _step_folders(run: Run) -> set[int]:
+    """The steps that have entries of their own (step_NNNN/...), from one listing of the store."""
+    return {int(m[1]) for key in run.store.list() if (m := re.match(r"step_(\d+)/", key))}
 
 
 def _steps(run: Run, folder: str) -> set[int]:
@@ -285,8 +291,10 @@ def rewind(run: Run) -> int:
     step whose update is not held anywhere: where a process that holds nothing resumes."""
     committed = committed_steps(run)
     restart = committed[-1] + 1 if committed else 0
-    forgotten = [s for s in range(restart, run.cfg.steps) if run.done(s, "policy") is not None]
-    for step in range(restart, run.cfg.steps):
+    # Only the steps the store holds: `steps` may be far beyond them (a run extended to more steps).
+    present = sorted(s for s in _step_folders(run) if restart <= s < run.cfg.steps)
+    forgotten = [s for s in present if run.done(s, "policy") is not None]
+    for step in present:
         run.invalidate(step, "policy")
         if (prefixes := run.done(step, "prefixes")) is not None and prefixes.get("released"):
             run.invalidate(step, "prefixes")

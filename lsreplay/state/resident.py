@@ -62,6 +62,10 @@ class StateLost(RuntimeError):
         return (type(self), (self.step, str(self)))
 
 
+# A copy's acts_in while an optimizer step may have changed it part of the way.
+UPDATING = -1
+
+
 @dataclass
 class _Copy:
     model: PreTrainedModel  # the compute weights, on the copy's device
@@ -278,6 +282,14 @@ class Resident:
             held.engine.close()
 
     # -- what the policy update reports ----------------------------------------------------
+    def updating(self, run: Run, device: torch.device) -> None:
+        """The copy on `device` is about to be changed by an optimizer step: until `updated`,
+        it acts in no step, so that a try interrupted anywhere between the two (a stage
+        timeout raises at any line) leaves nothing a retry would step again."""
+        with self._lock:
+            if copy := self._copies.get(_key(run, device)):
+                copy.acts_in = UPDATING
+
     def updated(self, run: Run, step: int, device: torch.device) -> None:
         """The copy on `device` now holds the policy after update `step` (published, for
         asynchronous rollouts: `sampler`)."""
