@@ -225,6 +225,15 @@ def test_the_plan_counts_a_tensor_parallel_rollout_engine(capsys):
     assert "each shard's engine on 8 devices (tensor parallel)" in out and "1 of 4 K/V heads" in out
     assert main([config, "rollout.vllm.tensor_parallel_size=1"]) == 1
     assert "the rollout engine's KV cache cannot hold one of the shard's sequences" in capsys.readouterr().err
+    # vLLM's decode context parallelism splits a head's positions over the devices holding it,
+    # but only where the query heads per K/V head divide by it (Qwen2.5-7B: 7); a model with 8 does.
+    assert main([config, "rollout.vllm.decode_context_parallel_size=2"]) == 2
+    assert "the 7 query heads per K/V head divide by it" in capsys.readouterr().err
+    main([config, "rollout.vllm.decode_context_parallel_size=2", "rollout.vllm.kv_cache_gb=8",
+          "model.arch.num_attention_heads=32", "model.arch.hidden_size=4096"])  # (its update is another matter)
+    out = capsys.readouterr().out
+    assert "1/2 of their positions (decode context parallel): 1198372 positions" in out  # in half the cache
+    assert float(_last_kv(out)["rollout_peak_gib"]) <= 96
 
 
 def test_bad_planner_key_is_a_config_error(capsys):

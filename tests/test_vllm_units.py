@@ -31,10 +31,12 @@ def test_a_tensor_parallel_engine_spans_the_devices_of_its_shard():
     """rollout.vllm.tensor_parallel_size reaches the engine's spec: on CUDA the shard's devices,
     its own first, listed to the engine as their physical GPUs; on a CPU, its workers, each a
     group of this process's cores."""
-    cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", "pool.slots=4"])
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", "pool.slots=4",
+                             "pool.accelerator=cuda", "rollout.vllm.decode_context_parallel_size=2"])
     span = (torch.device("cuda", 2), torch.device("cuda", 3))
     spec = engine_spec(cfg, span[0], "/model", 0, None, span)
     assert spec.tensor_parallel == 2 and spec.devices == ("cuda:2", "cuda:3") and spec.device == "cuda:2"
+    assert spec.decode_context_parallel == 2
     assert engine_gpus(spec, None) == "2,3" and engine_gpus(spec, "4,5,6,7") == "6,7"
     with pytest.raises(EngineStartError, match=r"tensor_parallel_size=2 but the rollout shard holds 1 device"):
         engine_spec(cfg, span[0], "/model", 0, None, span[:1])

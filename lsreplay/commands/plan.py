@@ -66,7 +66,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lsreplay.commands.context_plan import ContextPlan, Split, context_plan, format_context
-from lsreplay.core.config import RolloutConfig, completion_tokens, multi_turn
+from lsreplay.core.config import ConfigError, RolloutConfig, completion_tokens, multi_turn
 from lsreplay.models.train_state import master_dtype
 from lsreplay.replay.attention.kernels import kernel_for
 from lsreplay.replay.memory import (
@@ -374,7 +374,7 @@ def lora_params(cfg, dims: ModelDims) -> int:
     """The LoRA adapters' parameters (model.lora): A (rank x in) and B (out x rank) per target
     projection of every layer (all-linear: all of them; a dotted name by its last part, in
     every layer); 0 without LoRA."""
-    from lsreplay.core.config import ALL_LINEAR, ConfigError
+    from lsreplay.core.config import ALL_LINEAR
 
     lora = cfg.model.lora
     if not lora.enabled:
@@ -527,13 +527,19 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
     one smaller than a single sequence cannot serve it at all. With tensor parallelism
     (rollout.vllm.tensor_parallel_size) the engine spans that many devices, each holding a
     share of the weights and of the K/V heads (a head on several devices where there are
-    fewer heads than devices), its cache that size on each."""
+    fewer heads than devices), its cache that size on each; with decode context parallelism
+    (rollout.vllm.decode_context_parallel_size) a head's devices split its positions."""
     elt, r = ELT[cfg.model.dtype], cfg.rollout
-    tp = r.vllm.tensor_parallel_size
+    tp, dcp = r.vllm.tensor_parallel_size, r.vllm.decode_context_parallel_size
+    if dcp > 1 and (dcp > tp // dims.kv_heads or dims.heads // dims.kv_heads % dcp):
+        raise ConfigError(f"rollout.vllm.decode_context_parallel_size={dcp}: vLLM splits a K/V head's positions over "
+                          f"devices that would each hold a copy of it, at most tensor_parallel_size / K/V heads = "
+                          f"{tp // dims.kv_heads} here, and only where the {dims.heads // dims.kv_heads} query heads "
+                          "per K/V head divide by it; set it to 1")
     trees = -(-cfg.data.prompts_per_step // r.shards)
     rows = trees * shape.rollouts
     heads = max(1, dims.kv_heads // tp)  # of the K/V heads on a device
-    kvpp = kv_bytes_per_position(dims, elt) * heads // dims.kv_heads
+    kvpp = max(1, kv_bytes_per_position(dims, elt) * heads // (dims.kv_heads * dcp))  # a position's, on a device
     needed = (trees * shape.prompt + rows * shape.completion) * kvpp
     if r.vllm.kv_cache_gb or cfg.pool.accelerator != "cuda":
         cache, sized = int(r.vllm.kv_cache_gb * GiB), f"rollout.vllm.kv_cache_gb={r.vllm.kv_cache_gb:g}"
@@ -542,7 +548,8 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
         sized = f"gpu_memory_utilization={r.vllm.gpu_memory_utilization:g} of the device"
     over = f" (1/{tp} on each of {tp} devices)" if tp > 1 else ""
     lines = [("engine", f"the engine's copy of the policy weights{over}", dims.params() * elt // tp),
-             ("kv", f"its KV cache ({sized}{f', {heads} of {dims.kv_heads} K/V heads' if tp > 1 else ''}: "
+             ("kv", f"its KV cache ({sized}{f', {heads} of {dims.kv_heads} K/V heads' if tp > 1 else ''}"
+                    f"{f', 1/{dcp} of their positions (decode context parallel)' if dcp > 1 else ''}: "
                     f"{cache // kvpp} positions; the shard needs {needed // kvpp} at once)", cache)]
     if cfg.pool.accelerator == "cpu":  # on CUDA this buffer is host memory, not the device's
         lines.append(("engine", "the shared buffer the policy's updates reach the engine through",
@@ -792,7 +799,6 @@ def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
     """From model.arch (HF config kwargs with model_type) or the config of model.path."""
     from transformers import AutoConfig
 
-    from lsreplay.core.config import ConfigError
     from lsreplay.models.families import family
 
     if arch:
@@ -1048,7 +1054,6 @@ def host_advice(p: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lsreplay.core.config import ConfigError
     from lsreplay.models.loading import ModelError
 
     ap = argparse.ArgumentParser(prog="lsreplay plan", description=__doc__.split("\n\n")[0])

@@ -180,6 +180,11 @@ class VLLMConfig:
     # holding that many pool slots; every device holds a share of the weights and of the K/V
     # heads (a head on several where there are fewer K/V heads than devices). 1: one device.
     tensor_parallel_size: int = 1
+    # vLLM's decode context parallelism within those devices (CUDA): groups of this many of
+    # them hold a K/V head's cache split along the sequence instead of each a copy (where
+    # there are fewer K/V heads than devices, tensor_parallel_size / this many per head at
+    # most). 1: none.
+    decode_context_parallel_size: int = 1
 
 
 ENGINES = ("hf", "vllm")
@@ -978,6 +983,11 @@ def _validate_context_parallel(cfg: Config) -> None:
     _check(tp >= 1, "rollout.vllm.tensor_parallel_size", "an integer >= 1 (1 = a vLLM engine on one device)", tp)
     _check(tp == 1 or cfg.rollout.engine == "vllm", "rollout.vllm.tensor_parallel_size", "1 with rollout.engine=hf "
            "(the HF sampler decodes on one device; rollout.engine=vllm spreads one over several)", tp)
+    dcp = cfg.rollout.vllm.decode_context_parallel_size
+    _check(dcp >= 1 and tp % dcp == 0, "rollout.vllm.decode_context_parallel_size",
+           f"an integer >= 1 dividing rollout.vllm.tensor_parallel_size = {tp} (1 = none)", dcp)
+    _check(dcp == 1 or p.accelerator == "cuda", "rollout.vllm.decode_context_parallel_size",
+           "1 with pool.accelerator=cpu (vLLM's CPU attention has no decode context parallelism)", dcp)
     _check(tp <= (len(p.rollout_devices) or p.slots), "rollout.vllm.tensor_parallel_size",
            f"at most the rollouts' devices ({len(p.rollout_devices) or p.slots}: pool.rollout_devices, or "
            "pool.slots): a rollout shard's engine spans that many", tp)

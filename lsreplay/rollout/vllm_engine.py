@@ -104,6 +104,7 @@ class EngineSpec:
     # Tensor parallelism (rollout.vllm.tensor_parallel_size): its workers, one per device of
     # `devices` (`device` first; on a CPU each takes its share of the cores).
     tensor_parallel: int = 1
+    decode_context_parallel: int = 1  # rollout.vllm.decode_context_parallel_size: of those workers
     devices: tuple[str, ...] = ()
 
 
@@ -128,7 +129,8 @@ class VLLMEngine:
                                   enforce_eager=spec.enforce_eager, drafter=spec.drafter,
                                   draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold,
                                   sleep_mode=spec.sleeps, lora_rank=spec.lora_rank,
-                                  tensor_parallel_size=spec.tensor_parallel)
+                                  tensor_parallel_size=spec.tensor_parallel,
+                                  decode_context_parallel_size=spec.decode_context_parallel)
             check_device(spec.device, reply["device_uuid"])
         except EngineError as e:
             self._end()
@@ -515,6 +517,7 @@ def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: s
         draft_tokens=max(r.draft_lens) if drafter else 0, spec_threshold=r.spec_threshold if drafter else 0,
         timeout_s=r.vllm.timeout_s, sleeps=on_cuda and r.vllm.sleep_during_update,
         lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0, tensor_parallel=parallel,
+        decode_context_parallel=r.vllm.decode_context_parallel_size,
         devices=tuple(str(d) for d in span[:parallel]) if parallel > 1 and on_cuda else ())
 
 

@@ -82,7 +82,8 @@ class Server:
 
     def start(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
               gpu_memory_utilization: float, enforce_eager: bool, drafter: str | None, draft_tokens: int,
-              spec_threshold: int, sleep_mode: bool, lora_rank: int, tensor_parallel_size: int = 1) -> dict:
+              spec_threshold: int, sleep_mode: bool, lora_rank: int, tensor_parallel_size: int = 1,
+              decode_context_parallel_size: int = 1) -> dict:
         """Build the engine: prefix caching on, the tokenizer left out (lsreplay sends token
         ids and stop tokens), per-step statistics on (the speculative counters), each sampled
         token's logprob under the distribution it was drawn from (temperature, top-k, top-p:
@@ -91,7 +92,9 @@ class Server:
         batch (vLLM's dynamic schedule: the long tail), `draft_tokens` drafts each. With
         `lora_rank`, LoRA on: one adapter at a time, of at most that rank. With
         `tensor_parallel_size`, vLLM's tensor parallelism over that many workers (the devices
-        CUDA_VISIBLE_DEVICES lists; on a CPU, the core groups of VLLM_CPU_OMP_THREADS_BIND)."""
+        CUDA_VISIBLE_DEVICES lists; on a CPU, the core groups of VLLM_CPU_OMP_THREADS_BIND), and
+        with `decode_context_parallel_size` its K/V cache split along the sequence over groups
+        of that many of them (CUDA)."""
         import vllm
 
         check_version(vllm.__version__)
@@ -99,7 +102,8 @@ class Server:
         options = dict(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
                        enforce_eager=enforce_eager, skip_tokenizer_init=True, disable_log_stats=False,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode,
-                       tensor_parallel_size=tensor_parallel_size)
+                       tensor_parallel_size=tensor_parallel_size,
+                       decode_context_parallel_size=decode_context_parallel_size)
         if kv_cache_bytes:
             options["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
