@@ -236,6 +236,18 @@ def test_the_plan_counts_a_tensor_parallel_rollout_engine(capsys):
     assert float(_last_kv(out)["rollout_peak_gib"]) <= 96
 
 
+def test_the_preflight_checks_a_split_prompts_share_against_the_budget():
+    """A run's preflight refuses a budget too small for a rank's share of a split prompt, before
+    any rollout, and accepts the 1M config's."""
+    from lsreplay.core.config import ConfigError, load_config
+    from lsreplay.stages.preflight import check_replay_budget
+
+    config = str(Path(PROD).with_name("h20x8-qwen2.5-7b-1m.yaml"))
+    check_replay_budget(load_config(config, []))
+    with pytest.raises(ConfigError, match=r"too small for a rank's share of 125000 positions of a prompt split"):
+        check_replay_budget(load_config(config, ["replay.budget_mb=4096"]))
+
+
 def test_bad_planner_key_is_a_config_error(capsys):
     assert main([PROD, "pool.devices_per_step=0"]) == 2
     assert "pool.devices_per_step" in capsys.readouterr().err
