@@ -244,7 +244,8 @@ def kept_view(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_byte
     budget = budget_bytes or default_budget(dims, elt, shape.prompt + shape.completion, shape.completion)
     if split is not None:
         spans[0] = share_of(spans[0], split.prompt - split.width, split.prompt)
-        return spans, split_spans(spans, dims, elt, budget, spans[0], split.before, offload and accelerator), budget, True
+        kept = split_spans(spans, dims, elt, budget, spans[0], split.before, offload and accelerator)
+        return spans, kept, budget, True
     return spans, kept_spans(spans, dims, elt, budget, cascade, cascade, offload and accelerator), budget, cascade
 
 
