@@ -33,6 +33,16 @@ class VLLMConfig:
     # seconds: an engine that has not answered by then is killed, and the task's retry starts
     # a new one. Start-up has its own (10 minutes).
     timeout_s: float = 1800.0
+    # -- A prompt too long for one device's rollouts (docs/pool-and-scale-out.md, "Context
+    # parallelism"): vLLM's tensor parallelism over this many devices, each rollout shard
+    # holding that many pool slots; every device holds a share of the weights and of the K/V
+    # heads (a head on several where there are fewer K/V heads than devices). 1: one device.
+    tensor_parallel_size: int = 1
+    # vLLM's decode context parallelism within those devices (CUDA): groups of this many of
+    # them hold a K/V head's cache split along the sequence instead of each a copy (where
+    # there are fewer K/V heads than devices, tensor_parallel_size / this many per head at
+    # most). 1: none.
+    decode_context_parallel_size: int = 1
 
 
 ENGINES = ("hf", "vllm")

@@ -85,6 +85,13 @@ class PoolConfig:
     # backward included (no atomics; slower), and an op without a deterministic kernel an
     # error; false: cuBLAS deterministic, the backward's atomics not (docs/gpu.md).
     deterministic: bool = False
+    # -- What `lsreplay plan` times context parallelism at (replay.context_parallel); nothing
+    # else reads them. 0 = unknown: no time.
+    # Bandwidth between two devices of a step, GB/s each way (NVLink on an H20: 450).
+    interconnect_gbps: float = 0.0
+    # A device's dense matrix throughput in the model's dtype, TFLOP/s, at the utilisation
+    # the plan should assume (an H20's bf16 peak is 148).
+    device_tflops: float = 0.0
 
 
 # The trackers report_to names, and the package each needs.

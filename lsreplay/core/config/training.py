@@ -135,3 +135,14 @@ class ReplayConfig:
     # this: every replay run costs about this many positions' worth on top of its length
     # (a pass over all weight gradients; ~100 for SmolLM2-135M on 2 CPU cores). 0: never.
     join_below: int = 64
+    # -- Context parallelism (lsreplay/distributed/context.py; docs/pool-and-scale-out.md) --
+    # Ranks of the update a prompt too long for one device is split over, in contiguous
+    # shares: each rank runs its share layer by layer and replays a share of the prompt's
+    # answers on the whole prompt; the gradient is the one-device one. 1: no splitting.
+    # Groups of this many consecutive ranks: it divides pool.devices_per_step.
+    context_parallel: int = 1
+    # A tree whose prompt (with the opening its answers share) has at least this many tokens
+    # is split; 0 = one that a device cannot replay within replay.budget_mb (the least budget
+    # a tree needs, memory.least_budget, as `lsreplay plan` counts it). Other trees keep the
+    # one-device path, whole trees per rank.
+    context_parallel_tokens: int = 0

@@ -35,6 +35,7 @@ def validate(cfg: Config) -> None:
     _validate_optim(cfg.optim)
     _validate_drafter(cfg.drafter)
     _validate_replay(cfg.replay)
+    _validate_context_parallel(cfg)
     _validate_checkpoint(cfg.checkpoint)
     _validate_staleness(cfg)
     _validate_pool(cfg)
@@ -353,6 +354,35 @@ def _validate_refinements(cfg: Config) -> None:
            "(the tokens before the limit over which the penalty grows)", a.overlong_buffer)
     _check(a.overlong_penalty > 0, "algo.overlong_penalty", "must be > 0 (the penalty at max_new_tokens)",
            a.overlong_penalty)
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """A prompt too long for one device: replay.context_parallel, the rollouts'
+    rollout.vllm.tensor_parallel_size, and what the plan times them at."""
+    r, p = cfg.replay, cfg.pool
+    _check(r.context_parallel >= 1, "replay.context_parallel", "an integer >= 1 (1 = no prompt split over ranks)",
+           r.context_parallel)
+    _check(r.context_parallel_tokens >= 0, "replay.context_parallel_tokens", "must be >= 0 (0 = the prompts one "
+           "device cannot replay within replay.budget_mb)", r.context_parallel_tokens)
+    _check(r.context_parallel == 1 or p.devices_per_step % r.context_parallel == 0, "replay.context_parallel",
+           f"a divisor of pool.devices_per_step = {p.devices_per_step} (groups of consecutive ranks of the update); "
+           f"set pool.devices_per_step to a multiple of it", r.context_parallel)
+    _check(r.context_parallel == 1 or r.mode == "replay", "replay.context_parallel", "1 with replay.mode=naive "
+           "(the per-rollout backward runs whole rollouts)", r.context_parallel)
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    _check(tp >= 1, "rollout.vllm.tensor_parallel_size", "an integer >= 1 (1 = a vLLM engine on one device)", tp)
+    _check(tp == 1 or cfg.rollout.engine == "vllm", "rollout.vllm.tensor_parallel_size", "1 with rollout.engine=hf "
+           "(the HF sampler decodes on one device; rollout.engine=vllm spreads one over several)", tp)
+    dcp = cfg.rollout.vllm.decode_context_parallel_size
+    _check(dcp >= 1 and tp % dcp == 0, "rollout.vllm.decode_context_parallel_size",
+           f"an integer >= 1 dividing rollout.vllm.tensor_parallel_size = {tp} (1 = none)", dcp)
+    _check(dcp == 1 or p.accelerator == "cuda", "rollout.vllm.decode_context_parallel_size",
+           "1 with pool.accelerator=cpu (vLLM's CPU attention has no decode context parallelism)", dcp)
+    _check(tp <= (len(p.rollout_devices) or p.slots), "rollout.vllm.tensor_parallel_size",
+           f"at most the rollouts' devices ({len(p.rollout_devices) or p.slots}: pool.rollout_devices, or "
+           "pool.slots): a rollout shard's engine spans that many", tp)
+    _check(p.interconnect_gbps >= 0, "pool.interconnect_gbps", "must be >= 0 (0 = unknown)", p.interconnect_gbps)
+    _check(p.device_tflops >= 0, "pool.device_tflops", "must be >= 0 (0 = unknown)", p.device_tflops)
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
