@@ -12,7 +12,8 @@ version it shares its embedding and head with, lsreplay.stages.versions). Withou
 accelerator the freed slot is CPU time the rollouts share, so the trainer runs at idle
 priority (devices.on_idle_cpu) and never slows them; unless the rollouts have devices of
 their own (pool.rollout_devices), when its slot is the update's, idle until the rollouts
-it overlaps end, and no rollout's: there it runs at normal priority, as the update would.
+it overlaps end, and no rollout's: there it runs at normal priority, as the update would;
+so does the last step's, which overlaps no rollouts.
 """
 
 from __future__ import annotations
@@ -54,14 +55,17 @@ class _Trainer:
 
 def distill_drafter(run: Run, step: int, devices: list[int] | None = None) -> dict:
     """`devices`: the pool slot held. On a CPU slot the time is shared with the rollouts,
-    so the trainer runs at idle priority (not on the update's, with pool.rollout_devices).
+    so the trainer runs at idle priority (not on the update's, with pool.rollout_devices,
+    nor at the last step, which has no rollouts to make way for and which the run waits
+    for: under SCHED_IDLE any other process on the machine held the run's end back, by
+    10x the drafter's own time on a busy 2-core machine).
 
     The drafter drafts for, and shares the embedding and LM head of, the policy after
     `step`: the one the rollouts it overlaps (step + 1's) use, held by this process."""
     if done := run.done(step, "drafter"):
         return done
     device = run.device(devices)
-    if device.type != "cpu" or run.cfg.pool.rollout_devices:
+    if device.type != "cpu" or run.cfg.pool.rollout_devices or step + 1 >= run.cfg.steps:
         return _distill_drafter(run, step, devices, device)
     return on_idle_cpu(lambda: _distill_drafter(run, step, devices, device))
 
