@@ -40,7 +40,6 @@ writes the held-out curves of part 2 to that PNG; `lsreplay report` of every run
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -48,23 +47,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lsreplay import cli  # noqa: E402
-from lsreplay.commands.report import curves, plot, read_metrics, write_report  # noqa: E402
+from learn import done, train  # noqa: E402
+
+from lsreplay.commands.report import curves, plot, write_report  # noqa: E402
 
 # Two slots of one core each: the rollouts on slot 1, every other stage on slot 0.
 LAYOUT = ["pool.slots=2", "pool.rollout_devices=[1]", "threads=1"]
 SMOKE = ["data.size=24", "data.prompts_per_step=2", "rollout.branching=[2,2]", "rollout.segment_tokens=[2]",
          "rollout.max_new_tokens=6", "drafter.steps=2", "eval.size=4", "eval.samples=1", "eval.every=1"]
-
-
-def train(config: str, run_dir: Path, overrides: list[str]) -> list[dict]:
-    if cli.main(["train", config, f"run_dir={run_dir}", *overrides]) != 0:
-        raise SystemExit(f"the run in {run_dir} failed")
-    return read_metrics(run_dir)
-
-
-def done(run_dir: Path, step: int, stage: str) -> dict:
-    return json.loads((run_dir / f"step_{step:04d}" / f"{stage}.done.json").read_text())
 
 
 def covered(spans: list[tuple[float, float]]) -> float:

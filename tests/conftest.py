@@ -142,3 +142,18 @@ def tiny_reward_model_dir(tmp_path_factory):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def record_update_gradients(monkeypatch) -> dict:
+    """By parameter name, the gradient each AdamW step takes before it is clipped (filled in
+    as the policy updates run)."""
+    from lsreplay.models.train_state import TrainState
+
+    seen, clip = {}, TrainState.clip_grad_norm
+
+    def recording(self):
+        seen.update({name: m.grad.detach().clone() for name, m in zip(self.names, self.masters)})
+        return clip(self)
+
+    monkeypatch.setattr(TrainState, "clip_grad_norm", recording)
+    return seen

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import record_update_gradients
 from transformers import AutoModelForCausalLM
 
 from lsreplay import stages
 from lsreplay.core.config import ConfigError, load_config
-from lsreplay.models.train_state import TrainState
 from lsreplay.stages.common import load_trees
 from lsreplay.stages.preflight import preflight
 from lsreplay.stages.versions import sampling_version
@@ -67,14 +67,7 @@ def run_pipeline(tmp_path, model_dir, algo: list[str], monkeypatch):
     run.begin(2, "trees")
     entry = run.store.write_json(run.key(2, "trees.json"), {"trees": [*fresh, forged]})
     run.finish(2, "trees", {"files": [entry]})
-    seen = {}
-    clip = TrainState.clip_grad_norm
-
-    def recording(self):  # the gradient the AdamW step takes, before it is clipped
-        seen.update({name: m.grad.detach().clone() for name, m in zip(self.names, self.masters)})
-        return clip(self)
-
-    monkeypatch.setattr(TrainState, "clip_grad_norm", recording)
+    seen = record_update_gradients(monkeypatch)
     stages.cache_prefixes(run, 2)
     policy = stages.train_policy(run, 2)
     checkpointing.WRITER.wait()

@@ -240,3 +240,39 @@ def test_cuda_kernel_choice(dtype, head_dim, kernel):
     """Flash for half precision, memory-efficient for float32 (flash has no float32), none
     for float64 or a head size the kernels do not take: sdpa runs those."""
     assert kernel_for("cuda", dtype, head_dim) is kernel
+
+
+def test_one_threads_attention_switch_leaves_another_threads_forward_alone():
+    """Two rollout shards on one device, or a prefix pass beside a shard, run one model from
+    two threads: the attention one switches to (cascade, shared prompt) is its own alone."""
+    import threading
+
+    from lsreplay.models.attention_switch import attention_for_thread, model_configs
+    from lsreplay.replay.cascade import IMPLEMENTATION
+
+    model = tiny("llama")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        before = model(ids).logits
+    entered, release, seen = threading.Event(), threading.Event(), {}
+
+    def switched():
+        with attention_for_thread(model_configs(model), IMPLEMENTATION):
+            with attention_for_thread([model.config], "eager"):  # nested: the innermost holds
+                seen["inner"] = model.config._attn_implementation
+            seen["outer"] = model.model.layers[0].self_attn.config._attn_implementation
+            entered.set()
+            release.wait(timeout=30)
+
+    thread = threading.Thread(target=switched)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        with torch.no_grad():
+            during = model(ids).logits  # through cascade attention it would fail: no prefix given
+        assert model.config._attn_implementation == "sdpa"
+    finally:
+        release.set()
+        thread.join()
+    assert seen == {"inner": "eager", "outer": IMPLEMENTATION}
+    assert torch.equal(during, before) and model.config._attn_implementation == "sdpa"

@@ -232,9 +232,9 @@ def test_online_dpo_on_episodes_scores_the_models_tokens_only():
 
     trees, sampled = episode_trees()
     model, reference = fresh("llama"), fresh("qwen2")
-    _, acts = capture_logprobs(model, trees, keep_kv=False)
-    ref_lp, _ = capture_logprobs(reference, trees, keep_kv=False)
-    _, ref_acts = capture_logprobs(reference, trees, keep_kv=False)
+    _, acts = capture_logprobs(model, trees, keep_kv=False, heads=RAW_LOGPROB)
+    ref_lp, _ = capture_logprobs(reference, trees, keep_kv=False, heads=RAW_LOGPROB)
+    _, ref_acts = capture_logprobs(reference, trees, keep_kv=False, heads=RAW_LOGPROB)
     for a, r in zip(acts, ref_acts):
         a.ref_entry_logprobs = r.entry_logprobs
     records = [{"completions": [[t for t, _ in ep] for ep in eps], "sampled": [[s for _, s in ep] for ep in eps],
@@ -242,7 +242,7 @@ def test_online_dpo_on_episodes_scores_the_models_tokens_only():
                for (_, eps), rw in zip(EPISODES, rewards())]
     cfg = load_config(None, ["algo.name=dpo", "algo.dpo_beta=0.5"])
     goal = _dpo(cfg, records, trees, acts)
-    replay_loss, _ = replay_loss_backward(model, trees, goal.loss_for([0, 1]))
+    replay_loss, _ = replay_loss_backward(model, trees, goal.loss_for([0, 1]), heads=RAW_LOGPROB)
     replay = grads(model)
 
     losses = []

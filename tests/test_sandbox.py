@@ -183,3 +183,24 @@ def test_an_untrusted_reward_function_that_stalls_stops_the_run_in_its_time(user
         reward.score([prompt], [[STALLING]], [[[]]], None)
     assert time.monotonic() - start < 8
     assert reward.score([prompt], [["2**100"]], [[[]]], None).totals == [[31.0]]
+
+
+def test_a_closed_child_forgets_the_tools_of_the_run_before(user_code, tmp_path, monkeypatch):
+    """One process, two runs: the second's tools load in a fresh child, not after the first
+    run's (whose module may no longer import), and a function kept across the close loads
+    itself again at its next call."""
+    cfg = load_config(None, ["rollout.tools=[their_code:power]", "rollout.untrusted_tools=true"])
+    first = load_play(cfg.rollout, cfg.sandbox)
+    close_children()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "other_tools.py").write_text("def double(x: int) -> int:\n    \"\"\"Twice x.\n\n    Args:\n"
+                                               "        x: a number\n    \"\"\"\n    return 2 * x\n")
+    (tmp_path / "their_code.py").unlink()  # the first run's module is gone
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("PYTHONPATH", f"{elsewhere}:{':'.join(sys.path)}")
+    second = load_play(load_config(None, ["rollout.tools=[other_tools:double]", "rollout.untrusted_tools=true"]).rollout,
+                       cfg.sandbox)
+    assert second.functions["double"](x=21) == "42"  # a tool answers text
+    with pytest.raises(SandboxError, match="their_code"):
+        first.functions["power"](base=2, exponent=3)  # loads itself again: its module is gone

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import record_update_gradients
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lsreplay import stages
 from lsreplay.core.config import load_config
-from lsreplay.models.train_state import TrainState
 from lsreplay.stages.preflight import preflight
 from lsreplay.state import checkpointing
 from lsreplay.state.resident import RESIDENT
@@ -100,14 +100,7 @@ def run_pipeline(tmp_path, model_dir, algo: list[str], monkeypatch):
     run.begin(1, "trees")
     entry = run.store.write_json(run.key(1, "trees.json"), {"trees": step_one_trees(tokenizer)})
     run.finish(1, "trees", {"files": [entry]})
-    seen = {}
-    clip = TrainState.clip_grad_norm
-
-    def recording(self):  # the gradient the AdamW step takes, before it is clipped
-        seen.update({name: m.grad.detach().clone() for name, m in zip(self.names, self.masters)})
-        return clip(self)
-
-    monkeypatch.setattr(TrainState, "clip_grad_norm", recording)
+    seen = record_update_gradients(monkeypatch)
     stages.cache_prefixes(run, 1)
     policy = stages.train_policy(run, 1)
     checkpointing.WRITER.wait()

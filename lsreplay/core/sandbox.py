@@ -182,7 +182,10 @@ class Child:
         self._process = None
 
     def close(self) -> None:
+        """Stop the child and forget its preparations: a later start is a fresh child, which
+        each caller prepares again (one run's tools must not be loaded at another's start)."""
         with self._lock:
+            self._preparations.clear()
             if self._process is not None:
                 self._kill(self._process)
 
@@ -206,7 +209,8 @@ def child(name: str, limits: Limits) -> Child:
 
 @atexit.register
 def close_children() -> None:
-    """Stop every child of this process (each starts again at its next call)."""
+    """Stop every child of this process and forget what they loaded (each starts again, as
+    its next caller prepares it)."""
     with _CHILDREN_LOCK:
         children = list(_CHILDREN.values())
     for found in children:

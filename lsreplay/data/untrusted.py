@@ -39,9 +39,9 @@ class UntrustedFunction:
 
     def __init__(self, spec: str, what: str, limits: Limits, seconds: float, tool: bool):
         self.spec, self.seconds, self.tool = spec, seconds, tool
-        self._child = child("untrusted tools" if tool else "untrusted reward functions", limits)
+        self._child, self._what = child("untrusted tools" if tool else "untrusted reward functions", limits), what
         try:
-            self._child.prepare("lsreplay.data.untrusted:load", spec, what)  # again at every start
+            self._prepare()
             described = self._child.call("lsreplay.data.untrusted:describe", spec, tool, seconds=START_SECONDS)
         except SandboxError as e:
             raise RewardError(f"{what} {spec!r} (untrusted: loaded in a child process): {e}") from None
@@ -52,10 +52,15 @@ class UntrustedFunction:
             for name, kind, default in described["parameters"]]) if described["parameters"] is not None else None
         self.json_schema = described.get("schema")
 
+    def _prepare(self) -> None:
+        """The child loads `spec` at every start (after a kill too); prepared again after the
+        children were closed, which forgets what they loaded."""
+        self._child.prepare("lsreplay.data.untrusted:load", self.spec, self._what)
+
     def start(self) -> None:
         """Start the child (after a kill) and load the functions: a caller timing a call starts
         its clock after this."""
-        self._child.start()
+        self._prepare()
 
     def __call__(self, *args, **kwargs):
         if kwargs.get(ENVIRONMENTS_KEYWORD) is not None:
@@ -64,6 +69,7 @@ class UntrustedFunction:
                               "score the episodes with the environment's get_reward, or trust the function")
         loggers = {name: kwargs.pop(name) for name in LOGGERS if callable(kwargs.get(name))}
         state = kwargs.pop("trainer_state", None)
+        self._prepare()
         reply = self._child.call("lsreplay.data.untrusted:call", self.spec, list(args), kwargs,
                                  None if state is None else dataclasses.asdict(state), sorted(loggers), self.tool,
                                  seconds=self.seconds)

@@ -31,13 +31,13 @@ outputs are ignored by the caller.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from lsreplay.models.attention_switch import attention_for_thread, model_configs
 from lsreplay.models.families import FAMILIES
 from lsreplay.models.hf_compat import decoder, decoder_layers, full_cache, with_cache
 from lsreplay.replay.attention.kernels import AttentionKernel, kernel_for, runs_on
@@ -224,23 +224,6 @@ def cascade_applies(model: PreTrainedModel) -> bool:
             and runs_on(param.device))
 
 
-@contextmanager
-def _attention_implementation(model: PreTrainedModel, name: str):
-    """The model's attention implementation is `name` inside the block. It lives on the
-    model's config, shared by every forward of this model: this assumes nothing else runs
-    this model meanwhile (replay owns its model: one per process or thread)."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        # set_attn_implementation only warns on a model class it cannot switch; without the
-        # switch the prefix would be silently ignored.
-        if any(m.config._attn_implementation != name for m in _attention_modules(model)):
-            raise RuntimeError(f"{type(model).__name__} did not switch its attention implementation to {name}")
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
 def forward_cascade(model: PreTrainedModel, segments: list[list[int]], start: int,
                     prefix_kv: list[PrefixKV]) -> tuple[torch.Tensor, DynamicCache]:
     """Hidden states (B, T, d) of sibling `segments` placed at positions start.. after the
@@ -251,7 +234,7 @@ def forward_cascade(model: PreTrainedModel, segments: list[list[int]], start: in
     ids, positions = padded_batch(model, segments, start)
     cache = full_cache(model)
     prefix = CascadePrefix(prefix_kv, start, layer_visibility(model.config))
-    with _attention_implementation(model, IMPLEMENTATION):
+    with attention_for_thread(model_configs(model), IMPLEMENTATION):
         out = decoder(model)(input_ids=ids, position_ids=positions, use_cache=True, cascade_prefix=prefix,
                              **with_cache(cache))
     if missed := sorted(set(range(len(prefix.visibility))) - prefix.layers_run):

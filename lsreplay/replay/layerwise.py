@@ -40,13 +40,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 from torch.utils._pytree import tree_flatten
 from transformers import Cache, PreTrainedModel
 
+from lsreplay.models.attention_switch import attention_for_thread, model_configs
 from lsreplay.models.hf_compat import CACHE_KEYWORD, decoder, decoder_layers, full_cache
 from lsreplay.replay.cascade import CascadePrefix, forward_cascade
 from lsreplay.replay.memory import ActivationMeter
@@ -197,7 +197,7 @@ class LayerByLayerSpan:
         """After the subtree: every layer again, the top one first, chunk by chunk, the last
         chunk first, each backpropagated with its output's gradient and its K/V's."""
         start = time.perf_counter()
-        with _attention_implementation(self.model, self.implementation):
+        with attention_for_thread(model_configs(self.model), self.implementation):
             for layer in reversed(range(len(self.layers))):
                 log.debug("span at %d: layer %d again, %.1f s in", self.start, layer, time.perf_counter() - start)
                 inputs = self.inputs.take(layer) if layer else None
@@ -271,18 +271,6 @@ def _tensors(calls: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
     """Every tensor the captured calls hold."""
     leaves, _ = tree_flatten(calls)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
-
-
-@contextmanager
-def _attention_implementation(model: PreTrainedModel, implementation: str):
-    """The attention implementation `implementation` inside the block (the forward's, which
-    forward_cascade switched on for its call only)."""
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        model.config._attn_implementation = previous
 
 
 class _LayerInputs:

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
+from lsreplay.models.attention_switch import attention_for_thread
 from lsreplay.models.hf_compat import CACHE_KEYWORD, decoder_layers
 from lsreplay.replay.memory import ActivationMeter, KeptLayers
 
@@ -102,16 +103,15 @@ class _Recomputed:
         """The recompute's surroundings as the forward had them: the cache layer holding its
         first `past` positions only, the attention implementation (and a lean layer's kept
         outputs handed back); then as they are."""
-        config = self.attention.config
-        keys, values, previous = getattr(layer, "keys", None), getattr(layer, "values", None), config._attn_implementation
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if layer is not None:
             layer.keys, layer.values = keys[..., :past, :], values[..., :past, :]
-        config._attn_implementation = implementation
         try:
-            with hand_back or nullcontext():
+            # On CUDA the recompute runs on autograd's device thread: the forward's choice of
+            # attention (made per thread) is made again here.
+            with attention_for_thread([self.attention.config], implementation), hand_back or nullcontext():
                 yield
         finally:
-            config._attn_implementation = previous
             if layer is not None:
                 layer.keys, layer.values = keys, values
 

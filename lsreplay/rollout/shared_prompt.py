@@ -43,6 +43,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
+from lsreplay.models.attention_switch import attention_for_thread
 from lsreplay.models.hf_compat import decoder_layers
 from lsreplay.replay.attention.kernels import kernel_for
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
@@ -181,19 +182,15 @@ AttentionInterface.register(IMPLEMENTATION, shared_prompt_attention)
 
 @contextmanager
 def attending(config, shared: SharedPrompts | None) -> Iterator[None]:
-    """Inside the block the attention modules built from `config` (a model's or the drafter's:
-    the modules hold that very object) use `shared_prompt_attention` when `shared` is given.
-    It lives on the config, which every forward of that model reads: this assumes nothing
-    else runs the model meanwhile (a rollout owns its model, as replay does)."""
+    """Inside the block, this thread's forwards through the attention modules built from
+    `config` (a model's or the drafter's: the modules hold that very object) use
+    `shared_prompt_attention` when `shared` is given (other threads sampling or replaying
+    with the same model keep theirs: models.attention_switch)."""
     if shared is None:
         yield
         return
-    previous = config._attn_implementation
-    config._attn_implementation = IMPLEMENTATION
-    try:
+    with attention_for_thread([config], IMPLEMENTATION):
         yield
-    finally:
-        config._attn_implementation = previous
 
 
 def attention_inputs(shared: SharedPrompts | None, mask: torch.Tensor | None) -> dict:
