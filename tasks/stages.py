@@ -76,8 +76,10 @@ def generate_tree_shard(cfg: Config, step: int, shard: int) -> dict:
     # A Ray host cannot report to Prefect: the shard's live progress bar is this process's.
     progress = Progress(f"step {step}: rollout tokens sampled (shard {shard})") \
         if cfg.pool.task_runner == "thread" else None
-    return _on_pool("trees", cfg, step, done_as=stages.shard_name(shard), on=cfg.pool.rollout_devices or None,
-                    shard=shard, progress=progress)
+    # A tensor-parallel vLLM engine spans rollout.vllm.tensor_parallel_size devices.
+    count = cfg.rollout.vllm.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+    return _on_pool("trees", cfg, step, count=count, done_as=stages.shard_name(shard),
+                    on=cfg.pool.rollout_devices or None, shard=shard, progress=progress)
 
 
 @task(name="collect-trees", task_run_name="collect-trees step {step}", **OPTIONS)

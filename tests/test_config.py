@@ -31,6 +31,12 @@ from lsreplay.core.config import (ANSWER_INSTRUCTION, ENGINES, SYSTEM_PROMPT, Co
     ("algo.clip_eps=0", "must be > 0"),
     ("reward.function=my_rewards", "module:function"),
     ("eval.samples=-1", "eval.samples"),
+    ("replay.context_parallel=0", "an integer >= 1 (1 = no prompt split over ranks)"),
+    ("replay.context_parallel=2", "a divisor of pool.devices_per_step = 1"),
+    ("replay.context_parallel_tokens=-1", "replay.context_parallel_tokens"),
+    ("rollout.vllm.tensor_parallel_size=2", "1 with rollout.engine=hf"),
+    ("rollout.vllm.decode_context_parallel_size=2", "dividing rollout.vllm.tensor_parallel_size = 1"),
+    ("pool.interconnect_gbps=-1", "pool.interconnect_gbps"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
@@ -40,6 +46,12 @@ def test_bad_values_name_the_key(override, message):
 
 @pytest.mark.parametrize("overrides, message", [
     (["algo.name=reinforce"], "'algo.name' = 'reinforce' is not allowed: one of grpo, ppo, dpo"),
+    (["pool.slots=2", "pool.devices_per_step=2", "replay.context_parallel=2", "replay.mode=naive"],
+     "1 with replay.mode=naive"),
+    (["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", "pool.slots=2",
+      "rollout.vllm.decode_context_parallel_size=2"], "1 with pool.accelerator=cpu (vLLM's CPU attention has no"),
+    (["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=3", "pool.slots=2"],
+     "at most the rollouts' devices (2: pool.rollout_devices, or pool.slots)"),
     (["algo.name=ppo", "algo.advantage=gae"], "gae needs a critic to estimate values: set algo.critic=true"),
     (["algo.critic=true"], "false with algo.name=grpo: the critic trains with PPO"),
     (["algo.epochs=2"], "ppo for several updates per batch"),

@@ -192,6 +192,62 @@ def test_the_128k_config_fits_its_devices_and_host(capsys):
     assert "tree      prompt 128000" in out and "prompt layer by layer (its layer inputs (in host memory)" in out
 
 
+@pytest.mark.parametrize("name, ranks, share, host", [("h20x8-qwen2.5-7b-1m.yaml", 8, 125_000, 1024),
+                                                       ("h20x4-qwen2.5-7b-128k.yaml", 4, 32_000, 512)])
+def test_the_context_parallel_configs_fit_and_would_not_on_one_device(name, ranks, share, host, capsys):
+    """configs/h20x8-qwen2.5-7b-1m.yaml (a 1M-token prompt x 16 rollouts on 8 x 96 GB) and
+    configs/h20x4-qwen2.5-7b-128k.yaml (128k x 16 on 4): each prompt split over the step's
+    devices, the update, the rollouts and the host fit, the split timed; not split, the step
+    does not fit a device at a budget that holds the prompt's backward (the least replay takes,
+    twice)."""
+    config = str(Path(PROD).with_name(name))
+    assert main([config]) == 0
+    out = capsys.readouterr().out
+    kv = _last_kv(out)
+    assert kv["fits"] == "true" and kv["context_parallel"] == str(ranks) and kv["share_positions"] == str(share)
+    assert max(float(kv["replay_peak_gib"]), float(kv["rollout_peak_gib"])) <= 96 and float(kv["host_gib"]) <= host
+    assert all(float(kv[k]) > 0 for k in ("cp_comm_s", "prefill_s", "backward_s"))
+    assert f"prompt split over {ranks} ranks, each share of at most {share} positions layer by layer" in out
+    assert main([config, "replay.context_parallel=1"]) == 2
+    least = int(re.search(r"raise replay.budget_mb to at least (\d+)", capsys.readouterr().err).group(1))
+    assert main([config, "replay.context_parallel=1", f"replay.budget_mb={2 * least}"]) == 1
+    captured = capsys.readouterr()
+    assert _last_kv(captured.out)["fits"] == "false" and float(_last_kv(captured.out)["replay_peak_gib"]) > 96
+    assert "does not fit: the replay step needs" in captured.err
+
+
+def test_the_plan_counts_a_tensor_parallel_rollout_engine(capsys):
+    """The 1M config's rollouts: vLLM over the eight devices, each an eighth of the weights and
+    a K/V head's cache; on one device its cache cannot hold one sequence."""
+    config = str(Path(PROD).with_name("h20x8-qwen2.5-7b-1m.yaml"))
+    assert main([config]) == 0
+    out = capsys.readouterr().out
+    assert "each shard's engine on 8 devices (tensor parallel)" in out and "1 of 4 K/V heads" in out
+    assert main([config, "rollout.vllm.tensor_parallel_size=1"]) == 1
+    assert "the rollout engine's KV cache cannot hold one of the shard's sequences" in capsys.readouterr().err
+    # vLLM's decode context parallelism splits a head's positions over the devices holding it,
+    # but only where the query heads per K/V head divide by it (Qwen2.5-7B: 7); a model with 8 does.
+    assert main([config, "rollout.vllm.decode_context_parallel_size=2"]) == 2
+    assert "the 7 query heads per K/V head divide by it" in capsys.readouterr().err
+    main([config, "rollout.vllm.decode_context_parallel_size=2", "rollout.vllm.kv_cache_gb=8",
+          "model.arch.num_attention_heads=32", "model.arch.hidden_size=4096"])  # (its update is another matter)
+    out = capsys.readouterr().out
+    assert "1/2 of their positions (decode context parallel): 1198372 positions" in out  # in half the cache
+    assert float(_last_kv(out)["rollout_peak_gib"]) <= 96
+
+
+def test_the_preflight_checks_a_split_prompts_share_against_the_budget():
+    """A run's preflight refuses a budget too small for a rank's share of a split prompt, before
+    any rollout, and accepts the 1M config's."""
+    from lsreplay.core.config import ConfigError, load_config
+    from lsreplay.stages.preflight import check_replay_budget
+
+    config = str(Path(PROD).with_name("h20x8-qwen2.5-7b-1m.yaml"))
+    check_replay_budget(load_config(config, []))
+    with pytest.raises(ConfigError, match=r"too small for a rank's share of 125000 positions of a prompt split"):
+        check_replay_budget(load_config(config, ["replay.budget_mb=4096"]))
+
+
 def test_bad_planner_key_is_a_config_error(capsys):
     assert main([PROD, "pool.devices_per_step=0"]) == 2
     assert "pool.devices_per_step" in capsys.readouterr().err

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lsreplay.rollout.vllm_engine import EngineStartError, SharedWeights, intel_openmp, physical_device
+from lsreplay.core.config import load_config
+from lsreplay.rollout.vllm_engine import (EngineStartError, SharedWeights, cpu_shares, engine_gpus, engine_spec,
+                                          intel_openmp, physical_device)
 from lsreplay.rollout.vllm_worker import SUPPORTED_VLLM, check_version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +25,27 @@ def test_the_engine_of_a_device_runs_on_the_physical_gpu_the_trainer_sees_as_tha
     assert physical_device(1, "GPU-aa, GPU-bb") == "GPU-bb"  # UUIDs pass as they are
     with pytest.raises(EngineStartError, match=r"cuda:2 is not among CUDA_VISIBLE_DEVICES='0,1'"):
         physical_device(2, "0,1")
+
+
+def test_a_tensor_parallel_engine_spans_the_devices_of_its_shard():
+    """rollout.vllm.tensor_parallel_size reaches the engine's spec: on CUDA the shard's devices,
+    its own first, listed to the engine as their physical GPUs; on a CPU, its workers, each a
+    group of this process's cores."""
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", "pool.slots=4",
+                             "pool.accelerator=cuda", "rollout.vllm.decode_context_parallel_size=2"])
+    span = (torch.device("cuda", 2), torch.device("cuda", 3))
+    spec = engine_spec(cfg, span[0], "/model", 0, None, span)
+    assert spec.tensor_parallel == 2 and spec.devices == ("cuda:2", "cuda:3") and spec.device == "cuda:2"
+    assert spec.decode_context_parallel == 2
+    assert engine_gpus(spec, None) == "2,3" and engine_gpus(spec, "4,5,6,7") == "6,7"
+    with pytest.raises(EngineStartError, match=r"tensor_parallel_size=2 but the rollout shard holds 1 device"):
+        engine_spec(cfg, span[0], "/model", 0, None, span[:1])
+    on_cpu = engine_spec(cfg, torch.device("cpu"), "/model", 0, None)
+    assert on_cpu.tensor_parallel == 2 and on_cpu.devices == ()
+    groups = cpu_shares(2).split("|")
+    assert len(groups) == 2 and all(re.fullmatch(r"\d+(-\d+)?", g) for g in groups)
+    single = engine_spec(load_config(None, ["rollout.engine=vllm"]), span[0], "/model", 0, None, span[:1])
+    assert single.tensor_parallel == 1 and engine_gpus(single, None) == "2"
 
 
 def test_only_the_vllm_whose_private_apis_the_engine_uses_is_accepted():

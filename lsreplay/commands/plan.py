@@ -56,6 +56,7 @@ naming the budget they need.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import random
@@ -64,7 +65,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lsreplay.core.config import RolloutConfig, completion_tokens, multi_turn
+from lsreplay.commands.context_plan import ContextPlan, Split, context_plan, format_context
+from lsreplay.core.config import ConfigError, RolloutConfig, completion_tokens, multi_turn
 from lsreplay.models.train_state import master_dtype
 from lsreplay.replay.attention.kernels import kernel_for
 from lsreplay.replay.memory import (
@@ -72,6 +74,7 @@ from lsreplay.replay.memory import (
     LayerByLayer,
     ModelDims,
     default_budget,
+    gathered_bytes,
     kept_bytes,
     kept_spans,
     kv_bytes_per_position,
@@ -79,11 +82,13 @@ from lsreplay.replay.memory import (
     layer_run_bytes,
     layer_workspace_bytes,
     leaf_rows,
+    least_budget,
     saved_bytes,
+    split_spans,
     top_run_bytes,
     top_runs,
 )
-from lsreplay.replay.view import joins, replay_view
+from lsreplay.replay.view import joins, replay_view, share_of
 from lsreplay.rollout.shared_prompt import PREFILL_CHUNK
 from lsreplay.stages.objectives import updates_per_step
 from lsreplay.stages.prefixes import scores_logprobs, scores_reference
@@ -176,6 +181,13 @@ class TreeShape:
         return out
 
 
+@functools.lru_cache(maxsize=4)
+def shape_tree(shape: TreeShape, vocab: int) -> RolloutTree:
+    """The plan's tree of `shape` (TreeShape.random_tree), made once: a plan reads it several
+    times, and a million-token prompt takes seconds to draw. Read, never changed."""
+    return shape.random_tree(vocab)
+
+
 @dataclass
 class RunPeak:
     """The forward/backward at which activation memory peaks."""
@@ -218,22 +230,46 @@ def joined_levels(levels: tuple[tuple[int, int], ...], join_below: int) -> tuple
 
 
 def kept_view(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-              accelerator: bool = False, join_below: int = 0,
-              offload: bool = False) -> tuple[list, dict[int, KeptLayers | LayerByLayer], int, bool]:
+              accelerator: bool = False, join_below: int = 0, offload: bool = False,
+              split: Split | None = None) -> tuple[list, dict[int, KeptLayers | LayerByLayer], int, bool]:
     """The replay view of a tree of this shape, the branching spans the backward forwards
     before their subtree with what they keep (replay.backward.replay_plan's rule: the model
     takes cascade attention, and with it layer by layer, where the device kind has a kernel;
     `offload`: their layer inputs in host memory, on an accelerator), the budget, and whether
-    runs after a prefix use cascade attention."""
+    runs after a prefix use cascade attention. With `split`, the root span is one rank's
+    share of a prompt split over ranks (memory.split_spans), the largest with the most before it."""
     cascade = kernel_for("cuda" if accelerator else "cpu", dtype, dims.head_dim) is not None
     elt = torch.tensor([], dtype=dtype).element_size()
-    spans = replay_view(shape.random_tree(dims.vocab), join_below)
+    spans = replay_view(shape_tree(shape, dims.vocab), join_below)
     budget = budget_bytes or default_budget(dims, elt, shape.prompt + shape.completion, shape.completion)
+    if split is not None:
+        spans[0] = share_of(spans[0], split.prompt - split.width, split.prompt)
+        kept = split_spans(spans, dims, elt, budget, spans[0], split.before, offload and accelerator)
+        return spans, kept, budget, True
     return spans, kept_spans(spans, dims, elt, budget, cascade, cascade, offload and accelerator), budget, cascade
 
 
+def planned_split(cfg, dims: ModelDims, shape: TreeShape, accelerator: bool) -> Split | None:
+    """How the update splits a tree of this shape (replay.context_parallel; replay.backward.splits'
+    rule): over the context-parallel ranks where its prompt (the radix root) has
+    replay.context_parallel_tokens tokens or more, or, with none, where one device would need
+    more than the replay budget (memory.least_budget)."""
+    r, dtype = cfg.replay, getattr(torch, cfg.model.dtype)
+    root, _ = shape.radix()
+    if r.context_parallel < 2 or r.mode != "replay" or root < r.context_parallel:
+        return None
+    if r.context_parallel_tokens:
+        return Split(r.context_parallel, root) if root >= r.context_parallel_tokens else None
+    elt = torch.tensor([], dtype=dtype).element_size()
+    spans = replay_view(shape_tree(shape, dims.vocab), r.join_below)
+    budget = r.budget_mb * 2**20 or default_budget(dims, elt, shape.prompt + shape.completion, shape.completion)
+    least = least_budget(spans, dims, elt, True, r.offload_prefix and accelerator)
+    return Split(r.context_parallel, root) if least > budget else None
+
+
 def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-                accelerator: bool = False, join_below: int = 0, offload: bool = False) -> RunPeak:
+                accelerator: bool = False, join_below: int = 0, offload: bool = False,
+                split: Split | None = None) -> RunPeak:
     """The largest run of `replay_backward` on a tree of this shape, over its replay view
     as the backward walks it: a branching span memory.kept_spans keeps holds its graph
     (and its K/V's gradient) while its subtree runs; one run layer by layer its layer inputs
@@ -241,24 +277,29 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
     neither holds its K/V and their gradient, and runs again with grad after its subtree
     (its "recompute"). Runs after a prefix use cascade attention where the device kind (CPU,
     or a CUDA `accelerator`) has a kernel for the dtype and head size (see
-    cascade.cascade_applies); sdpa otherwise."""
+    cascade.cascade_applies); sdpa otherwise. With `split`, the prompt is one rank's share of it,
+    which holds one layer's K/V of the positions before it and their gradient besides."""
     elt = torch.tensor([], dtype=dtype).element_size()
-    spans, kept, budget, cascade = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below, offload)
+    spans, kept, budget, cascade = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below, offload, split)
     if spans[0].is_leaf:  # a single chain: the root is the one leaf
         return _run(dims, elt, "single chain", 0, 1, shape.prompt + shape.completion, 0, shape.completion)
     kvpp = kv_bytes_per_position(dims, elt)
     runs, held, span = [], 0, spans[0]
     for depth in itertools.count():  # down the first child: every path has the same shape
         name = "prompt" if depth == 0 else f"level-{depth} segment"
+        # A share of a split prompt: while its own layers run, one layer's K/V of the shares before it.
+        gathered = gathered_bytes(dims, elt, split.before) if depth == 0 and split is not None else 0
+        if gathered:
+            name = "the prompt's share"
         width, choice = len(span.tokens), kept.get(span.id)
         own = _run(dims, elt, name, held, 1, width, span.start, len(span.entry_ids), cascade)
         if isinstance(choice, LayerByLayer):  # its forward differentiates its entries, its backward a layer a chunk
             held += layer_by_layer_bytes(dims, elt, width, choice.offload)
             top = max(top_runs(span, choice.chunk), key=lambda r: top_run_bytes(dims, elt, *r), default=(0, 0))
-            runs.append(RunPeak(f"{name}'s entries, layer by layer", held, top_run_bytes(dims, elt, *top),
+            runs.append(RunPeak(f"{name}'s entries, layer by layer", held + gathered, top_run_bytes(dims, elt, *top),
                                 entries=top[1]))
             held += kvpp * width
-            runs.append(RunPeak(f"{name}, layer by layer: one layer over {choice.chunk} positions", held,
+            runs.append(RunPeak(f"{name}, layer by layer: one layer over {choice.chunk} positions", held + gathered,
                                 layer_run_bytes(dims, elt, choice.chunk), 1, choice.chunk, span.start, 0, cascade))
         elif choice is not None:  # run once, its graph held below (but its layers run again in the backward)
             own = replace(own, what=f"{name}, {choice.describe(dims.layers)}",
@@ -280,16 +321,20 @@ def replay_peak(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_by
 
 
 def replay_path(dims: ModelDims, dtype: torch.dtype, shape: TreeShape, budget_bytes: int | None = None,
-                accelerator: bool = False, join_below: int = 0, offload: bool = False) -> str:
+                accelerator: bool = False, join_below: int = 0, offload: bool = False,
+                split: Split | None = None) -> str:
     """How the update runs each branching level of the replay view (down the first path):
     forwarded once with its graph kept while its subtree replays, layer by layer, or its K/V
-    written by the caching pass and the level run again with grad after its subtree."""
-    spans, kept, _, _ = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below, offload)
+    written by the caching pass and the level run again with grad after its subtree; a prompt
+    split over ranks, each share layer by layer."""
+    spans, kept, _, _ = kept_view(dims, dtype, shape, budget_bytes, accelerator, join_below, offload, split)
     out, span = [], spans[0]
     for depth in itertools.count():
         if span.is_leaf:
             break
         name = "prompt" if depth == 0 else f"level-{depth} segment"
+        if depth == 0 and split is not None:
+            name = f"prompt split over {split.ranks} ranks, each share of at most {split.width} positions"
         choice = kept.get(span.id)
         out.append(f"{name} " + ("recomputed after its subtree" if choice is None
                                   else choice.describe(dims.layers) if isinstance(choice, LayerByLayer)
@@ -330,7 +375,7 @@ def lora_params(cfg, dims: ModelDims) -> int:
     """The LoRA adapters' parameters (model.lora): A (rank x in) and B (out x rank) per target
     projection of every layer (all-linear: all of them; a dotted name by its last part, in
     every layer); 0 without LoRA."""
-    from lsreplay.core.config import ALL_LINEAR, ConfigError
+    from lsreplay.core.config import ALL_LINEAR
 
     lora = cfg.model.lora
     if not lora.enabled:
@@ -395,6 +440,8 @@ class RolloutMemory:
     lines: list[tuple[str, str, int]]
     kv_needed: int = 0  # an engine with a KV cache of its own: the bytes the shard's sequences need at once
     prompt_once: bool = True  # a tree's prompt K/V held once, not by each of its rows
+    kv_too_small: bool = False  # the engine's KV cache cannot hold even one of the shard's sequences
+    tensor_parallel: int = 1  # devices a shard's engine spans (rollout.vllm.tensor_parallel_size)
 
     @property
     def total(self) -> int:
@@ -477,27 +524,44 @@ def vllm_rollout_memory(cfg, dims: ModelDims, shape: TreeShape) -> RolloutMemory
     (rollout.vllm.kv_cache_gb; on CUDA without it, gpu_memory_utilization of the device).
     Prefix caching stores a tree's prompt once (as the HF sampler holds it): at the end of
     decoding a shard needs its prompts plus every row's completion. A cache smaller than that still works (vLLM
-    preempts and recomputes sequences), but slower: the plan counts the positions it holds."""
+    preempts and recomputes sequences), but slower: the plan counts the positions it holds;
+    one smaller than a single sequence cannot serve it at all. With tensor parallelism
+    (rollout.vllm.tensor_parallel_size) the engine spans that many devices, each holding a
+    share of the weights and of the K/V heads (a head on several devices where there are
+    fewer heads than devices), its cache that size on each; with decode context parallelism
+    (rollout.vllm.decode_context_parallel_size) a head's devices split its positions."""
     elt, r = ELT[cfg.model.dtype], cfg.rollout
+    tp, dcp = r.vllm.tensor_parallel_size, r.vllm.decode_context_parallel_size
+    if dcp > 1 and (dcp > tp // dims.kv_heads or dims.heads // dims.kv_heads % dcp):
+        raise ConfigError(f"rollout.vllm.decode_context_parallel_size={dcp}: vLLM splits a K/V head's positions over "
+                          f"devices that would each hold a copy of it, at most tensor_parallel_size / K/V heads = "
+                          f"{tp // dims.kv_heads} here, and only where the {dims.heads // dims.kv_heads} query heads "
+                          "per K/V head divide by it; set it to 1")
     trees = -(-cfg.data.prompts_per_step // r.shards)
-    rows, kvpp = trees * shape.rollouts, kv_bytes_per_position(dims, elt)
+    rows = trees * shape.rollouts
+    heads = max(1, dims.kv_heads // tp)  # of the K/V heads on a device
+    kvpp = max(1, kv_bytes_per_position(dims, elt) * heads // (dims.kv_heads * dcp))  # a position's, on a device
     needed = (trees * shape.prompt + rows * shape.completion) * kvpp
     if r.vllm.kv_cache_gb or cfg.pool.accelerator != "cuda":
         cache, sized = int(r.vllm.kv_cache_gb * GiB), f"rollout.vllm.kv_cache_gb={r.vllm.kv_cache_gb:g}"
     else:
         cache = int(r.vllm.gpu_memory_utilization * cfg.pool.device_memory_gb * GiB)
         sized = f"gpu_memory_utilization={r.vllm.gpu_memory_utilization:g} of the device"
-    lines = [("engine", "the engine's copy of the policy weights", dims.params() * elt),
-             ("kv", f"its KV cache ({sized}: {cache // kvpp} positions; the shard needs {needed // kvpp} at once)",
-              cache)]
+    over = f" (1/{tp} on each of {tp} devices)" if tp > 1 else ""
+    lines = [("engine", f"the engine's copy of the policy weights{over}", dims.params() * elt // tp),
+             ("kv", f"its KV cache ({sized}{f', {heads} of {dims.kv_heads} K/V heads' if tp > 1 else ''}"
+                    f"{f', 1/{dcp} of their positions (decode context parallel)' if dcp > 1 else ''}: "
+                    f"{cache // kvpp} positions; the shard needs {needed // kvpp} at once)", cache)]
     if cfg.pool.accelerator == "cpu":  # on CUDA this buffer is host memory, not the device's
         lines.append(("engine", "the shared buffer the policy's updates reach the engine through",
                       dims.params() * elt))
     if speculates(cfg):
         lines.append(("engine", "the engine's drafter (fc + one layer)",
-                      (2 * dims.hidden ** 2 + dims.layer_params()) * elt))
+                      (2 * dims.hidden ** 2 + dims.layer_params()) * elt // tp))
+    longest = (shape.prompt + shape.completion) * kvpp
     return RolloutMemory("vllm", r.shards, trees, rows, "start-up (vLLM allocates its cache up front)",
-                         resident_beside_rollouts(cfg, dims) + lines, kv_needed=needed)
+                         resident_beside_rollouts(cfg, dims) + lines, kv_needed=needed,
+                         kv_too_small=cache < longest, tensor_parallel=tp)
 
 
 # The rollout engines the planner knows, by name (rollout.engine): (cfg, dims, shape) -> RolloutMemory.
@@ -547,7 +611,7 @@ def host_memory(cfg, dims: ModelDims, shape: TreeShape, io: StepIO, minibatch_kv
     lines = []
     if pool.accelerator == "cuda" and cfg.replay.mode == "replay" and cfg.replay.offload_prefix:
         spans, kept, _, _ = kept_view(dims, getattr(torch, cfg.model.dtype), shape, cfg.replay.budget_mb * 2**20 or None,
-                                      True, cfg.replay.join_below, True)
+                                      True, cfg.replay.join_below, True, planned_split(cfg, dims, shape, True))
         if offloaded := offloaded_bytes(dims, getattr(torch, cfg.model.dtype), spans, kept):
             lines.append((f"layer inputs of prompts run layer by layer, pinned, x {ranks} devices", ranks * offloaded))
     lines.append(("checkpoint snapshots: fp32 masters + AdamW, two at most", 2 * io.checkpoint))
@@ -610,7 +674,8 @@ def step_io(cfg, dims: ModelDims, shape: TreeShape) -> StepIO:
     elt, n = ELT[cfg.model.dtype], dims.params()
     trees = cfg.data.prompts_per_step
     kv = 0
-    if cfg.replay.mode == "replay":
+    if cfg.replay.mode == "replay" and not planned_split(cfg, dims, shape, cfg.pool.accelerator == "cuda"):
+        # (The caching pass keeps no K/V of a tree the update splits: its ranks compute what they read.)
         spans, kept, _, _ = kept_view(dims, getattr(torch, cfg.model.dtype), shape, cfg.replay.budget_mb * 2**20 or None,
                                       cfg.pool.accelerator == "cuda", cfg.replay.join_below, cfg.replay.offload_prefix)
         read = sum(len(s.tokens) for s in spans if not s.is_leaf and s.id not in kept)
@@ -664,6 +729,7 @@ class Plan:
     host_bytes: int = 0  # pool.host_memory_gb; 0 = unknown
     engine_kept: int = 0  # what a vLLM engine keeps on the device through the caching pass and the update
     engine_during_update: str = ""  # what happens to the engine's memory then, in words
+    context: ContextPlan | None = None  # a prompt split over ranks (replay.context_parallel)
 
     @property
     def trees_per_device(self) -> int:
@@ -697,6 +763,8 @@ class Plan:
         return self.rollout.total + self.overhead()
 
     def rollout_fits(self) -> bool | None:
+        if self.rollout.kv_too_small:
+            return False
         return None if not self.device_bytes else self.rollout_peak() <= self.device_bytes
 
     def host_fits(self) -> bool | None:
@@ -732,7 +800,6 @@ def model_dims(cfg, arch: dict) -> tuple[str, ModelDims]:
     """From model.arch (HF config kwargs with model_type) or the config of model.path."""
     from transformers import AutoConfig
 
-    from lsreplay.core.config import ConfigError
     from lsreplay.models.families import family
 
     if arch:
@@ -767,7 +834,8 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
     # Leaves attend to their prefix in place where the pool's device kind has a kernel.
     accelerator = values["pool.accelerator"] == "cuda"
     offload = cfg.replay.offload_prefix
-    replay = replay_peak(dims, dtype, shape, budget, accelerator, cfg.replay.join_below, offload)
+    split = planned_split(cfg, dims, shape, accelerator)
+    replay = replay_peak(dims, dtype, shape, budget, accelerator, cfg.replay.join_below, offload, split)
     naive = naive_peak(dims, elt, shape)
     io = step_io(cfg, dims, shape)
     updates = updates_per_step(cfg)
@@ -777,14 +845,37 @@ def make_plan(cfg, values: dict, dims: ModelDims | None = None, model_name: str 
                 device_bytes=int(values["pool.device_memory_gb"] * GiB), shape=shape,
                 trees=cfg.data.prompts_per_step,
                 state=state_bytes(dims, dtype_name, ranks, fsdp, critic_params(cfg, dims), lora_params(cfg, dims)),
-                replay=replay, naive=naive, replay_workspace=workspace_bytes(dims, elt, replay),
+                replay=replay, naive=naive,
+                replay_workspace=workspace_bytes(dims, elt, replay) + rounds_bytes(dims, elt, replay, split),
                 naive_workspace=workspace_bytes(dims, elt, naive), rollout=ROLLOUT_ENGINES[r.engine](cfg, dims, shape),
                 io=io, budget_bytes=budget, join_below=cfg.replay.join_below, algo=cfg.algo.name, updates=updates,
                 minibatch_kv=minibatch_kv, host=host_memory(cfg, dims, shape, io, minibatch_kv),
                 host_bytes=int(cfg.pool.host_memory_gb * GiB),
                 critic=critic_params(cfg, dims), adapters=lora_params(cfg, dims),
-                replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below, offload),
+                replay_path=replay_path(dims, dtype, shape, budget, accelerator, cfg.replay.join_below, offload,
+                                        split),
+                context=split and context_plan(dims, elt, split, offload and accelerator,
+                                               shape.unique_positions - shape.radix()[0], _run_width(shape),
+                                               shape.total_positions, shape.rollouts,
+                                               -(-cfg.data.prompts_per_step * split.ranks // ranks) if split else 0,
+                                               cfg.pool.interconnect_gbps, cfg.pool.device_tflops),
                 **engine_during_update(cfg, ROLLOUT_ENGINES[r.engine](cfg, dims, shape), accelerator))
+
+
+def _run_width(shape: TreeShape) -> int:
+    """The longest run below the prompt: a path of the levels under it."""
+    return sum(seg for _, seg in shape.radix()[1])
+
+
+def rounds_bytes(dims: ModelDims, elt: int, run: RunPeak, split: Split | None) -> int:
+    """Below a prompt split over ranks, what a round of its runs' attention to the prompt
+    allocates for a moment (distributed/context.SharedPrompt): every rank's requests of its
+    largest run and their answers, in float32 for narrower dtypes (estimate: the peak run's
+    rows and width on every rank)."""
+    if split is None:
+        return 0
+    queries = split.ranks * run.rows * run.width
+    return queries * (5 * dims.q_dim + 2 * dims.heads) * max(4, elt)
 
 
 def engine_during_update(cfg, rollout: RolloutMemory, accelerator: bool) -> dict:
@@ -810,8 +901,10 @@ def format_plan(p: Plan) -> str:
         (f"tree      prompt {s.prompt}, branching {tree} -> G={s.rollouts} rollouts of {s.completion} tokens; "
          f"{s.total_positions} per-rollout / {s.unique_positions} unique positions "
          f"({s.total_positions / s.unique_positions:.2f}x)"),
-        (f"step      {p.trees} trees on {p.ranks} device(s), {p.trees_per_device} per device (whole trees); "
-         f"per-rollout positions {p.positions_per_step:,}, replay positions {p.replay_positions_per_step:,}"),
+        (f"step      {p.trees} trees on {p.ranks} device(s), "
+         + (f"each prompt split over {p.context.split.ranks} of them; " if p.context else
+            f"{p.trees_per_device} per device (whole trees); ")
+         + f"per-rollout positions {p.positions_per_step:,}, replay positions {p.replay_positions_per_step:,}"),
         f"peak run  replay: {p.replay.what} (past {p.replay.past}); naive: {p.naive.what} ({p.naive.width} positions)",
         f"branches  replay: {p.replay_path}",
         format_update(p),
@@ -837,6 +930,8 @@ def format_plan(p: Plan) -> str:
         verdict = lambda m: "fits" if p.fits(m) else "DOES NOT FIT"  # noqa: E731
         lines.append(f"{'device memory':<44} {gib(p.device_bytes):>10} {gib(p.device_bytes):>10}")
         lines.append(f"{'':<44} {verdict('replay'):>10} {verdict('naive'):>10}")
+    if p.context is not None:
+        lines += ["", *format_context(p.context)]
     lines += ["", *format_rollout(p)]
     if p.host is not None:
         lines += ["", *format_host(p)]
@@ -846,7 +941,8 @@ def format_plan(p: Plan) -> str:
     kv = dict(algo=p.algo, updates_per_step=p.updates, mode=p.mode, devices=p.ranks, fsdp=str(p.fsdp).lower(), trees=p.trees, rollouts_per_tree=s.rollouts,
               positions_per_step=p.positions_per_step, replay_positions_per_step=p.replay_positions_per_step,
               positions_ratio=f"{s.total_positions / s.unique_positions:.3f}", state_gib=gib(st.total),
-              **({"lora_params": p.adapters} if p.adapters else {}), peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
+              **({"lora_params": p.adapters} if p.adapters else {}), **_context_fields(p.context),
+              peak_gib=gib(p.peak(p.mode)), replay_peak_gib=gib(p.peak("replay")),
               naive_peak_gib=gib(p.peak("naive")), rollout_peak_gib=gib(p.rollout_peak()),
               device_gib=gib(p.device_bytes), **({"host_gib": gib(p.host.total)} if p.host else {}),
               fits="unknown" if fits is None else str(fits).lower(),
@@ -855,6 +951,18 @@ def format_plan(p: Plan) -> str:
                                           "io_s_per_step_not_resident": f"{p.io.seconds(resident=False):.1f}"}))
     lines.append(" ".join(f"{k}={v}" for k, v in kv.items()))
     return "\n".join(lines)
+
+
+def _context_fields(c: ContextPlan | None) -> dict:
+    if c is None:
+        return {}
+    out = {"context_parallel": c.split.ranks, "share_positions": c.split.width,
+           "cp_sent_gib_per_step": gib(c.sent)}
+    for key, value in (("cp_comm_s", c.comm_seconds()), ("prefill_s", c.seconds(c.prefill_flops)),
+                       ("backward_s", c.seconds(c.backward_flops))):
+        if value is not None:
+            out[key] = f"{value:.1f}"
+    return out
 
 
 def format_update(p: Plan) -> str:
@@ -873,8 +981,9 @@ def format_update(p: Plan) -> str:
 
 def format_rollout(p: Plan) -> list[str]:
     r = p.rollout
+    spans = f", each shard's engine on {r.tensor_parallel} devices (tensor parallel)" if r.tensor_parallel > 1 else ""
     lines = [f"rollouts, per device: engine {r.engine}, {r.trees} trees a shard ({p.trees} prompts over "
-             f"{r.shards} rollout.shards), {r.rows} sequences decoding; the peak is at {r.peak_at}",
+             f"{r.shards} rollout.shards{spans}), {r.rows} sequences decoding; the peak is at {r.peak_at}",
              f"each prompt's K/V {'is held once' if r.prompt_once else 'is held by every row (no cascade kernel here)'}"
              f"{' (vLLM: its prefix cache)' if r.engine == 'vllm' else ''}", ""]
     rows = [(label, b) for _, label, b in r.lines] + [
@@ -883,7 +992,10 @@ def format_rollout(p: Plan) -> list[str]:
     lines.append(f"{'total':<66} {gib(p.rollout_peak()):>10}")
     if p.engine_during_update:
         lines.append(f"the engine during the caching pass and the update: {p.engine_during_update}")
-    if r.kv_needed > r.part("kv"):
+    if r.kv_too_small:
+        lines.append("the engine's KV cache cannot hold one of the shard's sequences (its prompt and completion): "
+                     "vLLM cannot serve it; raise rollout.vllm.kv_cache_gb or rollout.vllm.tensor_parallel_size")
+    elif r.kv_needed > r.part("kv"):
         lines.append("the engine's KV cache holds fewer positions than the shard's sequences need at once: vLLM "
                      "preempts and recomputes sequences (slower); raise rollout.vllm.kv_cache_gb or rollout.shards")
     if p.device_bytes:
@@ -907,6 +1019,9 @@ def format_io(io: StepIO) -> list[str]:
 
 def rollout_advice(p: Plan) -> str:
     r = p.rollout
+    if r.kv_too_small:
+        return ("the rollout engine's KV cache cannot hold one of the shard's sequences; raise "
+                "rollout.vllm.kv_cache_gb, or spread the engine over more devices (rollout.vllm.tensor_parallel_size)")
     return (f"the rollouts need {gib(p.rollout_peak())} GiB per device but a device has {gib(p.device_bytes)} GiB "
             f"(K/V of {r.rows} sequences decoding at once: {gib(r.part('kv'))} GiB); try more rollout.shards "
             f"(a shard decodes {r.trees} of the {p.trees} trees now), or fewer data.prompts_per_step")
@@ -940,7 +1055,6 @@ def host_advice(p: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lsreplay.core.config import ConfigError
     from lsreplay.models.loading import ModelError
 
     ap = argparse.ArgumentParser(prog="lsreplay plan", description=__doc__.split("\n\n")[0])

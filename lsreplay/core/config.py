@@ -175,6 +175,16 @@ class VLLMConfig:
     # seconds: an engine that has not answered by then is killed, and the task's retry starts
     # a new one. Start-up has its own (10 minutes).
     timeout_s: float = 1800.0
+    # -- A prompt too long for one device's rollouts (docs/pool-and-scale-out.md, "Context
+    # parallelism"): vLLM's tensor parallelism over this many devices, each rollout shard
+    # holding that many pool slots; every device holds a share of the weights and of the K/V
+    # heads (a head on several where there are fewer K/V heads than devices). 1: one device.
+    tensor_parallel_size: int = 1
+    # vLLM's decode context parallelism within those devices (CUDA): groups of this many of
+    # them hold a K/V head's cache split along the sequence instead of each a copy (where
+    # there are fewer K/V heads than devices, tensor_parallel_size / this many per head at
+    # most). 1: none.
+    decode_context_parallel_size: int = 1
 
 
 ENGINES = ("hf", "vllm")
@@ -443,6 +453,17 @@ class ReplayConfig:
     # this: every replay run costs about this many positions' worth on top of its length
     # (a pass over all weight gradients; ~100 for SmolLM2-135M on 2 CPU cores). 0: never.
     join_below: int = 64
+    # -- Context parallelism (lsreplay/distributed/context.py; docs/pool-and-scale-out.md) --
+    # Ranks of the update a prompt too long for one device is split over, in contiguous
+    # shares: each rank runs its share layer by layer and replays a share of the prompt's
+    # answers on the whole prompt; the gradient is the one-device one. 1: no splitting.
+    # Groups of this many consecutive ranks: it divides pool.devices_per_step.
+    context_parallel: int = 1
+    # A tree whose prompt (with the opening its answers share) has at least this many tokens
+    # is split; 0 = one that a device cannot replay within replay.budget_mb (the least budget
+    # a tree needs, memory.least_budget, as `lsreplay plan` counts it). Other trees keep the
+    # one-device path, whole trees per rank.
+    context_parallel_tokens: int = 0
 
 
 @dataclass
@@ -536,6 +557,13 @@ class PoolConfig:
     # backward included (no atomics; slower), and an op without a deterministic kernel an
     # error; false: cuBLAS deterministic, the backward's atomics not (docs/gpu.md).
     deterministic: bool = False
+    # -- What `lsreplay plan` times context parallelism at (replay.context_parallel); nothing
+    # else reads them. 0 = unknown: no time.
+    # Bandwidth between two devices of a step, GB/s each way (NVLink on an H20: 450).
+    interconnect_gbps: float = 0.0
+    # A device's dense matrix throughput in the model's dtype, TFLOP/s, at the utilisation
+    # the plan should assume (an H20's bf16 peak is 148).
+    device_tflops: float = 0.0
 
 
 TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "trackio": "trackio", "wandb": "wandb"}
@@ -926,6 +954,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.replay.kv_offload in ("store", "host"), "replay.kv_offload", "store or host", cfg.replay.kv_offload)
     _check(cfg.replay.join_below >= 0, "replay.join_below", "must be >= 0 (0 = never join)", cfg.replay.join_below)
     _check(cfg.replay.budget_mb >= 0, "replay.budget_mb", "must be >= 0 (0 = automatic)", cfg.replay.budget_mb)
+    _validate_context_parallel(cfg)
     _validate_state(cfg)
     _validate_async(cfg)
     _validate_pool(cfg)
@@ -935,6 +964,35 @@ def validate(cfg: Config) -> None:
     uri = cfg.storage.uri
     _check(uri == "" or uri.startswith(("s3://", "file://", "/")) or "://" not in uri, "storage.uri",
            "empty (the run directory), a local path, file://... or s3://bucket/prefix", uri)
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """A prompt too long for one device: replay.context_parallel, the rollouts'
+    rollout.vllm.tensor_parallel_size, and what the plan times them at."""
+    r, p = cfg.replay, cfg.pool
+    _check(r.context_parallel >= 1, "replay.context_parallel", "an integer >= 1 (1 = no prompt split over ranks)",
+           r.context_parallel)
+    _check(r.context_parallel_tokens >= 0, "replay.context_parallel_tokens", "must be >= 0 (0 = the prompts one "
+           "device cannot replay within replay.budget_mb)", r.context_parallel_tokens)
+    _check(r.context_parallel == 1 or p.devices_per_step % r.context_parallel == 0, "replay.context_parallel",
+           f"a divisor of pool.devices_per_step = {p.devices_per_step} (groups of consecutive ranks of the update); "
+           f"set pool.devices_per_step to a multiple of it", r.context_parallel)
+    _check(r.context_parallel == 1 or r.mode == "replay", "replay.context_parallel", "1 with replay.mode=naive "
+           "(the per-rollout backward runs whole rollouts)", r.context_parallel)
+    tp = cfg.rollout.vllm.tensor_parallel_size
+    _check(tp >= 1, "rollout.vllm.tensor_parallel_size", "an integer >= 1 (1 = a vLLM engine on one device)", tp)
+    _check(tp == 1 or cfg.rollout.engine == "vllm", "rollout.vllm.tensor_parallel_size", "1 with rollout.engine=hf "
+           "(the HF sampler decodes on one device; rollout.engine=vllm spreads one over several)", tp)
+    dcp = cfg.rollout.vllm.decode_context_parallel_size
+    _check(dcp >= 1 and tp % dcp == 0, "rollout.vllm.decode_context_parallel_size",
+           f"an integer >= 1 dividing rollout.vllm.tensor_parallel_size = {tp} (1 = none)", dcp)
+    _check(dcp == 1 or p.accelerator == "cuda", "rollout.vllm.decode_context_parallel_size",
+           "1 with pool.accelerator=cpu (vLLM's CPU attention has no decode context parallelism)", dcp)
+    _check(tp <= (len(p.rollout_devices) or p.slots), "rollout.vllm.tensor_parallel_size",
+           f"at most the rollouts' devices ({len(p.rollout_devices) or p.slots}: pool.rollout_devices, or "
+           "pool.slots): a rollout shard's engine spans that many", tp)
+    _check(p.interconnect_gbps >= 0, "pool.interconnect_gbps", "must be >= 0 (0 = unknown)", p.interconnect_gbps)
+    _check(p.device_tflops >= 0, "pool.device_tflops", "must be >= 0 (0 = unknown)", p.device_tflops)
 
 
 def _validate_rope_scaling(scaling: dict) -> None:

@@ -12,6 +12,9 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     trees[@STEP]:kill_engine SIGKILL the vLLM engine (rollout.engine=vllm) in the middle of the
                              stage's call to it, once: the shard fails, its retry starts a new engine
     policy[@STEP]:nan        make the policy loss NaN (the step must not be committed)
+    policy[@STEP]:kill_rank  SIGKILL the last rank of a data-parallel update (pool.devices_per_step
+                             > 1) as its backward starts, once: the ranks waiting on it fail, and
+                             the stage's try with them
     policy[@STEP]:interrupt  raise a transient InjectedFault right after the optimizer step,
                              before the update is recorded (a stage timeout may strike there)
     checkpoint[@STEP]:tear   SIGKILL this process halfway through writing the weights file of
@@ -50,7 +53,7 @@ from lsreplay.core.layout import MODEL_FILE, STAGES, checkpoint_folder
 log = logging.getLogger(__name__)
 
 ENV = "LSREPLAY_FAULTS"
-ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full", "kill_engine", "interrupt")
+ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full", "kill_engine", "interrupt", "kill_rank")
 STALL_ENV = "LSREPLAY_STALL_SECONDS"
 _SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z_]+)(?:\*(?P<count>\d+))?$")
 
@@ -92,13 +95,15 @@ def parse(spec: str) -> list[Fault]:
         if action in ("nan", "interrupt") and target != "policy":
             raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN and an optimizer step "
                              "to interrupt")
+        if action == "kill_rank" and target != "policy":
+            raise ValueError(f"{ENV}: {item!r}: only the policy update has ranks (policy[@STEP]:kill_rank)")
         if action == "kill_engine" and target != "trees":
             raise ValueError(f"{ENV}: {item!r}: only the rollouts call an engine (trees[@STEP]:kill_engine)")
         if action in ("tear", "full") and target != "checkpoint":
             raise ValueError(f"{ENV}: {item!r}: only a checkpoint's write can be torn or find the disk full "
                              f"(checkpoint[@STEP]:{action})")
         count = int(m["count"]) if m["count"] else (1 if action in ("fail", "kill", "stall", "tear", "kill_engine",
-                                                                    "interrupt") else 2**31)
+                                                                    "interrupt", "kill_rank") else 2**31)
         faults.append(Fault(target, int(m["step"]) if m["step"] else None, action, count))
     return faults
 
@@ -164,6 +169,20 @@ def engine_call(stage: str, step: int, pid: int) -> None:
     if os.environ.get(ENV) and _take(stage, step, ("kill_engine",)):
         log.warning("injected kill of the vLLM engine (pid %d) in the middle of stage %s of step %d", pid, stage, step)
         os.kill(pid, signal.SIGKILL)
+
+
+def doomed_rank(stage: str, step: int, ranks: int) -> int | None:
+    """The rank of a stage's `ranks` processes that a `kill_rank` fault kills (the last), or
+    None; taken here, in the stage's process, so that a retry's ranks live."""
+    if os.environ.get(ENV) and _take(stage, step, ("kill_rank",)):
+        log.warning("injected kill of rank %d of stage %s of step %d as its backward starts", ranks - 1, stage, step)
+        return ranks - 1
+    return None
+
+
+def kill_this_rank() -> None:
+    """The doomed rank (doomed_rank) dies here."""
+    _kill()
 
 
 def _kill() -> None:

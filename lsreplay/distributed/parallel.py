@@ -2,7 +2,10 @@
 
 Trees are the unit of work: a rank runs the replay (or naive) backward of whole trees,
 so no prefix K/V ever crosses ranks. `split_trees` balances ranks by the positions they
-compute. The loss weights are global (GRPO normalises over the whole batch), so they are
+compute. The exception: with context parallelism (`context_parallel` ranks a group,
+distributed/context.py) a tree whose prompt one device cannot hold is replayed by every rank
+of a group together, its prompt split over them; such trees go to the groups, the others to
+the ranks, and the gradient reduction below stays one. The loss weights are global (GRPO normalises over the whole batch), so they are
 computed once for every tree *before* splitting; the sum over ranks of each rank's
 gradient is then exactly the single-process gradient, and gradients are summed, not
 averaged.
@@ -39,7 +42,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward
+from lsreplay.distributed.context import context_group
+from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward, splits
 from lsreplay.replay.heads import Heads, per_head
 from lsreplay.tree import RolloutTree
 
@@ -192,7 +196,8 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
                            mode: str = "replay", fsdp: bool | None = None,
                            prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
                            join_below: int = 0, group=None, grad_params: list[torch.Tensor] | None = None, *,
-                           heads: Heads, offload_prefix: bool = False) -> BackwardStats:
+                           heads: Heads, offload_prefix: bool = False, context_parallel: int = 1,
+                           context_threshold: int = 0) -> BackwardStats:
     """This rank's share of the batch gradient, summed over ranks into `.grad`.
 
     `trees` and `weights` are the WHOLE batch (same on every rank; weights computed
@@ -204,6 +209,10 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     grad_params: where the gradients accumulate, plain DP (default: the model's trainable
     parameters; a mixed-precision TrainState's float32 masters). heads, weights,
     offload_prefix: as for replay_backward (weights by head name with heads).
+    context_parallel: ranks of a context-parallel group (1: none); a tree it splits
+    (replay.backward.splits; `context_threshold` positions of its prompt, 0: where one device
+    would need more than the budget) is replayed by every rank of one group together, each
+    group taking its share of those trees, every rank its share of the others.
 
     Returns stats summed over ranks (objective, positions), the max peak and this
     rank's wall time (compute + communication)."""
@@ -216,7 +225,8 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     if fsdp and not is_sharded(model):
         raise ValueError("fsdp=True needs a model passed through shard_model() first")
     start = time.perf_counter()
-    mine = split_trees(trees, world_size, mode)[rank]
+    context = context_group(rank, world_size, context_parallel, context_threshold) if mode == "replay" else None
+    mine = _assigned(model, trees, rank, world_size, mode, context, join_below, budget_bytes, offload_prefix)
     local_trees = [trees[i] for i in mine]
     local_w = {name: [w[i] for i in mine] for name, w in by_head.items()}
     if fsdp:
@@ -224,7 +234,7 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
     if mode == "replay":
         source = None if prefix_kv is None else (lambda j, node: prefix_kv(mine[j], node))
         stats = replay_backward(model, local_trees, local_w, prefix_kv=source, budget_bytes=budget_bytes,
-                                join_below=join_below, heads=heads, offload_prefix=offload_prefix)
+                                join_below=join_below, heads=heads, offload_prefix=offload_prefix, context=context)
     else:
         stats = naive_backward(model, local_trees, local_w, heads=heads)
     if fsdp:
@@ -243,6 +253,20 @@ def data_parallel_backward(model, trees: Sequence[RolloutTree], weights, rank: i
         seconds=time.perf_counter() - start, peak_activation_bytes=int(peak[0]),
         device_peak_bytes=int(peak[1]) if stats.device_peak_bytes is not None else None,
         layer_by_layer_positions=int(sums[3]))
+
+
+def _assigned(model, trees: Sequence[RolloutTree], rank: int, world: int, mode: str, context, join_below: int,
+              budget_bytes: int | None, offload_prefix: bool) -> list[int]:
+    """The batch's trees this rank replays: those its context-parallel group splits (its share of
+    the trees split at all, the same on every rank of the group, first), then its share of the
+    others."""
+    split = [i for i, t in enumerate(trees) if splits(model, t, context, join_below, budget_bytes, offload_prefix)]
+    whole = [i for i in range(len(trees)) if i not in split]
+    mine = [whole[j] for j in split_trees([trees[i] for i in whole], world, mode)[rank]]
+    if not split:
+        return mine
+    ours = [split[j] for j in split_trees([trees[i] for i in split], context.groups, mode)[context.number]]
+    return ours + mine
 
 
 def full_state(model) -> dict[str, torch.Tensor]:

@@ -27,6 +27,12 @@ every weight's gradient is summed in one buffer over the walk's many autograd ca
 The walk is over the tree's replay view (view.py), where branching nodes too short to be
 worth a run of their own are joined into their children.
 
+With a `context` (context parallelism: lsreplay.distributed.context), a tree whose prompt one
+device cannot hold is replayed by the ranks of the context's group together: each runs its
+share of the prompt layer by layer (layerwise.py, with the other shares as its peers) and its
+share of the prompt's children on the whole prompt, every share attended where it is held
+(cascade.HeldElsewhere); the other trees replay as they do on one device.
+
 A subtree whose every weight is zero (a DPO leaf outside its pair, a masked completion, a
 tree whose leaves all scored alike) adds nothing to the gradient, and both backwards
 skip it; `per_rollout_positions` counts the rollouts that carry weight.
@@ -38,21 +44,28 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
 from lsreplay.models.families import family
+from lsreplay.models.hf_compat import decoder_layers
 from lsreplay.models.summed_grads import summed_in_place
+from lsreplay.replay.attention.windows import layer_visibility
 from lsreplay.replay.cascade import cascade_applies, forward_cascade
 from lsreplay.replay.heads import Heads, per_head
 from lsreplay.replay.layerwise import LayerByLayerSpan, layer_by_layer_applies
 from lsreplay.replay.memory import (ActivationMeter, KeptLayers, LayerByLayer, ModelDims, default_budget,
-                                    device_peak_bytes, kept_spans, leaf_batch_rows, reset_device_peak)
+                                    device_peak_bytes, kept_spans, leaf_batch_rows, least_budget, reset_device_peak,
+                                    split_spans)
 from lsreplay.replay.recompute import recomputed_layers
 from lsreplay.replay.segments import PrefixKV, concat_kv, device_index, forward_segments, kv_bytes, new_kv
-from lsreplay.replay.view import Span, replay_view
+from lsreplay.replay.view import Span, replay_view, share_of
 from lsreplay.tree import Node, RolloutTree
+
+if TYPE_CHECKING:
+    from lsreplay.distributed.context import ContextParallel
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +92,10 @@ class _Replay:
     """State of one replay_backward call."""
 
     def __init__(self, model, meter: ActivationMeter, prefix_kv: PrefixKVSource | None, budget_bytes: int | None,
-                 join_below: int, heads: Heads, offload_prefix: bool = False):
+                 join_below: int, heads: Heads, offload_prefix: bool = False, context: ContextParallel | None = None):
         family(model.config)  # replay is exact on its family, or refuses it
         self.model, self.meter, self.prefix_kv, self.join_below, self.heads = model, meter, prefix_kv, join_below, heads
-        self.offload_prefix = offload_prefix
+        self.offload_prefix, self.context = offload_prefix, context
         self.dims = ModelDims.from_hf(model.config)
         self.elt = next(model.parameters()).element_size()
         self.budget_bytes = budget_bytes
@@ -93,17 +106,21 @@ class _Replay:
         self.layer_by_layer_positions = 0
         self.recomputed = 0
 
-    def tree(self, index: int, tree: RolloutTree, entry_weights: dict[str, torch.Tensor]) -> None:
+    def tree(self, index: int, tree: RolloutTree, entry_weights: dict[str, torch.Tensor], split: bool = False) -> None:
+        """Replay tree `index`; `split`: its prompt over the ranks of self.context (splits)."""
         self.index, self.t = index, tree
         # A head of no weight in the tree is not run at all (a value loss alone needs no LM head).
         self.w = {name: w.to(self.objective.device) for name, w in entry_weights.items() if w.ne(0).any()}
         self.spans, self.kept, self.budget = replay_plan(self.model, tree, self.join_below, self.budget_bytes,
-                                                         self.offload_prefix)
+                                                         self.offload_prefix, self.context if split else None)
+        self.split = split  # the caching pass keeps no K/V of a split tree (stages/prefixes.py)
         self.live = _live_spans(self.spans, entry_weights)
         root = self.spans[0]
         if not self.live[root.id]:
             return
-        if root.is_leaf:
+        if split:
+            self.split_root(root)
+        elif root.is_leaf:
             self.run([root], [], None)
         else:
             self.node(root, [])
@@ -153,6 +170,24 @@ class _Replay:
             self.subtrees(children, ancestors + [kv], span.end)
             run.backward()
 
+    def split_root(self, root: Span) -> None:
+        """The root span split over the ranks of self.context: this rank's share run layer by
+        layer beside the others' (peers), this rank's share of the root's children replayed
+        on the whole prompt, whose shares every rank serves, then the share's backward."""
+        lo, hi = self.context.share(len(root.tokens))
+        mine = [(i, p - lo, t) for i, p, t in zip(root.entry_ids, root.entry_pos, root.entry_targets) if lo <= p < hi]
+        ids, positions, targets = map(list, zip(*mine)) if mine else ([], [], [])
+        choice = self.kept[root.id]
+        run = LayerByLayerSpan(self.model, root.tokens[lo:hi], root.start + lo, [], choice.chunk, self.meter,
+                               choice.offload, peers=self.context.peers(len(root.tokens)))
+        kv = run.forward(self.score_entries, ids, positions, targets)
+        self.positions += hi - lo
+        self.layer_by_layer_positions += hi - lo
+        children = self.context.children(self.spans, [self.spans[c] for c in root.children if self.live[c]])
+        with self.meter.hold(kv_bytes(kv)), self.context.serving(len(root.tokens), kv) as prompt:  # their gradient
+            self.subtrees(children, [prompt], root.end)
+        run.backward()
+
     def subtrees(self, children: list[Span], below: list[PrefixKV], past_len: int) -> None:
         """Replay every live child of a branching span on top of `below`: the leaves in
         micro-batches, the branching children depth first."""
@@ -166,17 +201,21 @@ class _Replay:
         kv = self.cached_kv(span)
         if kv is None:
             with torch.no_grad():
-                past = concat_kv([(list(map(torch.Tensor.detach, k)), list(map(torch.Tensor.detach, v)))
-                                  for k, v in ancestors])
-                _, cache = forward_segments(self.model, [span.tokens], span.start, past)
-                kv = new_kv(cache, span.start)
+                if any(not isinstance(a, tuple) for a in ancestors):  # a prompt held elsewhere: attended in place
+                    _, cache = forward_cascade(self.model, [span.tokens], span.start, ancestors)
+                    kv = new_kv(cache, 0)
+                else:
+                    past = concat_kv([(list(map(torch.Tensor.detach, k)), list(map(torch.Tensor.detach, v)))
+                                      for k, v in ancestors])
+                    _, cache = forward_segments(self.model, [span.tokens], span.start, past)
+                    kv = new_kv(cache, span.start)
         return ([k.detach().clone().requires_grad_() for k in kv[0]],
                 [v.detach().clone().requires_grad_() for v in kv[1]])
 
     def cached_kv(self, span: Span) -> PrefixKV | None:
         """The span's K/V from the caching pass: its tree nodes', joined; None if one is
         missing or unusable."""
-        if not self.prefix_kv:
+        if not self.prefix_kv or self.split:
             return None
         parts = []
         for node in (self.t.nodes[s] for s in span.sources):
@@ -262,22 +301,67 @@ def _grads(kv: PrefixKV):
 
 
 def replay_plan(model: PreTrainedModel, tree: RolloutTree, join_below: int = 0, budget_bytes: int | None = None,
-                offload_prefix: bool = False) -> tuple[list[Span], dict[int, KeptLayers | LayerByLayer], int]:
+                offload_prefix: bool = False, context: ContextParallel | None = None,
+                ) -> tuple[list[Span], dict[int, KeptLayers | LayerByLayer], int]:
     """How replay_backward walks `tree`: its replay view (view.py), the branching spans it
     forwards before their subtree with what they keep (memory.kept_spans: their graph, or
     where the model takes cascade attention their layer inputs and K/V, run layer by layer,
     those inputs in host memory with `offload_prefix` on CUDA) and the memory budget of one
     path, `budget_bytes` or by default what the per-rollout backward needs for the tree's
-    longest rollout, with its K/V (memory.default_budget). The caching pass asks it which K/V
-    the backward will read. Raises ConfigError where no way of running a span fits the budget."""
+    longest rollout, with its K/V (memory.default_budget). With `context`, the root span is
+    split over its ranks: this rank's share of it runs layer by layer (memory.split_spans).
+    The caching pass asks it which K/V the backward will read. Raises ConfigError where no
+    way of running a span fits the budget."""
     dims, elt = ModelDims.from_hf(model.config), next(model.parameters()).element_size()
     spans = replay_view(tree, join_below)
     longest = max(n.end for n in tree.nodes)
     budget = budget_bytes or default_budget(dims, elt, longest, longest - tree.prompt_len)
     cascade = cascade_applies(model)
     offload = offload_prefix and next(model.parameters()).device.type == "cuda"
+    if context is not None:
+        lo, hi = context.share(len(spans[0].tokens))
+        return spans, split_spans(spans, dims, elt, budget, share_of(spans[0], lo, hi), lo, offload), budget
     kept = kept_spans(spans, dims, elt, budget, cascade, cascade and layer_by_layer_applies(model), offload)
     return spans, kept, budget
+
+
+def splits(model: PreTrainedModel, tree: RolloutTree, context: ContextParallel | None, join_below: int = 0,
+           budget_bytes: int | None = None, offload_prefix: bool = False) -> bool:
+    """Whether replay splits `tree`'s prompt over the ranks of `context` (context parallelism):
+    its root span branches and has context.threshold positions or more, or, with no
+    threshold, one device would need more than the replay budget to replay the tree
+    (memory.least_budget). Every rank of a group decides alike from the same tree."""
+    if context is None or context.ranks < 2:
+        return False
+    spans = replay_view(tree, join_below)
+    root = spans[0]
+    if root.is_leaf or len(root.tokens) < context.ranks:
+        return False
+    if context.threshold:
+        return len(root.tokens) >= context.threshold
+    dims, elt = ModelDims.from_hf(model.config), next(model.parameters()).element_size()
+    longest = max(n.end for n in tree.nodes)
+    budget = budget_bytes or default_budget(dims, elt, longest, longest - tree.prompt_len)
+    offload = offload_prefix and next(model.parameters()).device.type == "cuda"
+    return least_budget(spans, dims, elt, True, offload) > budget
+
+
+def context_parallel_applies(model: PreTrainedModel) -> str | None:
+    """Why `model` cannot have its prompts split over ranks, or None if it can: its prompt's
+    shares run layer by layer, and every rank attends to the others' shares through cascade
+    attention, full softmax attention of cached keys and values (no sliding window, softcap or
+    latent attention)."""
+    if not (cascade_applies(model) and layer_by_layer_applies(model)):
+        return (f"{type(model).__name__} in {next(model.parameters()).dtype} does not run layer by layer with "
+                "cascade attention here (replay/cascade.py, layerwise.py)")
+    if not all(v.full for v in layer_visibility(model.config)):
+        return f"{type(model).__name__} has sliding-window or chunked attention layers"
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "kv_lora_rank", None):
+        return f"{type(model).__name__} softcaps its attention logits or caches latents"
+    if any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in decoder_layers(model)):
+        return f"{type(model).__name__} has attention sinks"
+    return None
 
 
 def _live_spans(spans: list[Span], entry_weights: dict[str, torch.Tensor]) -> list[bool]:
@@ -305,7 +389,8 @@ def _weighted_positions(trees: list[RolloutTree], weights: dict) -> int:
 def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
                     prefix_kv: PrefixKVSource | None = None, budget_bytes: int | None = None,
                     meter: ActivationMeter | None = None, join_below: int = 0, *,
-                    heads: Heads, offload_prefix: bool = False) -> BackwardStats:
+                    heads: Heads, offload_prefix: bool = False, context: ContextParallel | None = None,
+                    ) -> BackwardStats:
     """Accumulate the weighted-score gradient of `trees` into `.grad`, branch replay style.
 
     heads: what is scored (heads.py), the logprob under the distribution its head names;
@@ -316,22 +401,33 @@ def replay_backward(model: PreTrainedModel, trees: list[RolloutTree], weights,
     for them included (default: what the per-rollout backward saves for the longest rollout).
     join_below: join short branching nodes into their children, see view.py (0: never).
     offload_prefix: on CUDA, the layer inputs of spans run layer by layer wait in host memory
-    (layerwise.py); on a CPU it changes nothing."""
+    (layerwise.py); on a CPU it changes nothing.
+    context: this rank's context-parallel group (lsreplay.distributed.context): the trees it
+    `splits` every rank of the group replays together, in the same order on every rank, each
+    rank accumulating its part of their gradient (and of the objective and positions; their
+    per-rollout positions count on the group's first rank); the other trees as ever."""
     weights, heads = per_head(weights, heads)
     entry_w = _entry_weights(trees, weights)
+    split = [splits(model, t, context, join_below, budget_bytes, offload_prefix) for t in trees]
+    if any(split):
+        if why := context_parallel_applies(model):
+            raise ValueError(f"replay.context_parallel cannot split this model's prompts: {why}")
+        context.agree([t for t, s in zip(trees, split) if s])
     meter = meter or ActivationMeter(model)
-    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below, heads, offload_prefix)
+    state = _Replay(model, meter, prefix_kv, budget_bytes, join_below, heads, offload_prefix, context)
     device = next(model.parameters()).device
     reset_device_peak(device)
     start = time.perf_counter()
     with meter.measure(), summed_in_place(model):
         for i, (tree, w) in enumerate(zip(trees, entry_w)):
-            state.tree(i, tree, w)
+            state.tree(i, tree, w, split[i])
     if state.recomputed:
         log.warning("recomputed %d prefix K/V entries that were missing or corrupt in the cache", state.recomputed)
+    counted = [i for i, s in enumerate(split) if not s or context.index == 0]
     return BackwardStats(
         objective=float(state.objective), positions=state.positions,
-        per_rollout_positions=_weighted_positions(trees, weights),
+        per_rollout_positions=_weighted_positions([trees[i] for i in counted],
+                                                  {name: [w[i] for i in counted] for name, w in weights.items()}),
         seconds=time.perf_counter() - start, peak_activation_bytes=meter.peak,
         device_peak_bytes=device_peak_bytes(device), layer_by_layer_positions=state.layer_by_layer_positions)
 

@@ -25,6 +25,12 @@ merge (sinks.py), latent attention's cached latents are decompressed and its nar
 values padded (latent.py). The kernels
 (attention/kernels.py) are the only code that differs per device.
 
+A prefix part may be held elsewhere (HeldElsewhere: a long prompt split over the ranks of a
+step, lsreplay.distributed.context): its holders attend the queries to their shares and send
+back each share's output and log-sum-exp, which join the merge as parts; in the backward they
+compute the queries' gradient from the merged output and log-sum-exp, as a local part's
+kernel does, and keep their keys' and values' gradient where the keys are.
+
 Rows are right-padded: a real token never sees the padding after it (causal), and padded
 outputs are ignored by the caller.
 """
@@ -32,6 +38,7 @@ outputs are ignored by the caller.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
@@ -78,15 +85,40 @@ def _repeat_heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
     return kv if group == 1 else kv.repeat_interleave(group, dim=1)
 
 
+class HeldElsewhere(Protocol):
+    """A prefix part whose keys and values other processes hold, in shares (a prompt split over
+    ranks: lsreplay.distributed.context). Its positions come first, before every query, and
+    every query sees all of them (full attention)."""
+
+    positions: int
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Queries (1, kv_heads, n, d), the heads of a K/V group folded into their length,
+        against layer `layer`'s keys and values of each share: (output, log-sum-exp) per share."""
+
+    def attend_backward(self, layer: int, grad_out: torch.Tensor, query: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, scale: float) -> torch.Tensor:
+        """The queries' gradient from every share, given the merged output and log-sum-exp
+        (each share's keys and values keep theirs where they are held)."""
+
+
+class KeysOnly(Exception):
+    """Raised by cascade_attention where the prefix asks for a layer's keys and values only:
+    the layer has put them in its cache by then (layerwise.py's share of a split span)."""
+
+
 @dataclass
 class _Plan:
     """One layer's cascade: the kernel and mask (None: causal alone) of the rows' own part,
-    and of each ancestor part the rows see (its mask None: every query sees every key)."""
+    and of each ancestor part the rows see (its mask None: every query sees every key), and
+    the parts held elsewhere."""
 
     scale: float
     own: AttentionKernel
     own_mask: torch.Tensor | None
     parts: list[tuple[AttentionKernel, torch.Tensor | None]] = field(default_factory=list)
+    layer: int = 0
+    elsewhere: list[HeldElsewhere] = field(default_factory=list)
 
 
 class _CascadeAttention(torch.autograd.Function):
@@ -110,6 +142,9 @@ class _CascadeAttention(torch.autograd.Function):
         for (k, v), (kernel, mask) in zip(zip(prefix[0::2], prefix[1::2]), plan.parts):
             part_out, part_lse = kernel.forward(folded, k, v, False, plan.scale, _fold_mask(mask, rows * heads // kv_heads))
             parts.append((_unfold(part_out, rows, heads, width), _unfold(part_lse, rows, heads, width)))
+        for held in plan.elsewhere:
+            parts += [(_unfold(part_out, rows, heads, width), _unfold(part_lse, rows, heads, width))
+                      for part_out, part_lse in held.attend(plan.layer, folded, plan.scale)]
         merged = merged_lse([part_lse for _, part_lse in parts], sinks)
         # Merged in the log-sum-exp's dtype (float32 for bfloat16), into a tensor of the own
         # part's layout (a product keeps its first input's), so the caller's transpose is free;
@@ -140,6 +175,8 @@ class _CascadeAttention(torch.autograd.Function):
                                                               plan.scale, _fold_mask(mask, rows * group))
             grad_query = grad_query + _unfold(part_grad_query, rows, heads, width)
             grad_prefix += [grad_k, grad_v]
+        for held in plan.elsewhere:
+            grad_query = grad_query + _unfold(held.attend_backward(plan.layer, *folded, plan.scale), rows, heads, width)
         grad_sinks = sink_grad(sinks, grad_out, out, lse) if sinks is not None and ctx.needs_input_grad[4] else None
         return None, grad_query, grad_key, grad_value, grad_sinks, *grad_prefix
 
@@ -147,14 +184,16 @@ class _CascadeAttention(torch.autograd.Function):
 @dataclass
 class CascadePrefix:
     """What forward_cascade hands every attention layer: the ancestors' K/V (`parts`, root
-    first, together covering positions 0..start), the rows' first position, each layer's
-    Visibility, and the layers that ran (each attention layer must: one that did not attend
-    through cascade_attention would have ignored the prefix)."""
+    first, together covering positions 0..start; a part HeldElsewhere, first, covers its
+    positions), the rows' first position, each layer's Visibility, the layers that ran (each
+    attention layer must: one that did not attend through cascade_attention would have
+    ignored the prefix), and whether a layer is run for its keys and values only (KeysOnly)."""
 
-    parts: list[PrefixKV]
+    parts: list[PrefixKV | HeldElsewhere]
     start: int
     visibility: list[Visibility]
     layers_run: set[int] = field(default_factory=set)
+    keys_only: bool = False
 
 
 def cascade_attention(module, query, key, value, attention_mask, *, scaling: float, cascade_prefix: CascadePrefix,
@@ -165,6 +204,8 @@ def cascade_attention(module, query, key, value, attention_mask, *, scaling: flo
     read: forward_cascade's rows need no padding mask, and what a layer sees is computed here
     from positions (windows.py), as the family's masks say it."""
     layer, prefix = module.layer_idx, cascade_prefix
+    if prefix.keys_only:
+        raise KeysOnly()
     visibility = prefix.visibility[layer]
     if dropout:
         raise ValueError("cascade attention runs without attention dropout (replay runs the model in eval mode)")
@@ -176,8 +217,13 @@ def cascade_attention(module, query, key, value, attention_mask, *, scaling: flo
                          "does not know: replay cannot promise to attend as the family does")
     width, dtype, device = query.shape[2], query.dtype, query.device
     size = common_head_dim(query, value)
-    parts, offset = [], 0
-    for keys, values in prefix.parts:
+    parts, elsewhere, offset = [], [], 0
+    for part in prefix.parts:
+        if not isinstance(part, tuple):
+            elsewhere.append(_held_elsewhere(part, module, visibility, offset, softcap))
+            offset += part.positions
+            continue
+        keys, values = part
         count = keys[layer].shape[-2]
         seen = part_mask(visibility, prefix.start, width, offset, count, dtype, device)
         offset += count
@@ -186,11 +232,23 @@ def cascade_attention(module, query, key, value, attention_mask, *, scaling: flo
             parts.append((*part, seen[1]))
     mask = own_mask(visibility, prefix.start, width, dtype, device)
     plan = _Plan(scaling, _kernel(query, size, mask is not None, softcap), mask,
-                 [(_kernel(query, size, m is not None, softcap), m) for _, _, m in parts])
+                 [(_kernel(query, size, m is not None, softcap), m) for _, _, m in parts], layer, elsewhere)
     tensors = padded([query, key, value] + [t for k, v, _ in parts for t in (k, v)], size)
     out = _CascadeAttention.apply(plan, *tensors[:3], s_aux, *tensors[3:])
     prefix.layers_run.add(layer)
     return out[..., : value.shape[-1]].transpose(1, 2), None
+
+
+def _held_elsewhere(part: HeldElsewhere, module, visibility: Visibility, offset: int,
+                    softcap: float | None) -> HeldElsewhere:
+    """`part`, where its holders attend as this layer does: first in the prefix, every key seen
+    by every query, plain softmax attention of keys and values as cached."""
+    if offset or not visibility.full or softcap is not None or hasattr(module, "expand_kv"):
+        raise ValueError(f"layer {module.layer_idx} ({type(module).__name__}) attends with "
+                         f"{'a window' if not visibility.full else 'softcapped logits' if softcap else 'latents'}: "
+                         "a prompt split over ranks (replay.context_parallel) takes full softmax attention of "
+                         "cached keys and values only")
+    return part
 
 
 def _kernel(query: torch.Tensor, head_dim: int, masked: bool, softcap: float | None) -> AttentionKernel:

@@ -365,6 +365,23 @@ def layer_by_layer_bytes(dims: ModelDims, elt: int, width: int, offload: bool = 
     return width * ((inputs + 1) * h * e + kv_bytes_per_position(dims, e) + 8 + 2 * dims.head_dim * e)
 
 
+def share_bytes(dims: ModelDims, elt: int, width: int, before: int, offload: bool = False) -> int:
+    """What one rank's share of `width` positions of a prompt split over ranks (context
+    parallelism, lsreplay.distributed.context) holds from its forward to the end of its
+    backward: what a span of its width run layer by layer holds and its K/V's gradient, and,
+    one layer at a time, the keys and values of the `before` positions of the shares before
+    it and (in the backward) their gradient, while its own layers run (gathered_bytes)."""
+    return (layer_by_layer_bytes(dims, elt, width, offload) + kv_bytes_per_position(dims, elt) * width
+            + gathered_bytes(dims, elt, before))
+
+
+def gathered_bytes(dims: ModelDims, elt: int, before: int) -> int:
+    """One layer's keys and values of `before` positions and their gradient: what a share of a
+    split prompt holds of the shares before it while its own layer runs (not while its
+    subtree does)."""
+    return 2 * before * 2 * dims.kv_dim * elt
+
+
 def layer_run_bytes(dims: ModelDims, elt: int, chunk: int) -> int:
     """What one decoder layer's recompute over `chunk` positions of a span run layer by
     layer saves for its backward (it attends to the span's ancestors and earlier chunks in
@@ -439,6 +456,31 @@ def kept_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, cascad
     even so, ConfigError says what the budget needs. Decided from the view alone, so the
     caching pass knows which K/V the backward will read."""
     return _Choices(spans, dims, elt, budget, cascade, layer_by_layer, offload).choose()
+
+
+def split_spans(spans: list[Span], dims: ModelDims, elt: int, budget: int, share: Span, before: int,
+                offload: bool = False) -> dict[int, KeptLayers | LayerByLayer]:
+    """kept_spans for a tree whose root span is split over ranks (context parallelism): this
+    rank's `share` of it (a span of its positions and entries, `before` positions of other
+    shares before it) runs layer by layer in the largest chunks the budget leaves room for
+    beside what it holds (share_bytes), and the spans below the root are chosen as kept_spans
+    chooses them below a root that holds that. Raises ConfigError where not even one position
+    at a time fits."""
+    choices = _Choices(spans, dims, elt, budget, True, True, offload)
+    width, grads = len(share.tokens), kv_bytes_per_position(dims, elt) * len(share.tokens)
+    held = share_bytes(dims, elt, width, before, offload)
+    chunk = layer_by_layer_chunk(dims, elt, share, budget - held, grads)
+    if not chunk:
+        need = held + layer_run_bytes(dims, elt, 1) + layer_workspace_bytes(dims, elt, 1)
+        raise ConfigError(f"replay.budget_mb={budget / MiB:.6g} is too small for a rank's share of {width} positions "
+                          f"of a prompt split over ranks: it holds {held / MiB:.1f} MiB of layer inputs, K/V and their "
+                          f"gradient, and the K/V of the {before} positions before it, one layer at a time; raise "
+                          f"replay.budget_mb to at least {-(-need // MiB)}, or split over more ranks "
+                          "(replay.context_parallel)")
+    choices.kept[spans[0].id] = LayerByLayer(chunk, offload)
+    for c in spans[0].children:
+        choices.visit(spans[c], held, 1)
+    return choices.kept
 
 
 def least_budget(spans: list[Span], dims: ModelDims, elt: int, cascade: bool = True, offload: bool = False,

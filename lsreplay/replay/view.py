@@ -82,3 +82,12 @@ def read_kv_nodes(spans: list[Span], kept: Container[int] = frozenset()) -> set[
     but those it forwards before their subtree (`kept`, memory.kept_spans: their graph kept,
     or run layer by layer), which make their own."""
     return {s for span in spans if not span.is_leaf and span.id not in kept for s in span.sources}
+
+
+def share_of(root: Span, lo: int, hi: int) -> Span:
+    """Positions lo..hi of a span, with their entries, as a span of their own with the same
+    children (one rank's share of a prompt split over ranks: distributed/context.py)."""
+    mine = [(i, p - lo, t) for i, p, t in zip(root.entry_ids, root.entry_pos, root.entry_targets) if lo <= p < hi]
+    return Span(id=root.id, parent=root.parent, start=root.start + lo, tokens=root.tokens[lo:hi], children=root.children,
+                entry_ids=[i for i, _, _ in mine], entry_pos=[p for _, p, _ in mine],
+                entry_targets=[t for _, _, t in mine], sources=root.sources)

@@ -101,6 +101,11 @@ class EngineSpec:
     timeout_s: float = 1800.0  # the deadline of each call (start-up: START_TIMEOUT)
     sleeps: bool = False  # started with vLLM's sleep mode (CUDA): `sleep()` releases weights and KV cache
     lora_rank: int = 0  # LoRA on, adapters of this rank (0: full weights)
+    # Tensor parallelism (rollout.vllm.tensor_parallel_size): its workers, one per device of
+    # `devices` (`device` first; on a CPU each takes its share of the cores).
+    tensor_parallel: int = 1
+    decode_context_parallel: int = 1  # rollout.vllm.decode_context_parallel_size: of those workers
+    devices: tuple[str, ...] = ()
 
 
 class VLLMEngine:
@@ -123,7 +128,9 @@ class VLLMEngine:
                                   gpu_memory_utilization=spec.gpu_memory_utilization,
                                   enforce_eager=spec.enforce_eager, drafter=spec.drafter,
                                   draft_tokens=spec.draft_tokens, spec_threshold=spec.spec_threshold,
-                                  sleep_mode=spec.sleeps, lora_rank=spec.lora_rank)
+                                  sleep_mode=spec.sleeps, lora_rank=spec.lora_rank,
+                                  tensor_parallel_size=spec.tensor_parallel,
+                                  decode_context_parallel_size=spec.decode_context_parallel)
             check_device(spec.device, reply["device_uuid"])
         except EngineError as e:
             self._end()
@@ -162,11 +169,13 @@ class VLLMEngine:
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "OMP_NUM_THREADS": str(self.spec.threads), "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
         if self.spec.device.startswith("cuda"):
-            index = int(self.spec.device.partition(":")[2] or 0)
-            env["CUDA_VISIBLE_DEVICES"] = physical_device(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        elif (iomp := intel_openmp(self.spec.python)) is not None:
-            # vLLM's CPU kernels want Intel OpenMP preloaded (speculative decoding ran 4x slower without).
-            env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD", "")]))
+            env["CUDA_VISIBLE_DEVICES"] = engine_gpus(self.spec, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        else:
+            if (iomp := intel_openmp(self.spec.python)) is not None:
+                # vLLM's CPU kernels want Intel OpenMP preloaded (speculative decoding ran 4x slower without).
+                env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD", "")]))
+            if self.spec.tensor_parallel > 1:  # each CPU worker its share of the cores (vLLM binds them)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_shares(self.spec.tensor_parallel)
         return env
 
     def _log_tail(self, lines: int = 12) -> str:
@@ -487,11 +496,17 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: str | None) -> EngineSpec:
-    """The engine a run's config asks for on `device`, started from `model_dir` with `seed`,
-    speculating with the exported drafter in `drafter` (None: no speculation)."""
+def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: str | None,
+                span: tuple = ()) -> EngineSpec:
+    """The engine a run's config asks for on `device` (with rollout.vllm.tensor_parallel_size,
+    on the devices `span`, `device` first), started from `model_dir` with `seed`, speculating
+    with the exported drafter in `drafter` (None: no speculation)."""
     r = cfg.rollout
     on_cuda = device.type == "cuda"
+    parallel = r.vllm.tensor_parallel_size
+    if parallel > 1 and on_cuda and len(span) < parallel:
+        raise EngineStartError(f"rollout.vllm.tensor_parallel_size={parallel} but the rollout shard holds "
+                               f"{len(span)} device(s): {[str(d) for d in span]}")
     return EngineSpec(
         python=r.vllm.python, model=model_dir, dtype=cfg.model.dtype, seed=seed,
         max_model_len=cfg.data.max_prompt_tokens + completion_tokens(r),  # an episode's last turn's request too
@@ -501,7 +516,9 @@ def engine_spec(cfg, device: torch.device, model_dir: str, seed: int, drafter: s
         threads=cfg.threads or torch.get_num_threads(), device=str(device), drafter=drafter,
         draft_tokens=max(r.draft_lens) if drafter else 0, spec_threshold=r.spec_threshold if drafter else 0,
         timeout_s=r.vllm.timeout_s, sleeps=on_cuda and r.vllm.sleep_during_update,
-        lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0)
+        lora_rank=cfg.model.lora.rank if cfg.model.lora.enabled else 0, tensor_parallel=parallel,
+        decode_context_parallel=r.vllm.decode_context_parallel_size,
+        devices=tuple(str(d) for d in span[:parallel]) if parallel > 1 and on_cuda else ())
 
 
 def same_engine(a: EngineSpec, b: EngineSpec) -> bool:
@@ -576,6 +593,21 @@ class SharedWeights:
     def close(self) -> None:
         self.mapped()
         self.data = None
+
+
+def cpu_shares(workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: this process's cores in as many
+    contiguous groups ("0-3|4-7"; a core each at least, shared where there are fewer)."""
+    cores = sorted(os.sched_getaffinity(0))
+    size = max(1, len(cores) // workers)
+    groups = [cores[(i * size) % len(cores):][:size] for i in range(workers)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def engine_gpus(spec: EngineSpec, visible: str | None) -> str:
+    """The engine's CUDA_VISIBLE_DEVICES: the physical GPUs of its devices (a tensor-parallel
+    engine's `devices`, else its `device`), in their order, given the trainer's `visible`."""
+    return ",".join(physical_device(int(d.partition(":")[2] or 0), visible) for d in spec.devices or (spec.device,))
 
 
 def physical_device(index: int, visible: str | None) -> str:

@@ -78,26 +78,32 @@ class Server:
         self.llm, self.max_model_len = None, 0
         self.call = 0  # the number of the request being served (every reply and progress message carries it)
         self.in_flight: set[str] = set()  # vLLM request ids added and not finished
-        self.buffers: dict = {}  # the client's weights buffer, by path: mapped once
         self.adapter = None  # with LoRA: the LoRARequest of the policy's adapters (None: the base alone)
 
     def start(self, model: str, dtype: str, seed: int, max_model_len: int, kv_cache_bytes: int,
               gpu_memory_utilization: float, enforce_eager: bool, drafter: str | None, draft_tokens: int,
-              spec_threshold: int, sleep_mode: bool, lora_rank: int) -> dict:
+              spec_threshold: int, sleep_mode: bool, lora_rank: int, tensor_parallel_size: int = 1,
+              decode_context_parallel_size: int = 1) -> dict:
         """Build the engine: prefix caching on, the tokenizer left out (lsreplay sends token
         ids and stop tokens), per-step statistics on (the speculative counters), each sampled
         token's logprob under the distribution it was drawn from (temperature, top-k, top-p:
         "processed", as lsreplay's trainer scores it; vLLM's default is the raw one). With a
         drafter, speculation runs only while at most `spec_threshold` sequences are in the
         batch (vLLM's dynamic schedule: the long tail), `draft_tokens` drafts each. With
-        `lora_rank`, LoRA on: one adapter at a time, of at most that rank."""
+        `lora_rank`, LoRA on: one adapter at a time, of at most that rank. With
+        `tensor_parallel_size`, vLLM's tensor parallelism over that many workers (the devices
+        CUDA_VISIBLE_DEVICES lists; on a CPU, the core groups of VLLM_CPU_OMP_THREADS_BIND), and
+        with `decode_context_parallel_size` its K/V cache split along the sequence over groups
+        of that many of them (CUDA)."""
         import vllm
 
         check_version(vllm.__version__)
         started = time.perf_counter()
         options = dict(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
                        enforce_eager=enforce_eager, skip_tokenizer_init=True, disable_log_stats=False,
-                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode)
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_mode,
+                       tensor_parallel_size=tensor_parallel_size,
+                       decode_context_parallel_size=decode_context_parallel_size)
         if kv_cache_bytes:
             options["kv_cache_memory_bytes"] = kv_cache_bytes
         else:
@@ -159,15 +165,8 @@ class Server:
         deletes the file then and writes each update into the same pages; `layout` lists each
         tensor's name, dtype, shape and byte offset). The prefix cache (K/V of the old
         weights) is dropped, or the load fails."""
-        import torch
-
         started = time.perf_counter()
-        if buffer not in self.buffers:
-            self.buffers = {buffer: torch.from_file(buffer, shared=True, size=size, dtype=torch.uint8)}
-        data = self.buffers[buffer]
-        tensors = ((name, data[offset:offset + _nbytes(dtype, shape)].view(getattr(torch, dtype)).view(shape))
-                   for name, dtype, shape, offset in layout)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})  # copies them in
+        self.llm.collective_rpc(_reload_shared, args=(buffer, size, layout))  # every worker copies them in
         self.llm.collective_rpc(_refresh_tied_head)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not drop its prefix cache after the weights' update (requests still hold "
@@ -358,6 +357,23 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     import torch
 
     return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _reload_shared(worker, buffer: str, size: int, layout: list) -> None:
+    """In each of the engine's workers (a tensor-parallel engine has several, each a process
+    of its own): the weights from the shared buffer `buffer`, mapped at the first update and
+    kept (the client deletes the file then, and writes each update into the same pages),
+    each tensor a view of it (`layout`: name, dtype, shape, byte offset); vLLM copies each
+    worker's part in."""
+    import torch
+
+    mapped = getattr(worker, "lsreplay_buffer", None)
+    if mapped is None or mapped[0] != buffer:
+        mapped = worker.lsreplay_buffer = (buffer, torch.from_file(buffer, shared=True, size=size, dtype=torch.uint8))
+    data = mapped[1]
+    tensors = ((name, data[offset:offset + _nbytes(dtype, shape)].view(getattr(torch, dtype)).view(shape))
+               for name, dtype, shape, offset in layout)
+    worker.reload_weights(weights_iterator=tensors)
 
 
 def _refresh_tied_head(worker) -> None:

@@ -183,8 +183,9 @@ def _data_parallel_update(run: Run, step: int, goal: Objective, devices) -> dict
     shared = clock(train.shared)
     backend = "nccl" if run.cfg.pool.accelerator == "cuda" else "gloo"
     rank_devices = [str(run.device([index])) for index in devices[:world]]
+    doomed = faults.doomed_rank("policy", step, world)
     RESIDENT.updating(run, host)  # the ranks write the stepped state back into this copy's
-    outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, rank_devices, shared),
+    outs = launch(_rank_update, world_size=world, args=(run.cfg, step, weights, loss, rank_devices, shared, doomed),
                   backend=backend, threads=max(1, run.cfg.threads // world))
     if "nonfinite" in outs[0]:  # no rank wrote anything back
         raise NonFiniteLoss(outs[0]["nonfinite"])
@@ -199,8 +200,9 @@ def _data_parallel_update(run: Run, step: int, goal: Objective, devices) -> dict
 
 
 def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, devices: list[str],
-                 shared: dict) -> dict | None:
-    """One data-parallel rank, on devices[rank]: its share of the trees' backward, gradients
+                 shared: dict, doomed: int | None = None) -> dict | None:
+    """One data-parallel rank, on devices[rank]: its share of the trees' backward (with
+    replay.context_parallel, its share of the prompts split over its group too), gradients
     summed over ranks; then plain DP: rank 0 clips and steps; FSDP: every rank steps its shard."""
     from lsreplay.distributed.parallel import data_parallel_backward, shard_model
 
@@ -224,12 +226,15 @@ def _rank_update(rank: int, world: int, cfg, step: int, weights, loss: float, de
     train = policy_train_state(cfg, model)
     if not fsdp:
         train.load_masters(shared["masters"])
+    if rank == doomed:
+        faults.kill_this_rank()
     stats = data_parallel_backward(model, trees, weights, rank, world, mode=cfg.replay.mode, fsdp=fsdp,
                                    prefix_kv=StoredPrefixKV(run, prefixes, device),
                                    budget_bytes=cfg.replay.budget_mb * 2**20 or None,
                                    join_below=cfg.replay.join_below, offload_prefix=cfg.replay.offload_prefix,
-                                   grad_params=train.masters,
-                                   heads=policy_heads(cfg))
+                                   grad_params=train.masters, heads=policy_heads(cfg),
+                                   context_parallel=cfg.replay.context_parallel,
+                                   context_threshold=cfg.replay.context_parallel_tokens)
     try:
         if fsdp or rank == 0:
             _load_moments(train, shared, rank, world)

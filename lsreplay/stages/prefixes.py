@@ -30,7 +30,8 @@ from lsreplay.models.lora import adapters_off
 from lsreplay.replay.capture import TreeActivations, capture_rollouts, capture_tree
 from lsreplay.replay.heads import LOGPROB, Heads, logprob_heads
 from lsreplay.replay.segments import PrefixKV
-from lsreplay.replay.backward import replay_plan
+from lsreplay.distributed.context import ContextParallel
+from lsreplay.replay.backward import replay_plan, splits
 from lsreplay.replay.view import read_kv_nodes
 from lsreplay.stages.common import StateClock, load_trees, policy_before, policy_heads, sampled_as, trains_nothing
 from lsreplay.state.resident import RESIDENT
@@ -149,8 +150,12 @@ def capture_now(run: Run, model, trees, heads: Heads):
 def kv_read(run: Run, model, tree) -> set[int]:
     """The tree nodes whose K/V the replay backward will read: those of its branching spans
     it neither keeps the graph of nor runs layer by layer (replay_plan), none for the
-    per-rollout baseline."""
-    if run.cfg.replay.mode != "replay":
+    per-rollout baseline, nor for a tree whose prompt the update splits over ranks
+    (replay.context_parallel: its ranks compute what they read, attending to the split prompt)."""
+    r = run.cfg.replay
+    if r.mode != "replay" or splits(model, tree, ContextParallel(list(range(r.context_parallel)), 0,
+                                                                 r.context_parallel_tokens),
+                                    r.join_below, r.budget_mb * 2**20 or None, r.offload_prefix):
         return set()
     spans, kept, _ = replay_plan(model, tree, run.cfg.replay.join_below, run.cfg.replay.budget_mb * 2**20 or None,
                                  run.cfg.replay.offload_prefix)

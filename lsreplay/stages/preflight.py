@@ -9,7 +9,7 @@ import posixpath
 
 import torch
 
-from lsreplay.commands.plan import TreeShape, kept_view, model_dims
+from lsreplay.commands.plan import TreeShape, kept_view, model_dims, planned_split
 from lsreplay.core.config import Config, ConfigError, completion_tokens, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
@@ -70,9 +70,9 @@ def check_replay_budget(cfg: Config) -> None:
     now, not at the first step's update."""
     if cfg.replay.mode == "replay":
         _, dims = model_dims(cfg, dict(cfg.model.arch))
-        kept_view(dims, getattr(torch, cfg.model.dtype), TreeShape.of_rollouts(cfg.data.max_prompt_tokens, cfg.rollout),
-                  cfg.replay.budget_mb * 2**20 or None, cfg.pool.accelerator == "cuda", cfg.replay.join_below,
-                  cfg.replay.offload_prefix)
+        shape, accelerator = TreeShape.of_rollouts(cfg.data.max_prompt_tokens, cfg.rollout), cfg.pool.accelerator == "cuda"
+        kept_view(dims, getattr(torch, cfg.model.dtype), shape, cfg.replay.budget_mb * 2**20 or None, accelerator,
+                  cfg.replay.join_below, cfg.replay.offload_prefix, planned_split(cfg, dims, shape, accelerator))
 
 
 def prompt_renderer(cfg: Config, tokenizer):

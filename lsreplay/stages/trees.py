@@ -74,6 +74,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
         return _preference_shard(run, step, shard, stored["preferences"], devices)
     indices = list(range(shard, len(stored["prompts"]), r.shards))
     device, clock, version = run.device(devices), StateClock(), sampling_version(cfg, step)
+    span = tuple(run.device([d]) for d in devices) if devices else (device,)  # a tensor-parallel vLLM engine's
     model, tokenizer = clock(RESIDENT.sampler, run, version, device), load_tokenizer(cfg.model)
     reward = Reward(cfg, device)
     state = trainer_state(run, step)
@@ -100,7 +101,7 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
             prompts = [Prompt(**(stored["prompts"] if draw == 0 else stored["reserve"][draw - 1])[i]) for i in pending]
             trees, figures, decisions, drafter_step, episodes = _sample(
                 run, step, device, model, tokenizer, prompts, pending, draw, advance, clock, speculation, drafter_step,
-                calls, shard)
+                calls, shard, span)
             try:
                 scored, metrics = tree_records(tokenizer, prompts, trees, reward, state, episodes)
             finally:
@@ -150,17 +151,19 @@ def generate_tree_shard(run: Run, step: int, shard: int, progress: Callable[[flo
 
 def _sample(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
             advance, clock: StateClock, speculation: Speculation | None, drafter_step: int | None,
-            calls: Calls | None, shard: int):
+            calls: Calls | None, shard: int, span: tuple = ()):
     """One round of the shard's rollouts: the trees of `prompts` (the step's places `slots`,
     in round `draw`), the decode figures (combine_traces' keys), the decode decisions (HF
-    engine), the drafter's step, and for episodes their outcomes (else None)."""
+    engine), the drafter's step, and for episodes their outcomes (else None). `span`: the
+    devices the shard holds, `device` first (a vLLM engine spans them all)."""
     cfg, r = run.cfg, run.cfg.rollout
     if multi_turn(r):
-        return _episode_round(run, step, device, model, tokenizer, prompts, slots, draw, advance, clock, calls, shard)
+        return _episode_round(run, step, device, model, tokenizer, prompts, slots, draw, advance, clock, calls, shard,
+                              span)
     prompt_ids = [render_prompt(tokenizer, p, cfg.data) for p in prompts]
     if r.engine == "vllm":
         trees, figures, drafter_step = engine_rollouts(run, step, device, prompt_ids, eos_ids(tokenizer, model),
-                                                       advance, clock)
+                                                       advance, clock, span)
         return (trees, {**length_summary([len(c) for t in trees for c in t.completions]), **figures}, [], drafter_step,
                 None)
     generators = [run.generator(step, "trees", i, *([draw] if draw else []), device=device) for i in slots]
@@ -193,7 +196,7 @@ def episode_workers(r) -> int:
 
 
 def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[Prompt], slots: list[int], draw: int,
-                   advance, clock: StateClock, calls: Calls, shard: int):
+                   advance, clock: StateClock, calls: Calls, shard: int, span: tuple = ()):
     """One round of episodes (rollout.max_turns, tools, an environment: lsreplay.data.environments),
     as _sample returns a round: the decode figures are the round's wall time (the tools' and
     the environment's included; no decode trace), the engine's counters (the HF engine's
@@ -214,7 +217,7 @@ def _episode_round(run: Run, step: int, device, model, tokenizer, prompts: list[
     drafter_step, engine = None, None
     try:
         if r.engine == "vllm":
-            engine, drafter_step = device_engine(run, step, device, clock)
+            engine, drafter_step = device_engine(run, step, device, clock, span)
             before = engine.spec_counters()
             turns = VLLMTurns(engine, r.max_new_tokens, r.temperature, r.top_p, r.top_k, eos,
                               engine_progress(step, engine, advance))
@@ -323,16 +326,17 @@ def adaptive_engine(run: Run, step: int, shard: int, model) -> tuple[Speculation
 ENGINE_COUNTS = ("decode_steps", "prompt_positions", "cached_positions", "generated_positions")
 
 
-def device_engine(run: Run, step: int, device, clock: StateClock):
-    """This device's vLLM engine (rollout.engine=vllm), holding the policy version that
-    samples `step` and speculating in the tail with the drafter the HF engine would use
-    (`adaptive_engine`), and that drafter's step (None: none)."""
+def device_engine(run: Run, step: int, device, clock: StateClock, span: tuple = ()):
+    """This device's vLLM engine (rollout.engine=vllm; with tensor parallelism spanning the
+    devices `span`, this one first), holding the policy version that samples `step` and
+    speculating in the tail with the drafter the HF engine would use (`adaptive_engine`),
+    and that drafter's step (None: none)."""
     r = run.cfg.rollout
     source = rollout_drafter(run, step) if r.spec_threshold and max(r.draft_lens) and run.cfg.drafter.enabled else None
     with contextlib.ExitStack() as copies:  # the engine has read the drafter's files when it returns
         drafter = None if source is None else \
             (source, copies.enter_context(run.store.local_folder(f"{run.checkpoint('drafter', source)}/hf")))
-        return clock(RESIDENT.engine, run, sampling_version(run.cfg, step), device, drafter), source
+        return clock(RESIDENT.engine, run, sampling_version(run.cfg, step), device, drafter, span), source
 
 
 def engine_progress(step: int, engine, advance) -> Callable[[int], None]:
@@ -354,12 +358,12 @@ def speculated(engine, before: dict) -> dict:
 
 
 def engine_rollouts(run: Run, step: int, device, prompt_ids: list[list[int]], eos: list[int], advance,
-                    clock: StateClock) -> tuple[list, dict, int | None]:
+                    clock: StateClock, span: tuple = ()) -> tuple[list, dict, int | None]:
     """The shard's trees sampled by this device's vLLM engine (device_engine). Returns the
     trees, the decode summary (the HF engine's keys, the speculative figures from vLLM's
     counters) and the drafter's step."""
     r = run.cfg.rollout
-    engine, source = device_engine(run, step, device, clock)
+    engine, source = device_engine(run, step, device, clock, span)
     before = engine.spec_counters()
     trees, figures = engine.sample_trees(prompt_ids, list(r.branching), list(r.segment_tokens), r.max_new_tokens,
                                          r.temperature, r.top_p, r.top_k, eos, engine_progress(step, engine, advance))

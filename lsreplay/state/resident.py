@@ -220,14 +220,16 @@ class Resident:
                     del self._serving[key]
                     self._serving_changed.notify_all()
 
-    def engine(self, run: Run, step: int, device: torch.device, drafter: tuple[int, str] | None) -> VLLMEngine:
-        """The vLLM engine of `device`, holding the weights of policy version `step` (the
-        policy that acts in that step: `sampler`) and speculating with `drafter` ((its
-        step, its exported folder), or None). Started if none serves this run's config
-        there (the first drafter needs a start of its own)."""
+    def engine(self, run: Run, step: int, device: torch.device, drafter: tuple[int, str] | None,
+               span: tuple = ()) -> VLLMEngine:
+        """The vLLM engine of `device` (with rollout.vllm.tensor_parallel_size, of the devices
+        `span`, `device` first), holding the weights of policy version `step` (the policy that
+        acts in that step: `sampler`) and speculating with `drafter` ((its step, its exported
+        folder), or None). Started if none serves this run's config there (the first drafter
+        needs a start of its own)."""
         with self._device_lock(device):
             spec = engine_spec(run.cfg, device, str(resolve_model_dir(run.cfg.model)), run.seed(step, "vllm") % 2**32,
-                               drafter[1] if drafter else None)
+                               drafter[1] if drafter else None, span)
             with self._engines_lock:
                 held = self._engines.get(str(device))
             if held is not None and not (held.engine.alive() and same_engine(held.engine.spec, spec)
