@@ -75,9 +75,10 @@ run: setup
 
 # Two workers, a test file each at a time: the flow tests wait on processes, servers and
 # stalls as much as they compute (measured on 2 cores: 1.39x over one worker). The files in
-# the order tests/conftest.py gives them, the slowest first.
+# the order tests/conftest.py gives them, the slowest first. The 15 slowest tests are printed
+# at the end, so that the next slow test is seen when it lands.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # Every benchmark, one after another (about 25 minutes on 2 cores); each prints its ratios.
 bench: setup

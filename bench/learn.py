@@ -65,7 +65,7 @@ RUNS = {"replay": ["replay.mode=replay"], "baseline": ["replay.mode=naive"],
 # The lora run's learning rate over the config's.
 LORA_LR_FACTOR = 10
 SMOKE = ["steps=1", "eval.every=1", "eval.size=4", "eval.samples=1", "data.size=16", "data.prompts_per_step=2",
-         "rollout.branching=[2]", "rollout.max_new_tokens=4"]
+         "rollout.branching=[2]", "rollout.max_new_tokens=4", "drafter.steps=2"]
 
 
 def train(config: str, run_dir: Path, overrides: list[str]) -> list[dict]:

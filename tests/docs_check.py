@@ -80,8 +80,9 @@ def problems(checked: list[Path] | None = None) -> list[str]:
     sections = {k for k in keys if "." not in k and dataclasses.is_dataclass(getattr(Config(), k))}
     found = []
     for page in checked or pages():
-        fenced = False
+        fenced, paragraph = False, ""
         for number, line in enumerate(page.read_text().splitlines(), 1):
+            paragraph = f"{paragraph}\n{line}" if line.strip() else ""
             where = f"{page.relative_to(REPO) if page.is_relative_to(REPO) else page}:{number}"
             if line.lstrip().startswith("```"):
                 fenced = not fenced
@@ -92,9 +93,14 @@ def problems(checked: list[Path] | None = None) -> list[str]:
                 for key in _keys_named(span, sections, code):
                     if not _is_key(key, keys) and key not in NOT_KEYS and alias_of(key) is None:
                         found.append(f"{where}: config key {key!r} does not exist")
-                if "lsreplay" in span or (not code and span.startswith("--")) or not OTHER_TOOLS.search(span):
+                # A flag is lsreplay's unless the command is another tool's (`prefect ... --type`), or
+                # the line of code or the paragraph of prose names another tool and not lsreplay
+                # (`--durations` beside pytest is pytest's).
+                command = re.sub(r"^(\$ )?([\w.-]*/)*", "", span.strip())
+                if not OTHER_TOOLS.match(command) and ("lsreplay" in span
+                                                       or not OTHER_TOOLS.search(span if code else paragraph)):
                     for flag in FLAG.findall(span):
-                        if not _is_flag(flag, flags, keys) and not OTHER_TOOLS.search(span):
+                        if not _is_flag(flag, flags, keys):
                             found.append(f"{where}: command-line flag '--{flag}' is no flag of lsreplay's")
                 for target in re.findall(r"(?:^|\$ |&& |; )make ([a-z][\w-]*)", span.strip()):
                     if target not in targets:

@@ -23,6 +23,9 @@ def main(jobs_file: str) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lsreplay")
     import flows.train  # noqa: F401  (the heavy imports, once)
     from lsreplay import cli
+    from lsreplay.data.sources import reasoning_gym_tasks
+
+    reasoning_gym_tasks()  # imported where prompts are generated: ~2 s more a command, paid here once
 
     results = []
     with open(jobs_file) as f:

@@ -38,29 +38,25 @@ def test_schedule_bounded_storage_and_resume_from_the_newest_checkpoint(prefect_
     assert policy == [None, "checkpoints/policy/step_0001", None, "checkpoints/policy/step_0003"]
 
     # Killed in step 3's rollouts: step 2's update was held in memory only. The resume
-    # restarts from step 1's checkpoint: step 2's caching pass and update run again.
+    # restarts from step 1's checkpoint: step 2's caching pass and update run again. That
+    # resume is killed in the middle of the last checkpoint's background write: it is
+    # incomplete, the one before it is kept, and the next resume recomputes the last update.
+    # (One run killed twice: a run of its own for each kill cost a minute more.)
     killed = tmp_path / "killed"
-    first, resumed = lsreplay_chain([(["train", *tiny(killed, tiny_model_dir, steps=4), *SCHEDULE], "trees@3:kill"),
-                                     (["resume", str(killed), unique_pool()], "")], tmp_path)
-    assert first["returncode"] == -9 and resumed["returncode"] == 0, resumed["log"][-3000:]
-    assert "recomputing them from the checkpoint of step 1" in resumed["log"]
+    first, cut = lsreplay_chain([(["train", *tiny(killed, tiny_model_dir, steps=4), *SCHEDULE], "trees@3:kill"),
+                                 (["resume", str(killed), unique_pool()], "checkpoint@3:kill")], tmp_path)
+    assert first["returncode"] == -9 and cut["returncode"] == -9, cut["log"][-3000:]
+    assert "recomputing them from the checkpoint of step 1" in cut["log"]
     runs = ran(killed)
     assert (runs[2, "prefixes"], runs[2, "policy"], runs[3, "trees"]) == (2, 2, 2) and runs[1, "policy"] == 1
-    assert digests(killed, "checkpoints") == digests(ref, "checkpoints")
-
-    # Killed in the middle of the last checkpoint's background write: it is incomplete, the
-    # one before it is kept, and the resume recomputes the last update.
-    cut = tmp_path / "cut"
-    first, = lsreplay_chain([(["train", *tiny(cut, tiny_model_dir, steps=4), *SCHEDULE], "checkpoint@3:kill")],
-                            tmp_path)
-    assert first["returncode"] == -9
-    assert checkpoints(cut) == ["step_0001", "step_0003"]
-    assert not (cut / "checkpoints/policy/step_0003/checkpoint.json").exists()
-    resumed, = lsreplay_chain([(["resume", str(cut), unique_pool()], "")], tmp_path)
+    assert runs[3, "policy"] == 1
+    assert checkpoints(killed) == ["step_0001", "step_0003"]
+    assert not (killed / "checkpoints/policy/step_0003/checkpoint.json").exists()
+    resumed, = lsreplay_chain([(["resume", str(killed), unique_pool()], "")], tmp_path)
     assert resumed["returncode"] == 0, resumed["log"][-3000:]
-    assert ran(cut)[3, "policy"] == 2
-    assert checkpoints(cut) == ["step_0003"]
-    assert digests(cut, "checkpoints") == digests(ref, "checkpoints")
+    assert ran(killed)[3, "policy"] == 2
+    assert checkpoints(killed) == ["step_0003"]
+    assert digests(killed, "checkpoints") == digests(ref, "checkpoints")
 
 
 def test_killed_between_a_checkpoint_and_its_done_marker_resumes_from_the_one_before(

@@ -3,7 +3,6 @@ single-process one: same checkpoint after a step, plain DP and FSDP."""
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -58,12 +57,7 @@ def single(step0_inputs, tiny_model_dir, tmp_path_factory):
     return policy_after_step0(step0_inputs, tiny_model_dir, tmp_path_factory.mktemp("dp") / "one")
 
 
-# FSDP costs another ~40 s of spawned ranks on 2 CPU cores: opt in with LSREPLAY_TEST_FSDP=1.
-FSDP = pytest.param(True, id="fsdp", marks=pytest.mark.skipif(
-    os.environ.get("LSREPLAY_TEST_FSDP") != "1", reason="FSDP ranks are slow on CPU; set LSREPLAY_TEST_FSDP=1"))
-
-
-@pytest.mark.parametrize("fsdp", [pytest.param(False, id="dp"), FSDP])
+@pytest.mark.parametrize("fsdp", [pytest.param(False, id="dp"), pytest.param(True, id="fsdp")])
 def test_two_ranks_equal_one(step0_inputs, single, tiny_model_dir, tmp_path, fsdp):
     ref_manifest, ref_model, ref_opt = single
     manifest, model, opt = policy_after_step0(step0_inputs, tiny_model_dir, tmp_path / "two", "pool.slots=2",

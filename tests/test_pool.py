@@ -205,6 +205,24 @@ def test_idle_cpu_work_runs_at_the_lowest_priority_and_hands_back_its_result_or_
     assert policy() == before  # the caller's thread keeps its policy
 
 
+def test_the_drafter_yields_the_cpu_only_where_it_overlaps_rollouts(tmp_path):
+    """At idle priority on a CPU slot while the next step's rollouts run; at normal priority
+    at the last step (no rollouts after it, and the run waits for it), on the update's slot
+    (pool.rollout_devices) and on an accelerator."""
+    import torch
+
+    from lsreplay.core.config import load_config
+    from lsreplay.core.run import Run
+    from lsreplay.stages.drafter import at_idle_priority
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    run = Run(load_config(None, [f"run_dir={tmp_path}", "steps=3"]))
+    assert [at_idle_priority(run, step, cpu) for step in range(3)] == [True, True, False]
+    assert not at_idle_priority(run, 0, cuda)
+    apart = Run(load_config(None, [f"run_dir={tmp_path}", "steps=3", "pool.slots=2", "pool.rollout_devices=[1]"]))
+    assert not at_idle_priority(apart, 0, cpu)
+
+
 def test_a_gpu_pool_under_ray_locks_its_slots_in_a_flow_process_that_sees_no_gpu(tmp_path, monkeypatch):
     """Under pool.task_runner=ray the flow's process holds slots and computes on no GPU (it
     may see none, or fewer than the pool has): its locks stand for pool slots, not GPU
