@@ -39,7 +39,7 @@ PREFECT_DB := $(or $(PREFECT_HOME),$(HOME)/.prefect)/prefect.db
 # pip prints a warning per package for an absent local index on these machines; hide only those.
 QUIET := 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench docs-check clean
 
 setup: $(STAMP) $(MODEL) $(PREFECT_DB) $(VLLM_STAMP)
 
@@ -86,6 +86,10 @@ bench: setup
 	$(PY) bench/specdec.py
 	$(PY) bench/rollout.py
 	$(PY) bench/e2e.py
+
+# The config keys, flags, files, tests, modules and make targets README.md and docs/ name all exist.
+docs-check:
+	$(PY) tests/docs_check.py
 
 clean:
 	rm -rf runs .cache/prompts .cache/pool

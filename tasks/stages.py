@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from lsreplay import stages
 from lsreplay.core.config import Config, ConfigError
+from lsreplay.core.deadline import stage_deadline
 from lsreplay.core.faults import InjectedError
 from lsreplay.core.layout import CheckpointError
 from lsreplay.core.run import InputCorrupt, Run
@@ -66,7 +67,8 @@ def _on_pool(stage: str, cfg: Config, step: int, count: int = 1, done_as: str | 
 # the UI's timeline shows those of several steps at once.
 @task(name="sample-prompts", task_run_name="sample-prompts step {step}", **OPTIONS)
 def sample_prompts(cfg: Config, step: int) -> dict:
-    return stages.sample_prompts(Run(cfg), step)
+    with stage_deadline(cfg, "prompts", step):
+        return stages.sample_prompts(Run(cfg), step)
 
 
 @task(name="generate-tree-shard", task_run_name="generate-tree-shard-{shard} step {step}", **OPTIONS)
@@ -84,7 +86,8 @@ def generate_tree_shard(cfg: Config, step: int, shard: int) -> dict:
 
 @task(name="collect-trees", task_run_name="collect-trees step {step}", **OPTIONS)
 def collect_trees(cfg: Config, step: int) -> dict:
-    return stages.collect_trees(Run(cfg), step)
+    with stage_deadline(cfg, "collect-trees", step):
+        return stages.collect_trees(Run(cfg), step)
 
 
 @task(name="cache-prefixes", task_run_name="cache-prefixes step {step}", **OPTIONS)
@@ -136,12 +139,10 @@ STAGE_TASKS = {"prompts": sample_prompts, "trees": generate_tree_shard, "collect
 
 
 def configured(cfg: Config) -> dict:
-    """STAGE_TASKS with the retry delays the environment asks for now, and a try's time limit,
-    pool.stage_timeout_seconds: Prefect's task timeout under the thread runner (it interrupts
-    the stage's thread: a timed-out try is retried); under Ray the host's stage is bounded
-    where the flow waits for it (lsreplay.distributed.hosts.run_on_host), and Prefect's own
-    would wait for that wait to end."""
+    """STAGE_TASKS with the retry delays the environment asks for now. A try's time limit,
+    pool.stage_timeout_seconds, is not Prefect's: Prefect bounds a task in a worker thread by
+    interrupting it between bytecodes, which never stops a stage blocked in C or on a socket.
+    A try that computes in this process ends the process past it (lsreplay.core.deadline); one
+    on a Ray host is bounded where the flow waits for it (lsreplay.distributed.hosts.run_on_host)."""
     delays = retry_delays()
-    timeout = cfg.pool.stage_timeout_seconds if cfg.pool.task_runner == "thread" else 0
-    return {name: t.with_options(retry_delay_seconds=delays, timeout_seconds=timeout or None)
-            for name, t in STAGE_TASKS.items()}
+    return {name: t.with_options(retry_delay_seconds=delays) for name, t in STAGE_TASKS.items()}

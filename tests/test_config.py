@@ -209,10 +209,10 @@ def test_near_misses_and_trl_names_point_at_the_key(override, message):
 
 
 def test_every_alias_points_at_a_real_key():
-    from lsreplay.core.aliases import ALIASES
-    from lsreplay.core.config import _schema_keys
+    from lsreplay.core.config.aliases import ALIASES
+    from lsreplay.core.config import schema_keys
 
-    assert {a.split()[0].split("=")[0] for a in ALIASES.values()} <= set(_schema_keys())
+    assert {a.split()[0].split("=")[0] for a in ALIASES.values()} <= set(schema_keys())
 
 
 def test_every_unknown_key_of_a_file_and_its_overrides_is_named_at_once(tmp_path):

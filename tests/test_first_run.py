@@ -1,7 +1,7 @@
 """A first run on a fresh machine: the real `lsreplay train`, with a fresh PREFECT_HOME and no
 PREFECT_API_URL, starts Prefect's temporary server (which creates its database first),
-finishes, and shows no traceback and no ERROR line; with no server to run on, it says so in
-one line and exits 2."""
+finishes, and shows no traceback, no ERROR line and no warning that is not about the run;
+with no server to run on, it says so in one line and exits 2."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def test_a_first_run_starts_prefect_quietly_and_finishes(tiny_model_dir, tmp_pat
     assert done.returncode == 0, output[-3000:]
     assert "finished 1 steps" in done.stdout
     assert "Traceback" not in output and "ERROR" not in output, output[-3000:]
+    # Only lsreplay's own warnings, about the run (none of Prefect's about its task timeouts),
+    # and no line per stage saying that nothing needed doing.
+    assert [line for line in output.splitlines() if "WARNING" in line and "lsreplay." not in line] == [], output[-3000:]
+    assert "not regenerating" not in output
     assert (home / "prefect.db").is_file()  # the temporary server's database, made by this run
     assert "Starting temporary server" in (home / "temporary-server.log").read_text()
 

@@ -4,17 +4,21 @@ the folder of the device locks is this user's alone."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
-from flowrun import tiny
+from flowrun import FAST_RETRIES, REPO, lsreplay_chain, tiny, unique_pool
 
 from lsreplay.core.config import ConfigError, load_config
 
@@ -38,21 +42,51 @@ def test_a_reward_function_that_hangs_stops_the_stage(tmp_path):
     assert Reward(quick).score([exact], [["7"]], [[[7]]], state=None).totals == [[1.0]]
 
 
-def test_a_stage_that_hangs_times_out_and_is_retried(prefect_server, tiny_model_dir, tmp_path, monkeypatch):
-    """Step 0's caching pass hangs for two minutes (an injected stall); its try is stopped at
-    pool.stage_timeout_seconds, and the retry finishes the run."""
-    from flows.train import train
+def test_a_stage_blocked_in_c_ends_its_process_at_the_deadline_and_the_run_resumes(prefect_server, tiny_model_dir,
+                                                                                  tmp_path):
+    """Step 0's caching pass blocks in one C call for ten minutes (an injected stall: time.sleep,
+    which no interruption between bytecodes reaches, as a socket read or a collective). At
+    pool.stage_timeout_seconds the `lsreplay train` process ends, naming the stage, the step,
+    where it was blocked and the resume command, and takes what it started with it (Prefect's
+    temporary server: no PREFECT_API_URL); that command, in a new process, finishes the run."""
+    from lsreplay.core.deadline import TIMED_OUT_EXIT
     from lsreplay.core.run import Run
 
-    monkeypatch.setenv("LSREPLAY_FAULTS", "prefixes@0:stall")
-    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "120")
-    monkeypatch.setenv("LSREPLAY_RETRY_DELAY", "0.05")
-    run_dir = tmp_path / "run"
+    run_dir, home = tmp_path / "run", tmp_path / "prefect-home"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, **FAST_RETRIES,
+           "PYTHONPATH": str(REPO), "PREFECT_HOME": str(home), "LSREPLAY_FAULTS": "prefixes@0:stall",
+           "LSREPLAY_STALL_SECONDS": "600"}
     start = time.monotonic()
-    train(overrides=[*tiny(run_dir, tiny_model_dir, steps=1), "pool.stage_timeout_seconds=10"])
-    assert time.monotonic() - start < 110
-    ran = Run(load_config(None, [f"run_dir={run_dir}"])).executions()
-    assert ran[0, "prefixes"] == 2 and ran[0, "policy"] == 1, ran
+    timed_out = subprocess.run([sys.executable, "-m", "lsreplay.cli", "train", *tiny(run_dir, tiny_model_dir, steps=1),
+                                "pool.stage_timeout_seconds=10"], cwd=tmp_path, env=env, capture_output=True,
+                               text=True, timeout=300)
+    assert time.monotonic() - start < 300  # never the stall's ten minutes
+    log = timed_out.stdout + timed_out.stderr
+    assert timed_out.returncode == TIMED_OUT_EXIT, log[-3000:]
+    assert "stage prefixes of step 0 ran past pool.stage_timeout_seconds=10: ending this process" in log, log[-3000:]
+    assert f"continue the run with: lsreplay resume {run_dir}" in log
+    assert 'faults.py", line' in log and "in hook\n    time.sleep(seconds)" in log  # where the stage was blocked
+    assert "Starting temporary server" in (home / "temporary-server.log").read_text()
+    deadline = time.monotonic() + 20
+    while (left := _processes_with(f"PREFECT_HOME={home}")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left  # the temporary server ended with the process that started it
+
+    [resumed] = lsreplay_chain([(["resume", str(run_dir), unique_pool()], "")], tmp_path, timeout=300)
+    assert resumed["returncode"] == 0, resumed["log"][-3000:]
+    run = Run(load_config(None, [f"run_dir={run_dir}"]))
+    assert run.executions()[0, "prefixes"] == 2 and run.executions()[0, "policy"] == 1, run.executions()
+    assert len(run.metrics()) == 1
+
+
+def _processes_with(variable: str) -> list[int]:
+    """The processes of this user whose environment holds `variable` (NAME=value)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+    return found
 
 
 @pytest.fixture

@@ -247,7 +247,7 @@ def generate_prompt_file(
         versions.update(lsreplay_tasks=long_context.VERSION, rendering=None if measure is None else measure.key)
     request = jsonable({"tasks": list(tasks), "size": size, "seed": seed, "task_args": task_args, **versions})
     if path.exists() and sidecar.exists() and json.loads(sidecar.read_text()) == request:
-        log.info("prompt file %s is up to date; not regenerating", path)
+        log.debug("prompt file %s is up to date; not regenerating", path)  # the usual case: nothing to tell
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # Drop the old sidecar first, so a crash between the two writes cannot leave new

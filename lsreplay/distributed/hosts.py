@@ -20,6 +20,7 @@ import torch
 from lsreplay import stages
 from lsreplay.core import devices as device_pins
 from lsreplay.core.config import Config
+from lsreplay.core.deadline import stage_deadline
 from lsreplay.core.run import Run
 from lsreplay.state import checkpointing
 from lsreplay.state.resident import RESIDENT
@@ -38,7 +39,7 @@ class DeviceHost:
 
     def __init__(self, cfg: Config, indices: list[int]):
         self.name, self.pool = host_name(cfg, indices), host_name(cfg, [])
-        if cfg.pool.accelerator == "cuda":  # Ray shows it its GPUs only (pool.ray_gpus > 0: core/config.py)
+        if cfg.pool.accelerator == "cuda":  # Ray shows it its GPUs only (pool.ray_gpus > 0: core/config/validation.py)
             device_pins.check_accelerator(cfg.pool, len(indices))
             device_pins.pin(indices, [torch.device("cuda", i) for i in range(len(indices))])
         RESIDENT.peer_weights = self._peer_weights
@@ -96,7 +97,8 @@ def ray_host(cfg: Config, indices: list[int]):
 def run_on_host(stage: str, cfg: Config, step: int, devices: list[int], **kwargs) -> dict:
     """Run stage `stage` for the pool slots `devices`: here (thread runner) or on their Ray host."""
     if cfg.pool.task_runner != "ray":
-        return STAGE_FUNCTIONS[stage](Run(cfg), step, devices=devices, **kwargs)
+        with stage_deadline(cfg, stage, step):
+            return STAGE_FUNCTIONS[stage](Run(cfg), step, devices=devices, **kwargs)
     import ray
 
     host = ray_host(cfg, devices)

@@ -200,7 +200,7 @@ def distill(
     bar.close()
     drafter.train(was_training)
     stats = _summarise(list(window), done) if window else DistillStats(0, *(4 * [float("nan")]))
-    log.info("drafter distill: %s", stats)
+    log.debug("drafter distill: %s", stats)  # the caller reports them (a stage: in its manifest and progress bar)
     return stats
 
 

@@ -122,6 +122,7 @@ def _train(run: Run, step: int, trainer: _Trainer, sequences, rollouts_ended) ->
             if ran.steps:
                 stats = ran
                 trainer.steps_done += ran.steps
+                bar.set_postfix(loss=f"{ran.loss:.4f}", top1=f"{ran.top1_accept:.3f}", refresh=False)
                 bar.update(ran.steps)
                 files = _save(run, step, trainer)
                 faults.hook("drafter", step, "mid")  # a kill here leaves a checkpoint to resume from
