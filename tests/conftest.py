@@ -157,3 +157,15 @@ def record_update_gradients(monkeypatch) -> dict:
 
     monkeypatch.setattr(TrainState, "clip_grad_norm", recording)
     return seen
+
+
+def assert_same_update(policy: dict, seen: dict, loss: float, grads: dict) -> None:
+    """The policy stage's manifest and recorded gradients (`record_update_gradients`) equal a
+    reference loss and its gradients, to 1e-9 of each tensor's largest entry."""
+    assert policy["positions"] > 0
+    assert policy["loss"] == pytest.approx(loss, rel=1e-10, abs=1e-12)
+    assert seen.keys() == grads.keys()
+    for name, g in grads.items():
+        scale = g.abs().max().item()
+        assert scale > 0, name
+        assert (seen[name] - g).abs().max().item() <= 1e-9 * scale, name

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import record_update_gradients
+from conftest import assert_same_update, record_update_gradients
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -210,23 +210,13 @@ def ppo_reference(run, model_dir, trees):
     return float(loss.detach()), grads
 
 
-def assert_same(policy: dict, seen: dict, loss: float, grads: dict) -> None:
-    assert policy["positions"] > 0
-    assert policy["loss"] == pytest.approx(loss, rel=1e-10, abs=1e-12)
-    assert seen.keys() == grads.keys()
-    for name, g in grads.items():
-        scale = g.abs().max().item()
-        assert scale > 0, name
-        assert (seen[name] - g).abs().max().item() <= 1e-9 * scale, name
-
-
 def test_a_grpo_step_equals_trls_loss_on_the_sampled_distribution(exact_rmsnorm, tiny_model_dir, tmp_path,
                                                                   monkeypatch):
     policy, seen, run = run_pipeline(tmp_path, tiny_model_dir, GRPO, monkeypatch)
     trees = step_one_trees(AutoTokenizer.from_pretrained(tiny_model_dir))
     loss, grads = grpo_reference(run, tiny_model_dir, trees)
     assert policy["trees_left_out"] == 1  # the all-correct group of different lengths
-    assert_same(policy, seen, loss, grads)
+    assert_same_update(policy, seen, loss, grads)
 
 
 def test_a_ppo_step_with_a_critic_equals_verls_gae_and_value_loss(exact_rmsnorm, tiny_model_dir, tmp_path,
@@ -234,4 +224,4 @@ def test_a_ppo_step_with_a_critic_equals_verls_gae_and_value_loss(exact_rmsnorm,
     policy, seen, run = run_pipeline(tmp_path, tiny_model_dir, PPO, monkeypatch)
     trees = step_one_trees(AutoTokenizer.from_pretrained(tiny_model_dir))
     loss, grads = ppo_reference(run, tiny_model_dir, trees)
-    assert_same(policy, seen, loss, grads)
+    assert_same_update(policy, seen, loss, grads)
