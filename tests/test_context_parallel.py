@@ -31,7 +31,7 @@ from lsreplay.distributed.parallel import data_parallel_backward, full_grads, la
 from lsreplay.models.distribution import RAW
 from lsreplay.models.lora import add_adapters
 from lsreplay.replay.backward import naive_backward, replay_backward, replay_plan, splits
-from lsreplay.replay.memory import KeptLayers, LayerByLayer
+from lsreplay.replay.memory import LayerByLayer
 from lsreplay.replay.view import replay_view
 from lsreplay.tree import RolloutTree
 

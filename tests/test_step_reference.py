@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from conftest import assert_same_update, record_update_gradients
 from safetensors.torch import load_file

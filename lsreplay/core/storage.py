@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import fsspec
 import fsspec.asyn
@@ -36,6 +37,9 @@ from safetensors import SafetensorError
 
 from lsreplay.core import faults
 from lsreplay.core.config import redact_url
+
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are read or written
+    import torch
 
 log = logging.getLogger(__name__)
 
