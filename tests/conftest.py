@@ -169,3 +169,28 @@ def assert_same_update(policy: dict, seen: dict, loss: float, grads: dict) -> No
         scale = g.abs().max().item()
         assert scale > 0, name
         assert (seen[name] - g).abs().max().item() <= 1e-9 * scale, name
+
+
+def write_bigram_model(tiny_model_dir, out, added_tokens: list[str], following) -> None:
+    """The tiny model with `added_tokens` as a bigram machine, saved to `out`: no attention
+    and no MLP (the last token alone decides the next), `following(tokenizer)` mapping each
+    token id to the ids that may come next (each with logit 30, so sampling picks among them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    tokenizer.add_tokens(added_tokens)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    model.resize_token_embeddings(len(tokenizer))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        basis = torch.eye(embed.shape[1])
+        head.zero_()
+        for k, (token, nexts) in enumerate(following(tokenizer).items()):
+            # The final RMSNorm makes the residual basis[k] * sqrt(hidden): each next token's logit is 30.
+            embed[token] = basis[k]
+            head[nexts] += 30 * basis[k] / embed.shape[1] ** 0.5
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

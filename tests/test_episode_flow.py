@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from conftest import write_bigram_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lsreplay import stages
@@ -51,27 +52,14 @@ def tool_calling_model_dir(tiny_model_dir, tmp_path_factory):
     writes CALL_HEAD, then 3, 5 or x alike, then CALL_TAIL and end-of-turn: 3+4 and 5+4
     compute, x+4 fails."""
     out = tmp_path_factory.mktemp("tool-calling")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
-    tokenizer.add_tokens([CALL_HEAD, CALL_TAIL])
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
-    model.resize_token_embeddings(len(tokenizer))
-    head_id, tail_id = tokenizer.convert_tokens_to_ids([CALL_HEAD, CALL_TAIL])
-    newline, operands = tokenizer.encode("\n")[0], [tokenizer.encode(c)[0] for c in "35x"]
-    following = {newline: [head_id], head_id: operands, **{o: [tail_id] for o in operands},
-                 tail_id: [tokenizer.eos_token_id]}
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        basis = torch.eye(embed.shape[1])
-        head.zero_()
-        for k, (token, nexts) in enumerate(following.items()):
-            # The final RMSNorm makes the residual basis[k] * sqrt(hidden): each next token's logit is 30.
-            embed[token] = basis[k]
-            head[nexts] += 30 * basis[k] / embed.shape[1] ** 0.5
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+
+    def following(tokenizer):
+        head_id, tail_id = tokenizer.convert_tokens_to_ids([CALL_HEAD, CALL_TAIL])
+        newline, operands = tokenizer.encode("\n")[0], [tokenizer.encode(c)[0] for c in "35x"]
+        return {newline: [head_id], head_id: operands, **{o: [tail_id] for o in operands},
+                tail_id: [tokenizer.eos_token_id]}
+
+    write_bigram_model(tiny_model_dir, out, [CALL_HEAD, CALL_TAIL], following)
     return out
 
 

@@ -12,9 +12,9 @@ import time
 import uuid
 
 import pytest
-import torch
+from conftest import write_bigram_model
 from s3server import BUCKET, KEY, SECRET
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from lsreplay import stages
 from lsreplay.core.config import load_config
@@ -33,25 +33,13 @@ def caller_model(tiny_model_dir, out, tool: str):
     next) that, after the generation prompt's newline, calls `tool` on SMALL or STALLING alike
     (each an added token), then ends its turn."""
     head = f'<tool_call>{{"name": "{tool}", "arguments": {{"expression": "'
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
-    tokenizer.add_tokens([head, SMALL, STALLING, TAIL])
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
-    model.resize_token_embeddings(len(tokenizer))
-    head_id, small, stalling, tail = tokenizer.convert_tokens_to_ids([head, SMALL, STALLING, TAIL])
-    following = {tokenizer.encode("\n")[0]: [head_id], head_id: [small, stalling], small: [tail], stalling: [tail],
-                 tail: [tokenizer.eos_token_id]}
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        basis = torch.eye(embed.shape[1])
-        lm_head.zero_()
-        for k, (token, nexts) in enumerate(following.items()):
-            embed[token] = basis[k]  # the final RMSNorm makes it basis[k] * sqrt(hidden): each next's logit is 30
-            lm_head[nexts] += 30 * basis[k] / embed.shape[1] ** 0.5
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+
+    def following(tokenizer):
+        head_id, small, stalling, tail = tokenizer.convert_tokens_to_ids([head, SMALL, STALLING, TAIL])
+        return {tokenizer.encode("\n")[0]: [head_id], head_id: [small, stalling], small: [tail], stalling: [tail],
+                tail: [tokenizer.eos_token_id]}
+
+    write_bigram_model(tiny_model_dir, out, [head, SMALL, STALLING, TAIL], following)
     return out
 
 
