@@ -3,6 +3,7 @@ prompt grows, time and memory.
 
     .venv/bin/python bench/long_context.py            # 2k, 8k, 32k side by side; 64k, 128k replay alone
     .venv/bin/python bench/long_context.py --smoke    # the same at tiny lengths (under a minute)
+    .venv/bin/python bench/long_context.py --flow 32768   # one `lsreplay train` step at a 32k prompt
 
 One tree per prompt length: a random prompt of P tokens and G=8 leaves of 256 tokens (distinct
 first tokens: the trie branches at the prompt's end), random per-token weights, a tiny random
@@ -25,13 +26,29 @@ each peak, and replay's peak per prompt position next to what the layer inputs a
 per position. The last line is key=value pairs: per length P, time_ratio_P, positions_ratio_P,
 replay_peak_mib_P, naive_peak_mib_P, replay_bytes_per_position_P; then within_bound and
 below_naive (true where every length passed).
+
+--flow P runs a whole flow instead: one step of `lsreplay train` (configs/default.yaml's
+SmolLM2-135M-Instruct, float32) on the long-context task at a P-token prompt, its rotary
+positions stretched by YaRN to reach P plus the answers; 4 answers of up to 32 tokens
+(branching [2,2]); every stage runs, the drafter's one step included. A 135M model rarely finds
+the needle that far out, and a group whose answers all score 0 trains nothing, so the answers
+are scored by tests/varied_rewards.py's character-code parity: the step's backward replays the
+prompt. Printed: each stage's seconds and the step's memory from its metrics.jsonl record
+(peak_activation_bytes: replay's saved activations and held K/V; kv_bytes_peak: the rollouts'
+K/V) and the run's peak resident memory; the last line key=value pairs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import random
+import resource
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,7 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from side_by_side import alternating, key_values  # noqa: E402
 from synthetic import random_weights  # noqa: E402
 
+from lsreplay.core.config import load_config  # noqa: E402
 from lsreplay.models.distribution import RAW  # noqa: E402
+from lsreplay.models.loading import hf_config  # noqa: E402
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import ModelDims, kv_bytes_per_position, layer_by_layer_bytes  # noqa: E402
@@ -75,11 +94,16 @@ def kept_per_position(dims: ModelDims, elt: int) -> int:
     return dims.layers * dims.hidden * elt + kv_bytes_per_position(dims, elt)
 
 
+def replay_budget(dims: ModelDims, elt: int, prompt: int, extra_mb: int) -> int:
+    """What the prompt holds run layer by layer, its K/V's gradient, and `extra_mb` for the rest."""
+    return layer_by_layer_bytes(dims, elt, prompt) + kv_bytes_per_position(dims, elt) * prompt + extra_mb * MiB
+
+
 def measure(model, prompt: int, args, side_by_side: bool, warm_up: bool) -> dict:
     dims, elt = ModelDims.from_hf(model.config), 4
     tree = long_tree(prompt, args.leaves, args.suffix, dims.vocab)
     weights = random_weights(tree, seed=1)
-    budget = layer_by_layer_bytes(dims, elt, prompt) + kv_bytes_per_position(dims, elt) * prompt + args.budget_mb * MiB
+    budget = replay_budget(dims, elt, prompt, args.budget_mb)
     stats = {}
 
     def run(name, fn):
@@ -115,6 +139,40 @@ def report(r: dict) -> None:
     print(line, flush=True)
 
 
+FLOW_NEW_TOKENS = 32
+SMOLLM2_POSITIONS = 8192
+
+
+def flow_step(prompt: int, run_dir: Path, extra_mb: int) -> int:
+    """One `lsreplay train` step at a `prompt`-token kv_retrieval prompt; its record printed."""
+    factor = math.ceil((prompt + FLOW_NEW_TOKENS + 16) / SMOLLM2_POSITIONS)
+    root = Path(__file__).resolve().parents[1]
+    dims = ModelDims.from_hf(hf_config(load_config(root / "configs/default.yaml").model))
+    budget_mb = math.ceil(replay_budget(dims, 4, prompt, extra_mb) / MiB)
+    overrides = [f"run_dir={run_dir}", "steps=1", f"replay.budget_mb={budget_mb}", "data.tasks=[kv_retrieval]", "data.size=2",
+                 "data.prompts_per_step=1", f"data.max_prompt_tokens={prompt}",
+                 f"model.rope_scaling={{rope_type: yarn, factor: {factor}}}", "rollout.branching=[2,2]",
+                 f"rollout.max_new_tokens={FLOW_NEW_TOKENS}", "drafter.steps=1",
+                 f"reward.functions=[{root / 'tests/varied_rewards.py'}:code_parity]"]
+    command = [str(Path(sys.executable).parent / "lsreplay"), "train", str(root / "configs/default.yaml"), *overrides]
+    print(" ".join(command), flush=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of the last one
+    started = time.perf_counter()
+    subprocess.run(command, check=True, cwd=root)
+    seconds = time.perf_counter() - started
+    [record] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stages = {k: v for k, v in record.items() if k.endswith("_seconds") and isinstance(v, (int, float))}
+    print("stages: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
+    fields = {"prompt_tokens": prompt, "yarn_factor": factor, "budget_mib": budget_mb, "run_s": seconds, "step_s": record["step_seconds"],
+              "positions": record["positions"], "per_rollout_positions": record["per_rollout_positions"],
+              "peak_activation_mib": record["peak_activation_bytes"] / MiB,
+              "kv_peak_mib": record["kv_bytes_peak"] / MiB,
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+              "grad_norm": record["grad_norm"]}
+    print(key_values(fields))
+    return 0 if record["grad_norm"] > 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and lengths (under a minute)")
@@ -126,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-mb", type=int, default=64,
                     help="replay's budget beyond what the prompt holds run layer by layer")
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds at each length")
+    ap.add_argument("--flow", type=int, metavar="TOKENS",
+                    help="instead: one `lsreplay train` step of SmolLM2 on kv_retrieval at this prompt length")
+    ap.add_argument("--run-dir", type=Path, default=Path("runs/bench-long-context"), help="--flow's run folder")
     args = ap.parse_args(argv)
+    if args.flow:
+        return flow_step(args.flow, args.run_dir.resolve(), args.budget_mb)
     if args.smoke:
         args.side_by_side, args.replay_only, args.suffix, args.budget_mb = [128, 256], [512], 16, 1
         torch.set_num_threads(1)
