@@ -22,7 +22,7 @@ gradients in bfloat16 (no optimizer: this measures the backward). Per model:
    library's default, one root-to-leaf path's worth by its own estimate; 1 = one leaf per
    micro-batch).
 
-Next to each measured device peak it prints the planner's estimate (lsreplay.commands.plan's run and
+Next to each measured device peak it prints the planner's estimate (lsreplay.planning's run and
 workspace for the same tree with pool.accelerator=cuda, plus weights + bf16 grads) and their
 ratio. Everything fits a time
 budget (--budget-s, default 450 s: one H200 in 8 minutes with start-up); a search that runs
@@ -51,13 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from side_by_side import GiB, alternating, gradient_agreement, peak_measured, sync  # noqa: E402
 from synthetic import qwen_model, random_weights  # noqa: E402
 
-from lsreplay.commands.plan import ModelDims, RunPeak, TreeShape, make_plan, plan_values  # noqa: E402
 from lsreplay.core.config import load_config  # noqa: E402
 from lsreplay.models.distribution import RAW  # noqa: E402
+from lsreplay.planning.plan import make_plan, plan_values  # noqa: E402
+from lsreplay.planning.shape import TreeShape  # noqa: E402
+from lsreplay.planning.update import RunPeak  # noqa: E402
 from lsreplay.replay.backward import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.capture import capture_tree  # noqa: E402
 from lsreplay.replay.heads import logprob_heads  # noqa: E402
-from lsreplay.replay.memory import ActivationMeter  # noqa: E402
+from lsreplay.replay.memory import ActivationMeter, ModelDims  # noqa: E402
 from lsreplay.tree import RolloutTree  # noqa: E402
 
 MODELS = ("1.5b", "7b")
@@ -105,7 +107,7 @@ def planned_device_bytes(dims: ModelDims, dtype: torch.dtype, run: RunPeak, work
 
 
 def plan_for(dims: ModelDims, s: Setting, device: torch.device):
-    """lsreplay.commands.plan's plan of one G-way tree of `s` on one device of this kind (the
+    """lsreplay.planning's plan of one G-way tree of `s` on one device of this kind (the
     accelerator's attention kernels on CUDA), replay leaves batched as replay_backward
     batches them here."""
     cfg = load_config(None, ["model.dtype=bfloat16", f"data.max_prompt_tokens={s.prompt}", "data.prompts_per_step=1",

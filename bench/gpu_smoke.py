@@ -99,13 +99,14 @@ from synthetic import QWEN, qwen_model, random_weights  # noqa: E402
 
 from lsreplay import stages
 
-from lsreplay.commands.plan import TreeShape, make_plan, plan_values  # noqa: E402
 from lsreplay.core.config import ModelConfig, OptimConfig, load_config  # noqa: E402
 from lsreplay.core.devices import cuda_determinism  # noqa: E402
 from lsreplay.metrics.records import step_record  # noqa: E402
 from lsreplay.models.distribution import RAW  # noqa: E402
 from lsreplay.models.loading import load_model, load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.models.train_state import TrainState  # noqa: E402
+from lsreplay.planning.plan import make_plan, plan_values  # noqa: E402
+from lsreplay.planning.shape import TreeShape  # noqa: E402
 from lsreplay.replay import naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.attention.kernels import kernel_for  # noqa: E402
 from lsreplay.replay.cascade import cascade_applies  # noqa: E402

@@ -126,7 +126,7 @@ def run_overrides(config: str, common: list[str], name: str) -> list[str]:
 def costs(config: str, common: list[str], metrics: dict[str, list[dict]]) -> str:
     """Per run, key=value: mean step seconds, the measured peak of the backward's saved
     activations (MiB) and the model state `lsreplay plan` counts for its config (MiB)."""
-    from lsreplay.commands.plan import load_plan_config, make_plan
+    from lsreplay.planning.plan import load_plan_config, make_plan
 
     out = []
     for name, rows in metrics.items():

@@ -16,13 +16,14 @@ from conftest import RAW_LOGPROB
 from families import MATRIX, tiny
 from peft.tuners.lora import LoraLayer
 
-from lsreplay.commands import plan
+from lsreplay.commands.plan import main as plan_main
 from lsreplay.core.config import LoraConfig
 from lsreplay.drafter import Drafter
 from lsreplay.models.hf_compat import decoder_layers
 from lsreplay.models.loading import ModelError
 from lsreplay.models.lora import add_adapters
 from lsreplay.models.distribution import SamplingParams
+from lsreplay.planning.plan import load_plan_config, make_plan
 from lsreplay.rollout.position_masks import PositionMasks
 from lsreplay.rollout.speculative import SpecStats, greedy_generate, speculative_generate
 from lsreplay.replay import naive_backward, replay_backward
@@ -86,11 +87,11 @@ def test_position_masks_follow_positions_across_holes():
 def test_plan_reads_a_model_folder_of_the_family(model, tmp_path, capsys):
     """Its weights counted as the model has them (every expert's), its layers named."""
     model.save_pretrained(tmp_path / "model")
-    cfg, values = plan.load_plan_config("configs/default.yaml", [f"model.path={tmp_path / 'model'}",
-                                                                 "data.max_prompt_tokens=64"])
-    made = plan.make_plan(cfg, values)
+    cfg, values = load_plan_config("configs/default.yaml", [f"model.path={tmp_path / 'model'}",
+                                                            "data.max_prompt_tokens=64"])
+    made = make_plan(cfg, values)
     assert made.dims.params() == sum(p.numel() for p in model.parameters())
-    assert plan.main(["configs/default.yaml", f"model.path={tmp_path / 'model'}", "data.max_prompt_tokens=64"]) == 0
+    assert plan_main(["configs/default.yaml", f"model.path={tmp_path / 'model'}", "data.max_prompt_tokens=64"]) == 0
     assert f"{model.config.num_hidden_layers} layers" in capsys.readouterr().out
 
 

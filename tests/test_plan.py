@@ -13,8 +13,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from conftest import RAW_LOGPROB
 
-from lsreplay.commands.plan import ModelDims, TreeShape, load_plan_config, main, make_plan, naive_peak, replay_peak
+from lsreplay.commands.plan import main
+from lsreplay.planning.plan import load_plan_config, make_plan
+from lsreplay.planning.shape import TreeShape
+from lsreplay.planning.update import naive_peak, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
+from lsreplay.replay.memory import ModelDims
 
 PROD = str(Path(__file__).resolve().parents[1] / "configs" / "h20x8-qwen2.5-7b.yaml")
 SMALL = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
@@ -137,8 +141,8 @@ def test_lora_counts_the_adapters_alone_in_the_production_config(capsys):
 
 def test_the_plans_adapter_count_is_what_peft_injects():
     from lsreplay.core.config import load_config
-    from lsreplay.commands.plan import lora_params
     from lsreplay.models.lora import add_adapters
+    from lsreplay.planning.state import lora_params
 
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL, vocab_size=64))
     for targets in ("[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "[q_proj,v_proj]"):
@@ -343,14 +347,12 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch, sh
     fewer than planned."""
     from conftest import tiny_model
 
-    from lsreplay.commands.plan import hf_rollout_memory
     from lsreplay.core.config import load_config
     from lsreplay.drafter.model import Drafter
+    from lsreplay.planning.rollout import hf_rollout_memory
     from lsreplay.replay.memory import kv_bytes_per_position
     from lsreplay.rollout import tree_sampler
     from lsreplay.models.distribution import SamplingParams
-
-    from lsreplay.commands import plan
 
     model = tiny_model(vocab=64, dtype=torch.float32)
     prompt, branching, segments, new = 10, [2, 3], [4], 12
@@ -359,7 +361,7 @@ def test_hf_rollout_estimate_matches_what_the_tree_sampler_holds(monkeypatch, sh
                              f"rollout.max_new_tokens={new}", "rollout.spec_threshold=1", "model.dtype=float32"])
     dims, elt = ModelDims.from_hf(model.config), 4
     if not shared:
-        monkeypatch.setattr(plan, "kernel_for", lambda *args: None)
+        monkeypatch.setattr("lsreplay.planning.rollout.kernel_for", lambda *args: None)
     planned = hf_rollout_memory(cfg, dims, TreeShape.from_rollout(prompt, branching, segments, new))
     held = {"features": 0}
     forward = tree_sampler._Batch._forward

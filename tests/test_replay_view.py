@@ -8,9 +8,11 @@ import torch
 from conftest import RAW_LOGPROB, tiny_model
 from test_replay import fallback_model, grads_of, max_rel_diff, random_trees
 
-from lsreplay.commands.plan import ModelDims, TreeShape, joined_levels, replay_peak
+from lsreplay.planning.shape import TreeShape
+from lsreplay.planning.update import joined_levels, replay_peak
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward
 from lsreplay.replay.capture import capture_tree
+from lsreplay.replay.memory import ModelDims
 from lsreplay.replay.view import read_kv_nodes, replay_view
 from lsreplay.tree import RolloutTree
 

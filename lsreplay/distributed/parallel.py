@@ -23,7 +23,7 @@ Two ways to hold the model:
   rank runs one identical zero-weight forward/backward with sync on, in which FSDP
   reduce-scatters (sums) the accumulated gradients into each rank's shard, and the
   parameters are resharded. During the backward a rank therefore holds the full compute
-  weights and a full gradient accumulator; `lsreplay.commands.plan` counts exactly that.
+  weights and a full gradient accumulator; `lsreplay.planning` counts exactly that.
 
 `launch` runs a function on `world_size` local processes (torch.multiprocessing spawn; they
 meet in a file of a folder only this user can open, and talk over the loopback interface) and

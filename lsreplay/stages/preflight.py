@@ -9,7 +9,6 @@ import posixpath
 
 import torch
 
-from lsreplay.commands.plan import TreeShape, kept_view, model_dims, planned_split
 from lsreplay.core.config import Config, ConfigError, completion_tokens, multi_turn
 from lsreplay.core.devices import check_accelerator
 from lsreplay.core.run import Run
@@ -25,6 +24,9 @@ from lsreplay.metrics.trackers import check_trackers
 from lsreplay.models.families import family
 from lsreplay.models.loading import check_positions, check_weights, hf_config, load_tokenizer, resolve_model_dir
 from lsreplay.models.lora import check_lora
+from lsreplay.planning.plan import model_dims
+from lsreplay.planning.shape import TreeShape
+from lsreplay.planning.update import kept_view, planned_split
 from lsreplay.rollout.vllm_engine import check_engine
 
 

@@ -1,4 +1,4 @@
-"""`lsreplay plan`'s model of context parallelism (replay.context_parallel, distributed/context.py).
+"""The plan's model of context parallelism (replay.context_parallel, distributed/context.py).
 
 A tree whose prompt the update splits over N ranks is planned at its largest share with the
 most positions before it (an upper bound over the ranks: ceil(P / N) positions after
@@ -28,8 +28,6 @@ import math
 from dataclasses import dataclass
 
 from lsreplay.replay.memory import ModelDims, gathered_bytes, kv_bytes_per_position, layer_by_layer_bytes
-
-GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -128,28 +126,3 @@ def context_plan(dims: ModelDims, elt: int, split: Split, offload: bool, subtree
     per_rollout = 3 * rollouts * layers * (full * matmul_flops(dims) + full * (full + 1) // 2 * attention_flops(dims))
     return ContextPlan(split, trees, lines, host, trees * (prompt_sent + rounds_sent), trees * prefill,
                        trees * (prompt_backward + subtree_flops), trees * per_rollout, gbps, tflops)
-
-
-def format_context(p: ContextPlan) -> list[str]:
-    s = p.split
-    each = f"each of the {p.trees} prompts a group replays a step" if p.trees > 1 else "the prompt"
-    lines = [f"context parallelism: {each} of {s.prompt:,} positions split over {s.ranks} ranks "
-             f"(replay.context_parallel), planned at a share of {s.width:,} positions after {s.before:,}", ""]
-    lines += [f"{label:<66} {b / GiB:>10.2f}" for label, b in p.lines]
-    if p.host:
-        label = "the share's layer inputs in pinned host memory (replay.offload_prefix)"
-        lines.append(f"{label:<66} {p.host / GiB:>10.2f}")
-    comm = p.comm_seconds()
-    lines.append(f"sent by the busiest rank a step: {p.sent / GiB:.2f} GiB (the shares' K/V and their gradient, the "
-                 f"answers' queries and results)" + (f", {comm:.1f} s at {p.gbps:g} GB/s (pool.interconnect_gbps)"
-                                                      if comm is not None else ""))
-    prefill, backward, naive = (p.seconds(f) for f in (p.prefill_flops, p.backward_flops, p.per_rollout_flops))
-    at = f" at {p.tflops:g} TFLOP/s (pool.device_tflops)" if p.tflops else ""
-    lines.append(f"compute of the busiest rank (the last share){at}: prefill {p.prefill_flops / 1e15:.1f} PFLOP"
-                 + (f" ({prefill:.0f} s)" if prefill is not None else "")
-                 + f", backward {p.backward_flops / 1e15:.1f} PFLOP" + (f" ({backward:.0f} s)" if backward is not None
-                                                                         else ""))
-    lines.append(f"the per-rollout pipeline's forward and backward of the same {'trees' if p.trees > 1 else 'tree'}: "
-                 f"{p.per_rollout_flops / 1e15:.1f} PFLOP"
-                 + (f", {naive:.0f} s of one device" if naive is not None else ""))
-    return lines
