@@ -7,13 +7,17 @@ A plain module, not a conftest: the test modules import from it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,22 +109,61 @@ def step0_copy(reference: Reference, dest: Path) -> Path:
     return dest
 
 
+class ForkServer:
+    """A tests/forkrun.py process: `lsreplay` commands forked from one import of the flow."""
+
+    def __init__(self, env: dict):
+        self.process = subprocess.Popen([sys.executable, str(REPO / "tests/forkrun.py")], cwd=REPO, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        start_new_session=True)  # its group: the server and the command running
+        assert self.reply(120) == "ready"
+
+    def reply(self, timeout: float) -> str:
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            self.kill()
+            raise AssertionError(f"tests/forkrun.py {'ended' if ready else f'gave no answer in {timeout} s'}")
+        return line.strip()
+
+    def chain(self, env: dict, jobs: list[dict], timeout: float) -> list[dict]:
+        self.process.stdin.write(json.dumps({"env": env, "jobs": jobs}) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self.reply(timeout))
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+# Idle fork servers by the environment they started in; a chain takes one or starts
+# one (two chains at once, as in test_run_lock, run in two servers).
+_IDLE_SERVERS: dict[tuple, list[ForkServer]] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
 def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: float = 400,
                    threads: int | None = None) -> list[dict]:
     """Several `lsreplay ARGS` commands, each in its own process with LSREPLAY_FAULTS set as
-    given, one after another (tests/forkrun.py: the imports are paid once), each starting
-    with `threads` torch threads (default: the machine's). Returns each command's
-    {"returncode" (-9 when SIGKILLed), "log" (its output)}."""
+    given, one after another (forked by a tests/forkrun.py server: the imports are paid once
+    a session), each starting with `threads` torch threads (default: the machine's). Returns
+    each command's {"returncode" (-9 when SIGKILLed), "log" (its output)}."""
     from prefect.settings import PREFECT_API_URL
 
     spec = [{"args": args, "env": {"LSREPLAY_FAULTS": faults}, "log": str(log_dir / f"command-{i}.log"),
              **({"threads": threads} if threads else {})} for i, (args, faults) in enumerate(jobs)]
-    (log_dir / "jobs.json").write_text(json.dumps(spec))
     env = {**os.environ, **FAST_RETRIES, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(REPO / "tests/forkrun.py"), str(log_dir / "jobs.json")], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    # lsreplay reads its variables when it runs, pytest's change every test: a server is for
+    # the rest of the environment it started in (Prefect's settings, read at import).
+    key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(("LSREPLAY_", "PYTEST_"))))
+    with _SERVERS_LOCK:
+        idle = _IDLE_SERVERS.setdefault(key, [])
+        server = idle.pop() if idle else None
+    server = server or ForkServer(env)
+    results = server.chain(env, spec, timeout)  # a server that failed is killed, not returned
+    with _SERVERS_LOCK:
+        _IDLE_SERVERS[key].append(server)
     for r in results:
         r["log"] = Path(r["log"]).read_text()
     return results
