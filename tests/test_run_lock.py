@@ -22,6 +22,7 @@ from flowrun import REPO, digests, lsreplay_chain, reference_run, tiny
 from s3server import BUCKET, KEY, SECRET
 
 from lsreplay.core.config import load_config
+from lsreplay.core.faults import STALL_ENV, STALL_UNTIL_ENV
 from lsreplay.core.run import Run
 from lsreplay.core.run_lock import LEASE_ENV, LOCK_KEY, Holder, RunLocked, RunLockLost, hold
 from lsreplay.core.storage import Store
@@ -29,12 +30,14 @@ from lsreplay.core.storage import Store
 
 def test_two_runs_on_one_directory_one_refuses_and_the_other_trains_as_a_solo_run(
         prefect_server, tiny_model_dir, tmp_path_factory, tmp_path, monkeypatch):
-    """A starts the run and holds it (its step 0 rollouts stall for a while); B, the same
+    """A starts the run and holds it (its step 0 rollouts stall until C waits); B, the same
     command, exits 2 naming A's process; C, the same with --wait, waits for A to end, then
     finds every stage finished. A's weights equal the reference run's, computed alone."""
     ref = reference_run(tmp_path_factory, tiny_model_dir)
-    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "40")
     run_dir, logs = tmp_path / "run", {name: tmp_path / name for name in "abc"}
+    stalled = tmp_path / "end-of-stall"  # A's stall ends once C says it waits (at most 120 s)
+    monkeypatch.setenv(STALL_ENV, "120")
+    monkeypatch.setenv(STALL_UNTIL_ENV, str(stalled))
     for folder in logs.values():
         folder.mkdir()
     command = ["train", *tiny(run_dir, tiny_model_dir), "threads=1"]
@@ -47,6 +50,9 @@ def test_two_runs_on_one_directory_one_refuses_and_the_other_trains_as_a_solo_ru
             break
         time.sleep(0.2)
     assert holder is not None and a.is_alive()
+    c_log = logs["b"] / "command-1.log"
+    ending = threading.Thread(target=end_stall_when, args=(c_log, "waiting for it to end", stalled), daemon=True)
+    ending.start()
     refused, waited = lsreplay_chain([(command, ""), ([*command, "--wait"], "")], logs["b"])
     a.join()
     assert first[0]["returncode"] == 0, first[0]["log"][-3000:]
@@ -59,6 +65,14 @@ def test_two_runs_on_one_directory_one_refuses_and_the_other_trains_as_a_solo_ru
     ran = Run(load_config(None, [f"run_dir={run_dir}"])).executions()
     assert set(ran.values()) == {1}, ran  # every stage once, by A; C found them all finished
     assert not (run_dir / LOCK_KEY).exists()
+
+
+def end_stall_when(log: Path, text: str, stall_end: Path, seconds: float = 120) -> None:
+    """Create `stall_end` once `log` shows `text` (or after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (log.is_file() and text in log.read_text(errors="replace")):
+        time.sleep(0.2)
+    stall_end.touch()
 
 
 def holding(store_uri: str, options: dict, seconds: float) -> subprocess.Popen:

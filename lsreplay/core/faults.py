@@ -8,7 +8,9 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
                              (default 1); Prefect's task retries then run it again
     STAGE[@STEP]:error       raise a permanent InjectedError when the stage starts
     STAGE[@STEP]:stall[*N]   hold the stage at its middle for LSREPLAY_STALL_SECONDS (default
-                             5), N times (default 1): a straggler, e.g. one slow rollout shard
+                             5), N times (default 1): a straggler, e.g. one slow rollout shard.
+                             One blocking call, or with LSREPLAY_STALL_UNTIL=PATH until that
+                             file exists (a test that ends the stall once it saw what it waits for)
     trees[@STEP]:kill_engine SIGKILL the vLLM engine (rollout.engine=vllm) in the middle of the
                              stage's call to it, once: the shard fails, its retry starts a new engine
     policy[@STEP]:nan        make the policy loss NaN (the step must not be committed)
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 ENV = "LSREPLAY_FAULTS"
 ACTIONS = ("kill", "fail", "error", "nan", "stall", "tear", "full", "kill_engine", "interrupt", "kill_rank")
 STALL_ENV = "LSREPLAY_STALL_SECONDS"
+STALL_UNTIL_ENV = "LSREPLAY_STALL_UNTIL"
 _SPEC = re.compile(r"^(?P<target>[a-z_]+)(?:@(?P<step>\d+))?:(?P<action>[a-z_]+)(?:\*(?P<count>\d+))?$")
 
 
@@ -153,13 +156,22 @@ def hook(stage: str, step: int, point: str) -> None:
     elif point == "mid" and _take(stage, step, ("stall",)):
         seconds = float(os.environ.get(STALL_ENV, "5"))
         log.warning("injected stall of %.1f s in the middle of stage %s of step %d", seconds, stage, step)
-        time.sleep(seconds)  # one call blocked in C, as a stage in a socket read or a collective is
+        _stall(seconds, os.environ.get(STALL_UNTIL_ENV))
     elif point == "mid" and _take(stage, step, ("kill",)):
         log.warning("injected kill in the middle of stage %s of step %d", stage, step)
         _kill()
     elif point == "stepped" and _take(stage, step, ("interrupt",)):
         log.warning("injected interruption of stage %s of step %d after its optimizer step", stage, step)
         raise InjectedFault(f"injected interruption of stage {stage} of step {step} after its optimizer step")
+
+
+def _stall(seconds: float, until: str | None) -> None:
+    if until is None:
+        time.sleep(seconds)  # one call blocked in C, as a stage in a socket read or a collective is
+        return
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(until) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def engine_call(stage: str, step: int, pid: int) -> None:
