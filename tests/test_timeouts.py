@@ -65,7 +65,7 @@ def test_a_stage_blocked_in_c_ends_its_process_at_the_deadline_and_the_run_resum
     assert timed_out.returncode == TIMED_OUT_EXIT, log[-3000:]
     assert "stage prefixes of step 0 ran past pool.stage_timeout_seconds=10: ending this process" in log, log[-3000:]
     assert f"continue the run with: lsreplay resume {run_dir}" in log
-    assert 'faults.py", line' in log and "in hook\n    time.sleep(seconds)" in log  # where the stage was blocked
+    assert 'faults.py", line' in log and "in _stall\n    time.sleep(seconds)" in log  # where the stage was blocked
     assert "Starting temporary server" in (home / "temporary-server.log").read_text()
     deadline = time.monotonic() + 20
     while (left := _processes_with(f"PREFECT_HOME={home}")) and time.monotonic() < deadline:
