@@ -60,9 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from side_by_side import alternating, key_values  # noqa: E402
 from synthetic import random_weights  # noqa: E402
 
-from lsreplay.core.config import load_config  # noqa: E402
+from lsreplay.core.config import completion_tokens, load_config  # noqa: E402
 from lsreplay.models.distribution import RAW  # noqa: E402
-from lsreplay.models.loading import hf_config  # noqa: E402
+from lsreplay.models.loading import hf_config, reachable_positions  # noqa: E402
 from lsreplay.replay import ActivationMeter, naive_backward, replay_backward  # noqa: E402
 from lsreplay.replay.heads import logprob_heads  # noqa: E402
 from lsreplay.replay.memory import ModelDims, kv_bytes_per_position, layer_by_layer_bytes  # noqa: E402
@@ -139,22 +139,21 @@ def report(r: dict) -> None:
     print(line, flush=True)
 
 
-FLOW_NEW_TOKENS = 32
-SMOLLM2_POSITIONS = 8192
-
-
 def flow_step(prompt: int, run_dir: Path, extra_mb: int) -> int:
     """One `lsreplay train` step at a `prompt`-token kv_retrieval prompt; its record printed."""
-    factor = math.ceil((prompt + FLOW_NEW_TOKENS + 16) / SMOLLM2_POSITIONS)
     root = Path(__file__).resolve().parents[1]
-    dims = ModelDims.from_hf(hf_config(load_config(root / "configs/default.yaml").model))
-    budget_mb = math.ceil(replay_budget(dims, 4, prompt, extra_mb) / MiB)
-    overrides = [f"run_dir={run_dir}", "steps=1", f"replay.budget_mb={budget_mb}", "data.tasks=[kv_retrieval]", "data.size=2",
-                 "data.prompts_per_step=1", f"data.max_prompt_tokens={prompt}",
-                 f"model.rope_scaling={{rope_type: yarn, factor: {factor}}}", "rollout.branching=[2,2]",
-                 f"rollout.max_new_tokens={FLOW_NEW_TOKENS}", "drafter.steps=1",
-                 f"reward.functions=[{root / 'tests/varied_rewards.py'}:code_parity]"]
-    command = [str(Path(sys.executable).parent / "lsreplay"), "train", str(root / "configs/default.yaml"), *overrides]
+    config = root / "configs/default.yaml"
+    overrides = [f"run_dir={run_dir}", "steps=1", "data.tasks=[kv_retrieval]", "data.size=2", "data.prompts_per_step=1",
+                 f"data.max_prompt_tokens={prompt}", "rollout.branching=[2,2]", "rollout.max_new_tokens=32",
+                 "drafter.steps=1", f"reward.functions=[{root / 'tests/varied_rewards.py'}:code_parity]"]
+    cfg = load_config(config, overrides)
+    model = hf_config(cfg.model)
+    # The YaRN factor the run's preflight asks for (models.loading.check_positions), and the budget
+    # of the prompt run layer by layer.
+    factor = math.ceil((prompt + completion_tokens(cfg.rollout)) / reachable_positions(model))
+    budget_mb = math.ceil(replay_budget(ModelDims.from_hf(model), 4, prompt, extra_mb) / MiB)
+    overrides += [f"model.rope_scaling={{rope_type: yarn, factor: {factor}}}", f"replay.budget_mb={budget_mb}"]
+    command = [str(Path(sys.executable).parent / "lsreplay"), "train", str(config), *overrides]
     print(" ".join(command), flush=True)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of the last one
     started = time.perf_counter()

@@ -247,25 +247,24 @@ else:
             yield
         finally:
             stop.set()
+            renewer.join()  # a renewal on its way would meet the released lease (410) and report it gone
             release_concurrency_slots_with_lease(lease.lease_id)
 
 
 def _renew(lease_id, slots: int, stop: threading.Event) -> None:
     interval = float(os.environ.get(RENEW_ENV, LEASE_SECONDS / 3))
     with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):  # this thread's settings only
-        while not stop.wait(interval) and _renew_once(lease_id, slots, interval, stop):
+        while not stop.wait(interval) and _renew_once(lease_id, slots, interval):
             pass
 
 
-def _renew_once(lease_id, slots: int, interval: float, stop: threading.Event) -> bool:
+def _renew_once(lease_id, slots: int, interval: float) -> bool:
     """One renewal (a failure is logged); False once the lease is gone."""
     try:
         with get_client(httpx_settings={"timeout": RENEW_TIMEOUT_SECONDS}, sync_client=True) as client:
             client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS)
     except Exception as e:
         if isinstance(e, PrefectHTTPStatusError) and e.response.status_code == 410:
-            if stop.is_set():  # released by its holder while this renewal was on its way: all is well
-                return False
             log.error("the pool lease %s is gone from the Prefect server (expired or revoked): it counts its %d "
                       "slots free while their stage still runs", lease_id, slots)
             return False
