@@ -184,3 +184,22 @@ def test_the_ranks_rendezvous_where_only_this_user_and_host_reach():
     assert all(per_rank), per_rank  # gloo's own sockets are there: the check reads them
     listening = [address for sockets in per_rank for address, state in sockets if state == "0A"]
     assert listening and all(a in LOOPBACK for a in listening), per_rank
+
+
+def _rank_origin(rank: int, world: int) -> tuple[int, str | None]:
+    return os.getppid(), os.environ.get("LSREPLAY_TEST_MARK")
+
+
+def test_gloo_ranks_fork_from_one_server_with_the_callers_environment(monkeypatch):
+    """Gloo ranks fork from one fork server per process (its imports paid once, not by each
+    rank of each step), and each sees the environment of the call that launched it, not the
+    one the server started with (a test's or a stage's faults and devices)."""
+    monkeypatch.setenv("LSREPLAY_TEST_MARK", "first")
+    first = launch(_rank_origin, world_size=2, backend="gloo")
+    monkeypatch.setenv("LSREPLAY_TEST_MARK", "second")
+    second = launch(_rank_origin, world_size=2, backend="gloo")
+    monkeypatch.delenv("LSREPLAY_TEST_MARK")
+    third = launch(_rank_origin, world_size=2, backend="gloo")
+    assert [mark for _, mark in first + second + third] == ["first"] * 2 + ["second"] * 2 + [None] * 2
+    servers = {parent for parent, _ in first + second + third}
+    assert len(servers) == 1 and servers != {os.getpid()}, (servers, os.getpid())

@@ -25,9 +25,11 @@ Two ways to hold the model:
   parameters are resharded. During the backward a rank therefore holds the full compute
   weights and a full gradient accumulator; `lsreplay.planning` counts exactly that.
 
-`launch` runs a function on `world_size` local processes (torch.multiprocessing spawn; they
-meet in a file of a folder only this user can open, and talk over the loopback interface) and
-returns each rank's return value.
+`launch` runs a function on `world_size` local processes (they meet in a file of a folder
+only this user can open, and talk over the loopback interface) and returns each rank's return
+value. Gloo ranks fork from a fork server that imported the function's module once (ranks
+start every step; spawned, each paid the imports again, ~6 s of CPU a rank); NCCL ranks are
+spawned.
 """
 
 from __future__ import annotations
@@ -307,8 +309,21 @@ def loopback_interface() -> str:
     return "lo"
 
 
-def _worker(rank: int, fn: Callable, world_size: int, rendezvous: str, backend: str, args: tuple, results,
-            threads: int | None) -> None:
+def start_method(backend: str) -> str:
+    """How `launch` starts ranks: gloo's fork from the fork server; NCCL's are spawned (a rank
+    must not inherit a process that may have touched CUDA, and the fork server is not checked
+    on a GPU)."""
+    return "forkserver" if backend == "gloo" else "spawn"
+
+
+def _worker(rank: int, world_size: int, rendezvous: str, backend: str, calls, results, threads: int | None) -> None:
+    # The call comes through a queue, not the process's arguments: a fork server takes at
+    # most 252 file descriptors with a new process, fewer than the shared tensors of a model's
+    # state have. A forked rank has the environment the fork server started with: the
+    # caller's now (a stage's devices, faults) replaces it.
+    fn, args, environ = calls.get()
+    os.environ.clear()
+    os.environ.update(environ)
     # The ranks meet in a file of a folder only this user can open (no TCP store listening on
     # every interface), and gloo's and NCCL's own sockets are on the loopback interface.
     loopback = loopback_interface()
@@ -328,7 +343,7 @@ def _worker(rank: int, fn: Callable, world_size: int, rendezvous: str, backend: 
 
 def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None = None,
            threads: int | None = None) -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes joined in one
+    """Run `fn(rank, world_size, *args)` in `world_size` processes (start_method) joined in one
     process group (a FileStore in a 0700 temporary folder, sockets on the loopback interface;
     gloo on CPU, NCCL on GPU). `fn` must be
     importable (module level); its return value travels back through torch.save, so
@@ -339,8 +354,14 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None 
 
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    backend = backend or default_backend()
+    method = start_method(backend)
+    ctx = mp.get_context(method)
+    if method == "forkserver":  # what the server imports when it starts (once per process; later calls change nothing)
+        ctx.set_forkserver_preload([__name__, fn.__module__])
+    calls, results = ctx.Queue(), ctx.Queue()
+    for _ in range(world_size):
+        calls.put((fn, args, dict(os.environ)))
     out: list = [None] * world_size
 
     def drain(timeout: float) -> None:
@@ -353,9 +374,9 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None 
             pass
 
     with tempfile.TemporaryDirectory(prefix="lsreplay-ranks-") as folder:  # 0700: this user's alone
-        procs = mp.spawn(_worker, args=(fn, world_size, os.path.join(folder, "rendezvous"),
-                                        backend or default_backend(), args, results, threads),
-                         nprocs=world_size, join=False)
+        procs = mp.start_processes(_worker, args=(world_size, os.path.join(folder, "rendezvous"), backend, calls,
+                                                  results, threads),
+                                   nprocs=world_size, join=False, start_method=method)
         while not procs.join(timeout=0.05):  # raises if a rank failed
             drain(0.05)
     drain(0.2)
