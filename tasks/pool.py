@@ -251,17 +251,17 @@ else:
             release_concurrency_slots_with_lease(lease.lease_id)
 
 
-def _renew(lease_id, slots: int, stop: threading.Event) -> None:
+def _renew(lease_id, slots: int, stop: threading.Event, timeout: float = RENEW_TIMEOUT_SECONDS) -> None:
     interval = float(os.environ.get(RENEW_ENV, LEASE_SECONDS / 3))
     with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):  # this thread's settings only
-        while not stop.wait(interval) and _renew_once(lease_id, slots, interval):
+        while not stop.wait(interval) and _renew_once(lease_id, slots, interval, timeout):
             pass
 
 
-def _renew_once(lease_id, slots: int, interval: float) -> bool:
-    """One renewal (a failure is logged); False once the lease is gone."""
+def _renew_once(lease_id, slots: int, interval: float, timeout: float) -> bool:
+    """One renewal, given up after `timeout` seconds (a failure is logged); False once the lease is gone."""
     try:
-        with get_client(httpx_settings={"timeout": RENEW_TIMEOUT_SECONDS}, sync_client=True) as client:
+        with get_client(httpx_settings={"timeout": timeout}, sync_client=True) as client:
             client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS)
     except Exception as e:
         if isinstance(e, PrefectHTTPStatusError) and e.response.status_code == 410:
@@ -270,5 +270,5 @@ def _renew_once(lease_id, slots: int, interval: float) -> bool:
             return False
         # The server may answer the next try, well before the lease ends.
         log.warning("could not renew the pool lease %s within %.0f s (next try in %.1f s): %s: %s", lease_id,
-                    RENEW_TIMEOUT_SECONDS, interval, type(e).__name__, e)
+                    timeout, interval, type(e).__name__, e)
     return True
