@@ -149,11 +149,29 @@ def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: fl
     given, one after another (forked by a tests/forkrun.py server: the imports are paid once
     a session), each starting with `threads` torch threads (default: the machine's). Returns
     each command's {"returncode" (-9 when SIGKILLed), "log" (its output)}."""
-    from prefect.settings import PREFECT_API_URL
-
     spec = [{"args": args, "env": {"LSREPLAY_FAULTS": faults}, "log": str(log_dir / f"command-{i}.log"),
              **({"threads": threads} if threads else {})} for i, (args, faults) in enumerate(jobs)]
-    env = {**os.environ, **FAST_RETRIES, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(REPO)}
+    results = _forked(spec, timeout)
+    for r in results:
+        r["log"] = Path(r["log"]).read_text()
+    return results
+
+
+def run_script(script: Path, args: list[str], log_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in REPO, forked by a tests/forkrun.py server (as lsreplay_chain's
+    commands: the imports paid once a session), its output and errors apart."""
+    out, err = log_dir / f"{script.stem}.out", log_dir / f"{script.stem}.err"
+    [result] = _forked([{"script": str(script), "args": args, "log": str(out), "err": str(err)}], timeout)
+    return subprocess.CompletedProcess([str(script), *args], result["returncode"], out.read_text(), err.read_text())
+
+
+def _forked(jobs: list[dict], timeout: float) -> list[dict]:
+    """tests/forkrun.py's jobs, one after another, in an idle server started in this
+    environment (with the session's Prefect server and quick retries)."""
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()  # none outside the prefect_server fixture: a script that needs none
+    env = {**os.environ, **FAST_RETRIES, **({"PREFECT_API_URL": api} if api else {}), "PYTHONPATH": str(REPO)}
     # lsreplay reads its variables when it runs, pytest's change every test: a server is for
     # the rest of the environment it started in (Prefect's settings, read at import).
     key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(("LSREPLAY_", "PYTEST_"))))
@@ -161,11 +179,9 @@ def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: fl
         idle = _IDLE_SERVERS.setdefault(key, [])
         server = idle.pop() if idle else None
     server = server or ForkServer(env)
-    results = server.chain(env, spec, timeout)  # a server that failed is killed, not returned
+    results = server.chain(env, jobs, timeout)  # a server that failed is killed, not returned
     with _SERVERS_LOCK:
         _IDLE_SERVERS[key].append(server)
-    for r in results:
-        r["log"] = Path(r["log"]).read_text()
     return results
 
 

@@ -1,15 +1,17 @@
-"""A fork server for `lsreplay` commands: it imports the CLI and the flow once (about 10 s of
-CPU), then forks a child per command, so that a test session pays the imports once per
-worker, not once per command. A child runs `lsreplay.cli.main(args)` exactly as the
-`lsreplay` executable does, in the environment the test sent (with its own additions, e.g.
+"""A fork server for `lsreplay` commands and Python scripts: it imports the CLI and the flow
+once (about 10 s of CPU), then forks a child per command, so that a test session pays the
+imports once per worker, not once per command. A child runs `lsreplay.cli.main(args)` exactly
+as the `lsreplay` executable does, or a script as `python SCRIPT ARGS` does (`__main__`, its
+folder first on sys.path), in the environment the test sent (with its own additions, e.g.
 LSREPLAY_FAULTS), and may die by a signal (an injected SIGKILL).
 
-    python tests/forkrun.py   (started by tests/flowrun.py's lsreplay_chain)
+    python tests/forkrun.py   (started by tests/flowrun.py's lsreplay_chain and run_script)
 
 It reads one JSON line per chain on stdin, {"env": {...}, "jobs": [{"args": [...], "env":
-{...}, "log": "path for the child's output", "threads": N}, ...]}, runs the jobs one after
-another and writes one JSON line, [{"returncode", "log"}, ...], per chain; it ends at the end
-of its input. Nothing in this process touches torch, Prefect's client or threads before
+{...}, "log": "path for the child's output", "err": "path for its stderr (default: the log)",
+"script": "path (default: the lsreplay command)", "threads": N}, ...]}, runs the jobs one
+after another and writes one JSON line, [{"returncode", "log"}, ...], per chain; it ends at
+the end of its input. Nothing in this process touches torch, Prefect's client or threads before
 forking. A child starts with N torch threads (this process's default if absent), as a process
 on a machine with N cores would. Settings read at import (Prefect's API URL) are this
 process's: lsreplay_chain starts another server where they differ.
@@ -23,26 +25,25 @@ import sys
 
 
 def child(env: dict, job: dict) -> None:
-    """The forked child: run one `lsreplay` command, never return."""
+    """The forked child: run one job, never return."""
     code = 70
     try:
         os.environ.clear()
         os.environ.update({**env, **job.get("env", {})})
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the chains to come are the server's input, not a command's
-        fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        os.dup2(os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+        os.dup2(os.open(job["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if "err" in job else 1, 2)
         if "threads" in job:
             import torch
 
             torch.set_num_threads(job["threads"])
-        from lsreplay import cli
-
         try:
-            code = cli.main(job["args"])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
+            code = main_of(job)
+        except SystemExit as e:  # as the interpreter ends on it
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
     except BaseException:
         import traceback
 
@@ -51,6 +52,20 @@ def child(env: dict, job: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def main_of(job: dict) -> int:
+    """The job's command, as its executable runs it; its exit status."""
+    if "script" not in job:
+        from lsreplay import cli
+
+        return cli.main(job["args"])
+    import runpy
+
+    sys.argv = [job["script"], *job["args"]]
+    sys.path[0] = os.path.dirname(os.path.abspath(job["script"]))
+    runpy.run_path(job["script"], run_name="__main__")
+    return 0
 
 
 def run(env: dict, job: dict) -> dict:

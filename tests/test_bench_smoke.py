@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from flowrun import run_script
+
 from lsreplay.replay.memory import RUN_POSITIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +28,11 @@ def as_on_the_gpu_machine(*argv: str, timeout: int = 300) -> subprocess.Complete
                           check=False)
 
 
+def bench(tmp_path: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+    """`python bench/NAME.py ARGS`, forked from the session's import of lsreplay (tests/forkrun.py)."""
+    return run_script(ROOT / "bench" / f"{name}.py", list(args), tmp_path)
+
+
 def test_cascade_tests_run_where_neither_boto3_nor_moto_is():
     """docs/gpu.md's command, `pytest tests/test_cascade.py -k cuda`, collects and runs
     on a machine without the S3 test server's packages (here its CUDA cases skip)."""
@@ -34,11 +41,8 @@ def test_cascade_tests_run_where_neither_boto3_nor_moto_is():
     assert " passed" in proc.stdout and "error" not in proc.stdout.lower()
 
 
-def test_replay_bench_smoke():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "replay.py"), "--smoke"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )
+def test_replay_bench_smoke(tmp_path):
+    proc = bench(tmp_path, "replay", "--smoke")
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert lines, proc.stderr[-4000:]
@@ -57,12 +61,11 @@ def test_replay_bench_smoke():
     assert float(pairs["grad_rel_diff"]) <= 1e-4
 
 
-def test_long_context_bench_smoke():
+def test_long_context_bench_smoke(tmp_path):
     """bench/long_context.py --smoke: replay against the per-rollout backward as the prompt
     grows; the longest runs layer by layer, replay's peak stays within its bound and at or
     below the per-rollout peak, and per prompt position it shrinks as the prompt grows."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context.py"), "--smoke"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = bench(tmp_path, "long_context", "--smoke")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert kv["within_bound"] == kv["below_naive"] == "true"
@@ -73,11 +76,10 @@ def test_long_context_bench_smoke():
     assert "512 positions layer by layer" in proc.stdout
 
 
-def test_shared_prompt_bench_smoke():
+def test_shared_prompt_bench_smoke(tmp_path):
     """bench/shared_prompt.py --smoke: both rollout layouts on a kv_retrieval prompt, the K/V
     each held, the same leaves."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "shared_prompt.py"), "--smoke"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = bench(tmp_path, "shared_prompt", "--smoke")
     assert proc.returncode == 0, proc.stderr[-4000:]
     pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(pairs["kv_ratio"]) == float(pairs["kv_ratio_256"]) > 4  # G=8 rows of a 256-token prompt
@@ -85,12 +87,10 @@ def test_shared_prompt_bench_smoke():
     assert math.isfinite(float(pairs["stage_speedup_256"])) and float(pairs["same_leaves_256"]) > 0
 
 
-def test_run_cost_bench_smoke(tiny_model_dir):
+def test_run_cost_bench_smoke(tiny_model_dir, tmp_path):
     """bench/run_cost.py times runs of each length and fits their fixed cost, next to the
     constant the replay planner uses."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run_cost.py"), "--lengths", "4,8,16", "--rounds", "1",
-                           f"model.path={tiny_model_dir}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = bench(tmp_path, "run_cost", "--lengths", "4,8,16", "--rounds", "1", f"model.path={tiny_model_dir}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-2].startswith("run of L positions (s): L=4 ")
@@ -100,20 +100,18 @@ def test_run_cost_bench_smoke(tiny_model_dir):
     assert int(pairs["run_positions"]) == RUN_POSITIONS
 
 
-def test_dpo_bench_smoke():
+def test_dpo_bench_smoke(tmp_path):
     """bench/dpo.py --smoke: offline DPO through replay and per pair, the same loss and gradient."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "dpo.py"), "--smoke"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = bench(tmp_path, "dpo", "--smoke")
     assert proc.returncode == 0, proc.stderr[-4000:]
     pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(pairs["speedup"]) > 0 and float(pairs["ideal"]) > 1 and float(pairs["mem_ratio"]) < 1
     assert float(pairs["grad_rel_diff"]) <= 1e-4 and float(pairs["loss_gap"]) <= 1e-6
 
 
-def test_rollout_bench_smoke():
+def test_rollout_bench_smoke(tmp_path):
     """bench/rollout.py --smoke: plain and adaptive stages run and the summary line has the ratio."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--smoke"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = bench(tmp_path, "rollout", "--smoke")
     assert proc.returncode == 0, proc.stderr[-4000:]
     pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(pairs["stage_speedup"]) > 0 and float(pairs["accept_len"]) >= 1 and int(pairs["spec_rounds"]) > 0

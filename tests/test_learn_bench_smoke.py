@@ -1,12 +1,10 @@
 """bench/learn.py end to end (--smoke): a flow run per algorithm, under the session's Prefect
-server. Apart from tests/test_bench_smoke.py's (subprocesses of their own, no server): the two
-files then fill two test workers more evenly."""
+server. Apart from tests/test_bench_smoke.py's (which need none): the two files then fill two
+test workers more evenly."""
 
-import os
-import subprocess
-import sys
-import uuid
 from pathlib import Path
+
+from flowrun import run_script, unique_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,14 +15,10 @@ def test_learn_bench_smoke(prefect_server, tiny_model_dir, tmp_path):
     are drawn, the costs' line carries each run's step time, activation peak and model state
     (LoRA's far below full training's), the algorithms' line each one's accuracy before and
     after, and the last line the four figures of replay against the baseline."""
-    from prefect.settings import PREFECT_API_URL
-
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     plot = tmp_path / "learn.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--smoke", "--out", str(tmp_path / "runs"),
-                           "--runs", "replay,baseline,ppo,dpo,lora", "--plot", str(plot), f"model.path={tiny_model_dir}",
-                           f"pool.name=learn-{uuid.uuid4().hex[:8]}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = run_script(ROOT / "bench" / "learn.py", ["--smoke", "--out", str(tmp_path / "runs"), "--runs",
+                                                    "replay,baseline,ppo,dpo,lora", "--plot", str(plot),
+                                                    f"model.path={tiny_model_dir}", unique_pool()], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     pairs = dict(item.split("=", 1) for item in lines[-1].split())
