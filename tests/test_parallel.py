@@ -12,6 +12,7 @@ import os
 import random
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -203,3 +204,18 @@ def test_gloo_ranks_fork_from_one_server_with_the_callers_environment(monkeypatc
     assert [mark for _, mark in first + second + third] == ["first"] * 2 + ["second"] * 2 + [None] * 2
     servers = {parent for parent, _ in first + second + third}
     assert len(servers) == 1 and servers != {os.getpid()}, (servers, os.getpid())
+
+
+def test_a_group_that_does_not_form_is_started_again(monkeypatch, caplog):
+    """Ranks whose process group fails to form (gloo's mesh on the loopback interface now and
+    then does) are started again, up to RENDEZVOUS_TRIES launches; past them the error is raised."""
+    from lsreplay.core import faults
+    from lsreplay.distributed.parallel import RENDEZVOUS_FAILED, RENDEZVOUS_TRIES
+
+    monkeypatch.setenv(faults.ENV, f"ranks:fail*{RENDEZVOUS_TRIES - 1}")
+    faults.reset()
+    assert launch(_rank_sockets, world_size=2, backend="gloo")  # formed at the last try
+    assert sum(RENDEZVOUS_FAILED in r.getMessage() for r in caplog.records) == RENDEZVOUS_TRIES - 1
+    monkeypatch.setenv(faults.ENV, f"ranks:fail*{RENDEZVOUS_TRIES}")
+    with pytest.raises(Exception, match=f"{RENDEZVOUS_FAILED}: injected failure"):
+        launch(_rank_sockets, world_size=2, backend="gloo")

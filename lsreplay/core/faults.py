@@ -25,6 +25,9 @@ Faults come from the environment variable LSREPLAY_FAULTS, a comma-separated lis
     checkpoint[@STEP]:full   every write of the step's policy checkpoint fails as on a full
                              disk (OSError ENOSPC): the background writer's failure
     storage:fail[*N]         the next N store writes raise a transient ConnectionError
+    ranks:fail[*N]           the next N launches of ranks (lsreplay.distributed.parallel.launch)
+                             fail as their process group forms, as gloo's mesh now and then
+                             does: the launch starts them again
 
 STAGE is one of lsreplay.core.layout.STAGES, `eval` (the held-out evaluation), or `checkpoint`
 (the policy checkpoint's write, in the background: `checkpoint@1:kill` kills the process
@@ -88,13 +91,13 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: cannot parse {item!r}; expected STAGE[@STEP]:ACTION[*N], "
                              "e.g. trees@1:kill or storage:fail*3")
         target, action = m["target"], m["action"]
-        if target not in (*STAGES, "eval", "checkpoint", "storage"):
+        if target not in (*STAGES, "eval", "checkpoint", "storage", "ranks"):
             raise ValueError(f"{ENV}: unknown target {target!r} in {item!r}; "
-                             f"one of {', '.join(STAGES)}, eval, checkpoint, storage")
+                             f"one of {', '.join(STAGES)}, eval, checkpoint, storage, ranks")
         if action not in ACTIONS:
             raise ValueError(f"{ENV}: unknown action {action!r} in {item!r}; one of {', '.join(ACTIONS)}")
-        if target == "storage" and (action != "fail" or m["step"]):
-            raise ValueError(f"{ENV}: {item!r}: storage faults are storage:fail[*N]")
+        if target in ("storage", "ranks") and (action != "fail" or m["step"]):
+            raise ValueError(f"{ENV}: {item!r}: {target} faults are {target}:fail[*N]")
         if action in ("nan", "interrupt") and target != "policy":
             raise ValueError(f"{ENV}: {item!r}: only the policy stage has a loss to make NaN and an optimizer step "
                              "to interrupt")
@@ -188,6 +191,15 @@ def doomed_rank(stage: str, step: int, ranks: int) -> int | None:
         log.warning("injected kill of rank %d of stage %s of step %d as its backward starts", ranks - 1, stage, step)
         return ranks - 1
     return None
+
+
+def failed_rendezvous() -> bool:
+    """Whether a `ranks:fail` fault fails this launch's process group as it forms; taken here,
+    in the launching process, so that the launch's next try forms."""
+    if os.environ.get(ENV) and (fault := _take("ranks", None, ("fail",))):
+        log.warning("injected failure of the ranks' process group as it forms (%d more)", fault.remaining)
+        return True
+    return False
 
 
 def kill_this_rank() -> None:

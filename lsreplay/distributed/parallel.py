@@ -35,6 +35,7 @@ spawned.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import tempfile
 import time
@@ -44,10 +45,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from lsreplay.core import faults
 from lsreplay.distributed.context import context_group
 from lsreplay.replay.backward import BackwardStats, PrefixKVSource, naive_backward, replay_backward, splits
 from lsreplay.replay.heads import Heads, per_head
 from lsreplay.tree import RolloutTree
+
+log = logging.getLogger(__name__)
 
 
 # -- splitting ---------------------------------------------------------------------------
@@ -316,7 +320,8 @@ def start_method(backend: str) -> str:
     return "forkserver" if backend == "gloo" else "spawn"
 
 
-def _worker(rank: int, world_size: int, rendezvous: str, backend: str, calls, results, threads: int | None) -> None:
+def _worker(rank: int, world_size: int, rendezvous: str, backend: str, calls, results, threads: int | None,
+            doomed_rendezvous: bool) -> None:
     # The call comes through a queue, not the process's arguments: a fork server takes at
     # most 252 file descriptors with a new process, fewer than the shared tensors of a model's
     # state have. A forked rank has the environment the fork server started with: the
@@ -331,7 +336,12 @@ def _worker(rank: int, world_size: int, rendezvous: str, backend: str, calls, re
                       NCCL_SOCKET_IFNAME=loopback)
     if threads:
         torch.set_num_threads(threads)
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        if doomed_rendezvous and rank == world_size - 1:
+            raise RuntimeError(f"injected failure ({faults.ENV}=ranks:fail)")
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    except RuntimeError as e:  # before `fn` ran: `launch` may try again
+        raise RuntimeError(f"{RENDEZVOUS_FAILED}: {e}") from e
     try:
         out = fn(rank, world_size, *args)
     finally:
@@ -341,20 +351,40 @@ def _worker(rank: int, world_size: int, rendezvous: str, backend: str, calls, re
     results.put((rank, buf.getvalue()))
 
 
+# A rank's error raised while the group formed, before the rank's function ran. Gloo's full
+# mesh on the loopback interface now and then fails to form ("Connection closed by peer",
+# pytorch/pytorch#53270; once in a test suite here): `launch` starts the ranks again, as
+# nothing has run yet.
+RENDEZVOUS_FAILED = "the ranks' process group did not form"
+RENDEZVOUS_TRIES = 3
+
+
 def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None = None,
            threads: int | None = None) -> list:
     """Run `fn(rank, world_size, *args)` in `world_size` processes (start_method) joined in one
     process group (a FileStore in a 0700 temporary folder, sockets on the loopback interface;
-    gloo on CPU, NCCL on GPU). `fn` must be
-    importable (module level); its return value travels back through torch.save, so
-    keep it small (tensors, dicts, numbers). Returns the values by rank; a rank's
-    exception is raised here. threads: torch threads per rank. With NCCL, `fn` sets its
-    rank's device (torch.cuda.set_device) before its first collective."""
+    gloo on CPU, NCCL on GPU), started again where the group did not form (RENDEZVOUS_TRIES).
+    `fn` must be importable (module level); its return value travels back through torch.save,
+    so keep it small (tensors, dicts, numbers). Returns the values by rank; a rank's exception
+    is raised here. threads: torch threads per rank. With NCCL, `fn` sets its rank's device
+    (torch.cuda.set_device) before its first collective."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    for attempt in range(1, RENDEZVOUS_TRIES + 1):
+        try:
+            return _launch_once(fn, world_size, args, backend or default_backend(), threads)
+        except ProcessRaisedException as e:
+            if RENDEZVOUS_FAILED not in str(e) or attempt == RENDEZVOUS_TRIES:
+                raise
+            log.warning("%s (try %d of %d; starting the ranks again): %s", RENDEZVOUS_FAILED, attempt,
+                        RENDEZVOUS_TRIES, str(e).strip().splitlines()[-1])
+
+
+def _launch_once(fn: Callable, world_size: int, args: tuple, backend: str, threads: int | None) -> list:
     import queue
 
     import torch.multiprocessing as mp
 
-    backend = backend or default_backend()
     method = start_method(backend)
     ctx = mp.get_context(method)
     if method == "forkserver":  # what the server imports when it starts (once per process; later calls change nothing)
@@ -375,7 +405,7 @@ def launch(fn: Callable, world_size: int, args: tuple = (), backend: str | None 
 
     with tempfile.TemporaryDirectory(prefix="lsreplay-ranks-") as folder:  # 0700: this user's alone
         procs = mp.start_processes(_worker, args=(world_size, os.path.join(folder, "rendezvous"), backend, calls,
-                                                  results, threads),
+                                                  results, threads, faults.failed_rendezvous()),
                                    nprocs=world_size, join=False, start_method=method)
         while not procs.join(timeout=0.05):  # raises if a rank failed
             drain(0.05)
