@@ -110,8 +110,20 @@ def test_a_decaying_schedule_makes_steps_part_of_the_result():
 
 
 @pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")), ids=lambda p: p.name)
-def test_every_config_file_loads(path):
-    load_config(path)
+def test_every_config_file_loads_and_writes_out_as_omegaconf_would(path):
+    """A stored config's result hash must not move: to_dict (a walk of the dataclasses) gives
+    what OmegaConf's structured config gave, for every shipped config, and for one built in
+    code with an int where a float belongs and a tuple where a list does."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    cfg = load_config(path)
+    built = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1),
+                                rollout=dataclasses.replace(cfg.rollout, branching=tuple(cfg.rollout.branching)))
+    for c in (cfg, built):
+        assert to_dict(c, redact=False) == OmegaConf.to_container(OmegaConf.structured(c), resolve=True)
+    assert to_dict(built)["optim"]["lr"] == 1.0 and isinstance(to_dict(built)["optim"]["lr"], float)
 
 
 def test_defaults_file_and_overrides_merge():
