@@ -44,9 +44,9 @@ def test_vllm_episodes_follow_the_policy_speculate_with_the_runs_drafter_and_res
     run_dir = tmp_path / "run"
     monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "10")
     run = tiny_vllm_run(run_dir, vllm_ending_model_dir, *VLLM, *EPISODES, "steps=3", "rollout.shards=2", "pool.slots=2",
-                        "data.prompts_per_step=2", "drafter.steps=4", "drafter.batch_size=4", "drafter.checkpoint_every=2",
-                        "drafter.lr=1e-2", "algo.tis_cap=2", "rollout.temperature=0.7", "rollout.top_k=40",
-                        "rollout.top_p=0.95", "rollout.vllm.logprob_gap_every=1")
+                        "data.prompts_per_step=2", "drafter.steps=4", "drafter.batch_size=4",
+                        "drafter.checkpoint_every=2", "drafter.lr=1e-2", "algo.tis_cap=2", "rollout.temperature=0.7",
+                        "rollout.top_k=40", "rollout.top_p=0.95", "rollout.vllm.logprob_gap_every=1")
     killed, finished = lsreplay_chain([(["train", *run, unique_pool()], "trees@0:kill_engine,trees@1:stall,trees@2:kill"),
                                        (["resume", str(run_dir), unique_pool()], "")], tmp_path)
     assert killed["returncode"] == -9, killed["log"][-3000:]
