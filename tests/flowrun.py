@@ -157,10 +157,10 @@ def lsreplay_chain(jobs: list[tuple[list[str], str]], log_dir: Path, timeout: fl
     return results
 
 
-def run_script(script: Path, args: list[str], log_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` in REPO, forked by a tests/forkrun.py server (as lsreplay_chain's
-    commands: the imports paid once a session), its output and errors apart."""
-    out, err = log_dir / f"{script.stem}.out", log_dir / f"{script.stem}.err"
+def run_bench(name: str, args: list[str], log_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python bench/NAME.py ARGS` in REPO, forked by a tests/forkrun.py server (as
+    lsreplay_chain's commands: the imports paid once a session), its output and errors apart."""
+    script, out, err = REPO / "bench" / f"{name}.py", log_dir / f"{name}.out", log_dir / f"{name}.err"
     [result] = _forked([{"script": str(script), "args": args, "log": str(out), "err": str(err)}], timeout)
     return subprocess.CompletedProcess([str(script), *args], result["returncode"], out.read_text(), err.read_text())
 

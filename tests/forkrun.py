@@ -5,7 +5,7 @@ as the `lsreplay` executable does, or a script as `python SCRIPT ARGS` does (`__
 folder first on sys.path), in the environment the test sent (with its own additions, e.g.
 LSREPLAY_FAULTS), and may die by a signal (an injected SIGKILL).
 
-    python tests/forkrun.py   (started by tests/flowrun.py's lsreplay_chain and run_script)
+    python tests/forkrun.py   (started by tests/flowrun.py's lsreplay_chain and run_bench)
 
 It reads one JSON line per chain on stdin, {"env": {...}, "jobs": [{"args": [...], "env":
 {...}, "log": "path for the child's output", "err": "path for its stderr (default: the log)",
@@ -40,10 +40,12 @@ def child(env: dict, job: dict) -> None:
             torch.set_num_threads(job["threads"])
         try:
             code = main_of(job)
-        except SystemExit as e:  # as the interpreter ends on it
-            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-            if not isinstance(e.code, (int, type(None))):
+        except SystemExit as e:  # as the interpreter ends on it: sys.exit("message") prints it, exits 1
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
                 print(e.code, file=sys.stderr)
+                code = 1
     except BaseException:
         import traceback
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flowrun import run_script
+from flowrun import run_bench
 
 from lsreplay.replay.memory import RUN_POSITIONS
 
@@ -28,11 +28,6 @@ def as_on_the_gpu_machine(*argv: str, timeout: int = 300) -> subprocess.Complete
                           check=False)
 
 
-def bench(tmp_path: Path, name: str, *args: str) -> subprocess.CompletedProcess:
-    """`python bench/NAME.py ARGS`, forked from the session's import of lsreplay (tests/forkrun.py)."""
-    return run_script(ROOT / "bench" / f"{name}.py", list(args), tmp_path)
-
-
 def test_cascade_tests_run_where_neither_boto3_nor_moto_is():
     """docs/gpu.md's command, `pytest tests/test_cascade.py -k cuda`, collects and runs
     on a machine without the S3 test server's packages (here its CUDA cases skip)."""
@@ -42,7 +37,7 @@ def test_cascade_tests_run_where_neither_boto3_nor_moto_is():
 
 
 def test_replay_bench_smoke(tmp_path):
-    proc = bench(tmp_path, "replay", "--smoke")
+    proc = run_bench("replay", ["--smoke"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert lines, proc.stderr[-4000:]
@@ -65,7 +60,7 @@ def test_long_context_bench_smoke(tmp_path):
     """bench/long_context.py --smoke: replay against the per-rollout backward as the prompt
     grows; the longest runs layer by layer, replay's peak stays within its bound and at or
     below the per-rollout peak, and per prompt position it shrinks as the prompt grows."""
-    proc = bench(tmp_path, "long_context", "--smoke")
+    proc = run_bench("long_context", ["--smoke"], tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert kv["within_bound"] == kv["below_naive"] == "true"
@@ -79,7 +74,7 @@ def test_long_context_bench_smoke(tmp_path):
 def test_shared_prompt_bench_smoke(tmp_path):
     """bench/shared_prompt.py --smoke: both rollout layouts on a kv_retrieval prompt, the K/V
     each held, the same leaves."""
-    proc = bench(tmp_path, "shared_prompt", "--smoke")
+    proc = run_bench("shared_prompt", ["--smoke"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(pairs["kv_ratio"]) == float(pairs["kv_ratio_256"]) > 4  # G=8 rows of a 256-token prompt
@@ -90,7 +85,7 @@ def test_shared_prompt_bench_smoke(tmp_path):
 def test_run_cost_bench_smoke(tiny_model_dir, tmp_path):
     """bench/run_cost.py times runs of each length and fits their fixed cost, next to the
     constant the replay planner uses."""
-    proc = bench(tmp_path, "run_cost", "--lengths", "4,8,16", "--rounds", "1", f"model.path={tiny_model_dir}")
+    proc = run_bench("run_cost", ["--lengths", "4,8,16", "--rounds", "1", f"model.path={tiny_model_dir}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-2].startswith("run of L positions (s): L=4 ")
@@ -102,7 +97,7 @@ def test_run_cost_bench_smoke(tiny_model_dir, tmp_path):
 
 def test_dpo_bench_smoke(tmp_path):
     """bench/dpo.py --smoke: offline DPO through replay and per pair, the same loss and gradient."""
-    proc = bench(tmp_path, "dpo", "--smoke")
+    proc = run_bench("dpo", ["--smoke"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(pairs["speedup"]) > 0 and float(pairs["ideal"]) > 1 and float(pairs["mem_ratio"]) < 1
@@ -111,7 +106,7 @@ def test_dpo_bench_smoke(tmp_path):
 
 def test_rollout_bench_smoke(tmp_path):
     """bench/rollout.py --smoke: plain and adaptive stages run and the summary line has the ratio."""
-    proc = bench(tmp_path, "rollout", "--smoke")
+    proc = run_bench("rollout", ["--smoke"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     pairs = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(pairs["stage_speedup"]) > 0 and float(pairs["accept_len"]) >= 1 and int(pairs["spec_rounds"]) > 0

@@ -1,15 +1,11 @@
 """bench/gpu_scale.py --smoke: the GPU scale benchmark's code path on a tiny Qwen2 shape on
 CPU (out-of-memory simulated by a cap on the activation meter)."""
 
-from pathlib import Path
-
-from flowrun import run_script
-
-ROOT = Path(__file__).resolve().parents[1]
+from flowrun import run_bench
 
 
 def test_gpu_scale_smoke(tmp_path):
-    proc = run_script(ROOT / "bench" / "gpu_scale.py", ["--smoke", "--threads", "1"], tmp_path)
+    proc = run_bench("gpu_scale", ["--smoke", "--threads", "1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kv = dict(item.split("=", 1) for item in proc.stdout.strip().splitlines()[-1].split())
     assert float(kv["speedup_smoke"]) > 0 and float(kv["ideal_smoke"]) == 3.0  # G=4, P=48, S=6

@@ -2,11 +2,7 @@
 server. Apart from tests/test_bench_smoke.py's (which need none): the two files then fill two
 test workers more evenly."""
 
-from pathlib import Path
-
-from flowrun import run_script, unique_pool
-
-ROOT = Path(__file__).resolve().parents[1]
+from flowrun import run_bench, unique_pool
 
 
 def test_learn_bench_smoke(prefect_server, tiny_model_dir, tmp_path):
@@ -16,9 +12,8 @@ def test_learn_bench_smoke(prefect_server, tiny_model_dir, tmp_path):
     (LoRA's far below full training's), the algorithms' line each one's accuracy before and
     after, and the last line the four figures of replay against the baseline."""
     plot = tmp_path / "learn.png"
-    proc = run_script(ROOT / "bench" / "learn.py", ["--smoke", "--out", str(tmp_path / "runs"), "--runs",
-                                                    "replay,baseline,ppo,dpo,lora", "--plot", str(plot),
-                                                    f"model.path={tiny_model_dir}", unique_pool()], tmp_path)
+    proc = run_bench("learn", ["--smoke", "--out", str(tmp_path / "runs"), "--runs", "replay,baseline,ppo,dpo,lora",
+                               "--plot", str(plot), f"model.path={tiny_model_dir}", unique_pool()], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     pairs = dict(item.split("=", 1) for item in lines[-1].split())
