@@ -133,8 +133,33 @@ def _hub_cache_folder(model_id: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+# Tokenizers this thread loaded, by folder and its files' stamp, the newest last. Per thread: a
+# fast tokenizer sets its truncation and padding on its one Rust object in each call, so two
+# threads sharing one would encode with each other's settings. A load took 0.25 s (SmolLM2's
+# 49k-token vocabulary, one idle core): a stage loads one per step, a run's preflight one more.
+_TOKENIZERS = threading.local()
+TOKENIZERS_KEPT = 2  # a thread's policy tokenizer and, say, a reward model's
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(resolve_model_dir(cfg), local_files_only=True)
+    """The tokenizer of the model `cfg` names, loaded again when its folder's files change.
+    The same object for every call of a thread: a caller must not change its settings."""
+    folder = resolve_model_dir(cfg)
+    key = (str(folder), _files_stamp(folder))
+    kept = _TOKENIZERS.__dict__.setdefault("by_folder", {})
+    tokenizer = kept.pop(key, None)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    kept[key] = tokenizer
+    while len(kept) > TOKENIZERS_KEPT:
+        kept.pop(next(iter(kept)))
+    return tokenizer
+
+
+def _files_stamp(folder: Path) -> tuple:
+    """Each file's name, size and modification time (a hub snapshot's links followed)."""
+    stats = ((entry.name, entry.stat()) for entry in os.scandir(folder) if entry.is_file())
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 def hf_config(cfg: ModelConfig) -> PretrainedConfig:
