@@ -18,12 +18,15 @@ import tempfile
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 
 from lsreplay.data import long_context
 from lsreplay.data.errors import DatasetError
+
+if TYPE_CHECKING:  # imported where a dataset is read: a sandbox child reads none, and it took 0.6 s of its start
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +272,8 @@ def _looks_like_hub_name(path: Path) -> bool:
 
 
 def _load(path: Path, split: str) -> datasets.Dataset:
+    import datasets
+
     if path.is_dir():
         return _load_saved(path, split)
     if not path.is_file() and _looks_like_hub_name(path):
@@ -298,6 +303,8 @@ def _load(path: Path, split: str) -> datasets.Dataset:
 
 
 def _load_saved(path: Path, split: str) -> datasets.Dataset:
+    import datasets
+
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as e:
