@@ -25,7 +25,7 @@ from lsreplay.stages.preflight import preflight
 
 SMALL, STALLING = "2**100", "(((10**100)**100)**100)**100"
 TAIL = '"}}</tool_call>'
-TOOL_TIMEOUT = 3
+TOOL_TIMEOUT = 1  # each stalled call holds a core this long
 
 
 def caller_model(tiny_model_dir, out, tool: str):
