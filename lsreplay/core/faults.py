@@ -157,9 +157,10 @@ def hook(stage: str, step: int, point: str) -> None:
         if _take(stage, step, ("error",)):
             raise InjectedError(f"injected permanent error in stage {stage} of step {step}")
     elif point == "mid" and _take(stage, step, ("stall",)):
-        seconds = float(os.environ.get(STALL_ENV, "5"))
-        log.warning("injected stall of %.1f s in the middle of stage %s of step %d", seconds, stage, step)
-        _stall(seconds, os.environ.get(STALL_UNTIL_ENV))
+        seconds, until = float(os.environ.get(STALL_ENV, "5")), os.environ.get(STALL_UNTIL_ENV)
+        log.warning("injected stall of %s%.1f s in the middle of stage %s of step %d", f"until {until} exists, at most "
+                    if until else "", seconds, stage, step)
+        _stall(seconds, until)
     elif point == "mid" and _take(stage, step, ("kill",)):
         log.warning("injected kill in the middle of stage %s of step %d", stage, step)
         _kill()
