@@ -7,6 +7,8 @@ same drafter."""
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from lsreplay.drafter import Drafter
 from lsreplay.drafter.export import load_hf, save_hf
 from lsreplay.models.distribution import RAW, SamplingParams, token_logprobs
 from lsreplay.rollout.speculative import SpecStats, speculative_generate
-from lsreplay.rollout.vllm_engine import EngineSpec, VLLMEngine
+from lsreplay.rollout.vllm_engine import SHARED_MEMORY, EngineSpec, VLLMEngine
 from vllm_models import VLLM_PYTHON, held_out_prompts, needs_vllm, vllm_installed, vllm_model_dir  # noqa: F401
 from vllm_models import vllm_trained_drafter  # noqa: F401
 
@@ -164,6 +166,14 @@ def test_speculation_with_a_run_trained_drafter_is_lossless_and_accepts_what_lsr
         vllm_untrained = _acceptance(before, speculating.spec_counters())
         assert vllm_trained > vllm_untrained + 0.3, (vllm_trained, vllm_untrained)
         print(f"acceptance: vLLM {vllm_trained:.3f}, lsreplay {stats.acceptance:.3f}, untrained {vllm_untrained:.3f}")
+        # A close with no call in flight: the engine process exits at once with status 0, and
+        # Intel OpenMP's registration (where it is preloaded) goes with it.
+        registration = Path(SHARED_MEMORY, f"__KMP_REGISTERED_LIB_{speculating.pid}_0")
+        registered = registration.exists()
+        started = time.monotonic()
+        speculating.close()
+        assert speculating._process.returncode == 0 and time.monotonic() - started < 2, speculating._process.returncode
+        assert not registration.exists(), registered
     finally:
         speculating.close()
         if plain is not engine:

@@ -235,8 +235,9 @@ class VLLMEngine:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
-        if self._process.returncode < 0:  # killed: Intel OpenMP's registration in shared memory stays behind
-            Path(SHARED_MEMORY, f"__KMP_REGISTERED_LIB_{self._process.pid}_0").unlink(missing_ok=True)
+        # Killed, or exited without unloading its libraries (vllm_worker's exit): Intel OpenMP's
+        # registration in shared memory stays behind.
+        Path(SHARED_MEMORY, f"__KMP_REGISTERED_LIB_{self._process.pid}_0").unlink(missing_ok=True)
 
     @property
     def pid(self) -> int:
