@@ -24,9 +24,10 @@ SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              num_key_value_heads=2, attn_implementation="sdpa")
 
 
-# Fixtures of the tests that run whole flows or a vLLM engine (a minute or more a file), the
-# slower kind first.
-LONG_RUNNING = ("vllm_model_dir", "prefect_server")
+# Fixtures of the tests that run a vLLM engine or whole flows (a minute or more a file), the
+# slower kind first. Every vLLM module asks for vllm_installed (vllm_models.needs_vllm); with
+# vllm_model_dir instead, test_vllm_engine (40 s, its own tied model) ran last of all.
+LONG_RUNNING = ("vllm_installed", "prefect_server")
 
 
 def pytest_collection_modifyitems(items):
