@@ -47,6 +47,16 @@ def tiny(run_dir, model_dir, steps: int = 2) -> list[str]:
             unique_pool()]
 
 
+def stall_until_drafter_checkpointed(monkeypatch, run_dir: Path) -> None:
+    """Injected stalls (LSREPLAY_FAULTS' STAGE@STEP:stall) last until step 0's drafter has
+    written its spot checkpoint: a minute at most, however busy the machine."""
+    from lsreplay.core.faults import STALL_ENV, STALL_UNTIL_ENV
+    from lsreplay.stages.drafter import SPOT_STATE
+
+    monkeypatch.setenv(STALL_ENV, "60")
+    monkeypatch.setenv(STALL_UNTIL_ENV, str(run_dir / "checkpoints/drafter/step_0000" / SPOT_STATE))
+
+
 def unique_pool() -> str:
     """A pool nobody else holds: a process killed while holding a slot keeps it until its
     lease expires (a minute), which later runs on the same pool would wait out."""

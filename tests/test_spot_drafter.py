@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import json
 
-from flowrun import lsreplay_chain, tiny, unique_pool
+from flowrun import lsreplay_chain, stall_until_drafter_checkpointed, tiny, unique_pool
 
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run, open_run_config
 
 SPOT = ["rollout.shards=2", "pool.slots=2", "data.prompts_per_step=2", "drafter.steps=20",
         "drafter.checkpoint_every=2"]
-# A straggling shard of step 1 that holds its slot until step 0's drafter has checkpointed
-# beside it (a minute at most, however busy the machine).
-STRAGGLER = {"LSREPLAY_FAULTS": "trees@1:stall", "LSREPLAY_STALL_SECONDS": "60",
-             "LSREPLAY_STALL_UNTIL": "{run_dir}/checkpoints/drafter/step_0000/spot.json"}
 
 
 def straggle(monkeypatch, run_dir) -> None:
-    for name, value in STRAGGLER.items():
-        monkeypatch.setenv(name, value.format(run_dir=run_dir))
+    """A shard of step 1 that holds its slot until step 0's drafter has checkpointed beside it."""
+    monkeypatch.setenv("LSREPLAY_FAULTS", "trees@1:stall")
+    stall_until_drafter_checkpointed(monkeypatch, run_dir)
 
 
 def manifest(run_dir, step: int, stage: str) -> dict:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 
-from flowrun import lsreplay_chain, tree_records, unique_pool
+from flowrun import lsreplay_chain, stall_until_drafter_checkpointed, tree_records, unique_pool
 
 from lsreplay.core.config import load_config
 from lsreplay.core.run import Run
-from lsreplay.stages.drafter import SPOT_STATE
 from vllm_models import needs_vllm, tiny_vllm_run, vllm_ending_model_dir, vllm_installed, vllm_model_dir  # noqa: F401
 
 pytestmark = needs_vllm
@@ -43,9 +42,7 @@ def test_vllm_episodes_follow_the_policy_speculate_with_the_runs_drafter_and_res
     stages resume as with the HF engine, tests/test_resume.py: they read the stored trees,
     whichever engine wrote them.)"""
     run_dir = tmp_path / "run"
-    # The straggler holds its slot until step 0's drafter has checkpointed there (a minute at most).
-    monkeypatch.setenv("LSREPLAY_STALL_SECONDS", "60")
-    monkeypatch.setenv("LSREPLAY_STALL_UNTIL", str(run_dir / "checkpoints/drafter/step_0000" / SPOT_STATE))
+    stall_until_drafter_checkpointed(monkeypatch, run_dir)  # the straggler holds its slot until then
     run = tiny_vllm_run(run_dir, vllm_ending_model_dir, *VLLM, *EPISODES, "steps=3", "rollout.shards=2", "pool.slots=2",
                         "data.prompts_per_step=2", "drafter.steps=4", "drafter.batch_size=4",
                         "drafter.checkpoint_every=2", "drafter.lr=1e-2", "algo.tis_cap=2", "rollout.temperature=0.7",
