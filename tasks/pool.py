@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import os
 import threading
+import time
 from collections import Counter, defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from uuid import UUID
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-from prefect.concurrency.context import ConcurrencyContext
 from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
@@ -111,9 +113,9 @@ class Handoff:
     """Slots and devices that finished stages left to the next stage of this process.
 
     Consecutive stages (rollouts, caching pass, update) hand their slots on instead of each
-    giving them back to the server and asking again: two round trips fewer per stage (on
-    Prefect's temporary server a third to half of the `increment-with-lease` requests took
-    1.7-2.6 s), and the next stage computes on the device that holds its resident state. A
+    giving them back to the server and asking again: two round trips fewer per stage (each
+    a write of the server's database), and the next stage computes on the device that holds
+    its resident state. A
     holding left HANDOFF_SECONDS unused, or wanted by a thread of this process that waits
     for the server, goes back."""
 
@@ -129,7 +131,7 @@ class Handoff:
             self._waiting[pool.name] += 1
         try:
             with ExitStack() as locks:
-                _enter_outside_task_runs(locks, _slots(pool, count))
+                locks.enter_context(_slots(pool, count))
                 devices = locks.enter_context(hold_devices(pool, count, on))
                 return _Holding(devices, locks.pop_all())
         finally:
@@ -197,72 +199,103 @@ def _forget_parked() -> None:
 os.register_at_fork(after_in_child=_forget_parked)
 
 
-def _enter_outside_task_runs(locks: ExitStack, slots) -> None:
-    """Enter `slots` (acquire the lease) as if no task run were active. A task run's
-    ConcurrencyContext releases, when the task ends, every lease acquired inside it; but a
-    holding outlives the task that asked for it (HANDOFF): the next stage computes on it.
-    Recorded there, the lease was revoked under that next stage: the server counted its slots
-    free while the stage still ran, and every renewal got 410 Gone. Only this call sees the
-    change (a copied context); the holding gives its slots back itself (_Holding.give_back)."""
-    context = contextvars.copy_context()
-    context.run(ConcurrencyContext.__var__.set, None)
-    context.run(locks.enter_context, slots)
-
-
 @contextmanager
 def _slots(pool: PoolConfig, count: int):
-    """`count` slots of the pool's limit, waited for up to pool.wait_seconds (then TimeoutError)."""
-    with ExitStack() as held:
-        try:
-            held.enter_context(_leased_slots(pool.name, count, pool.wait_seconds or None))
-        except TimeoutError as e:
-            raise TimeoutError(f"pool {pool.name!r}: {count} slot(s) not free within pool.wait_seconds="
-                               f"{pool.wait_seconds:g}: another run holds them (`prefect gcl inspect {pool.name}`), "
-                               "or a killed run's, until their lease expires; raise pool.wait_seconds") from e
+    """`count` slots of the pool's limit, waited for up to pool.wait_seconds (then
+    TimeoutError), under a lease a thread renews until the block ends.
+
+    The lease is this process's, not a task run's: Prefect's own acquisition records it in
+    the task run's ConcurrencyContext, which releases it when that task ends, while a
+    holding outlives its task (HANDOFF): the server counted the slots free under the next
+    stage, and every renewal got 410 Gone."""
+    try:
+        lease_id = _acquire_lease(pool.name, count, pool.wait_seconds or None)
+    except TimeoutError as e:
+        raise TimeoutError(f"pool {pool.name!r}: {count} slot(s) not free within pool.wait_seconds="
+                           f"{pool.wait_seconds:g}: another run holds them (`prefect gcl inspect {pool.name}`), "
+                           "or a killed run's, until their lease expires; raise pool.wait_seconds") from e
+    stop = threading.Event()
+    # In this context's copy: renewals go to the server (PREFECT_API_URL) the lease came from.
+    renewer = threading.Thread(target=contextvars.copy_context().run, args=(_renew, lease_id, count, stop),
+                               daemon=True, name=f"lease-{pool.name}")
+    renewer.start()
+    try:
         yield
+    finally:
+        stop.set()
+        renewer.join()  # a renewal on its way would meet the released lease (410) and report it gone
+        _unless_busy(lambda client: client.release_concurrency_slots_with_lease(lease_id))
 
 
-try:
-    from prefect.concurrency._sync import acquire_concurrency_slots_with_lease, release_concurrency_slots_with_lease
-except ImportError:  # a Prefect without these internals: the public context manager does the same
-    from prefect.concurrency.sync import concurrency
-
-    def _leased_slots(name: str, count: int, timeout: float | None):
-        return concurrency(name, occupy=count, strict=True, lease_duration=LEASE_SECONDS, timeout_seconds=timeout,
-                           raise_on_lease_renewal_failure=False)
-else:
-
-    @contextmanager
-    def _leased_slots(name: str, count: int, timeout: float | None):
-        """Prefect's `concurrency()` renews the lease at once from a thread and waits up to
-        2 s for it on exit, on every stage; this renews only when due and exits at once."""
-        lease = acquire_concurrency_slots_with_lease([name], count, lease_duration=LEASE_SECONDS, strict=True,
-                                                     timeout_seconds=timeout)
-        stop = threading.Event()
-        # In this context's copy: renewals go to the server (PREFECT_API_URL) the lease came from.
-        renewer = threading.Thread(target=contextvars.copy_context().run, args=(_renew, lease.lease_id, count, stop),
-                                   daemon=True, name=f"lease-{name}")
-        renewer.start()
+def _acquire_lease(name: str, count: int, timeout: float | None) -> UUID:
+    """A lease on `count` slots of the limit `name`, asked for again after the server's
+    Retry-After while they are taken, for up to `timeout` seconds (None: no limit)."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    while True:
         try:
-            yield
-        finally:
-            stop.set()
-            renewer.join()  # a renewal on its way would meet the released lease (410) and report it gone
-            release_concurrency_slots_with_lease(lease.lease_id)
+            granted = _unless_busy(lambda client: client.increment_concurrency_slots_with_lease(
+                names=[name], slots=count, mode="concurrency", lease_duration=LEASE_SECONDS)).json()
+        except PrefectHTTPStatusError as e:
+            if e.response.status_code != 423:  # 423 Locked: the slots are taken
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{count} slot(s) of {name!r} not free in time") from None
+            time.sleep(min(float(e.response.headers.get("Retry-After", 1)), left))
+            continue
+        if not granted["limits"]:
+            raise RuntimeError(f"Prefect has no concurrency limit {name!r} (deleted while the run went on?): "
+                               "the run creates it at its start; run again")
+        return UUID(granted["lease_id"])
+
+
+class ServerBusy(Exception):
+    """Prefect's server answered 503: a transient failure of its database. On SQLite
+    (Prefect's temporary server, or `prefect server start` without Postgres) the slot
+    requests meet one whenever another write lands between their read and their write."""
+
+
+def _raise_if_busy(response) -> None:
+    if response.status_code == 503:
+        raise ServerBusy(f"Prefect's server answered 503 to {response.request.method} {response.request.url.path}")
+
+
+# Pauses before asking again where the server was busy: a database busy a moment is free
+# again within milliseconds. Prefect's client waits 2 s before its first retry, so that
+# every other run of two tiny steps in tests took 2 s longer (3.2 or 5.2 s).
+BUSY_PAUSES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.5, 1.0, 2.0, 4.0)
+
+
+def _unless_busy(call, timeout: float | None = None, client_retries: int | None = None):
+    """`call(client)` with a client of Prefect's API, asked again after BUSY_PAUSES where
+    the server was busy (ServerBusy once they are spent). `timeout`: each request's, and
+    the most all of them take; `client_retries`: Prefect's client's own, for other
+    failures (PREFECT_CLIENT_MAX_RETRIES if None)."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    httpx_settings = {"event_hooks": {"response": [_raise_if_busy]}} | ({"timeout": timeout} if timeout else {})
+    retries = {} if client_retries is None else {PREFECT_CLIENT_MAX_RETRIES: client_retries}
+    with temporary_settings(updates=retries), get_client(httpx_settings=httpx_settings, sync_client=True) as client:
+        for pause in (*BUSY_PAUSES, None):
+            try:
+                return call(client)
+            except ServerBusy:
+                if pause is None or time.monotonic() + pause > deadline:
+                    raise
+                log.debug("Prefect's server was busy; asking again in %.2f s", pause)
+            time.sleep(pause)
 
 
 def _renew(lease_id, slots: int, stop: threading.Event, timeout: float = RENEW_TIMEOUT_SECONDS) -> None:
     interval = float(os.environ.get(RENEW_ENV, LEASE_SECONDS / 3))
-    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):  # this thread's settings only
-        while not stop.wait(interval) and _renew_once(lease_id, slots, interval, timeout):
-            pass
+    while not stop.wait(interval) and _renew_once(lease_id, slots, interval, timeout):
+        pass
 
 
 def _renew_once(lease_id, slots: int, interval: float, timeout: float) -> bool:
     """One renewal, given up after `timeout` seconds (a failure is logged); False once the lease is gone."""
     try:
-        with get_client(httpx_settings={"timeout": timeout}, sync_client=True) as client:
-            client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS)
+        _unless_busy(lambda client: client.renew_concurrency_lease(lease_id=lease_id, lease_duration=LEASE_SECONDS),
+                     timeout=timeout, client_retries=0)
     except Exception as e:
         if isinstance(e, PrefectHTTPStatusError) and e.response.status_code == 410:
             log.error("the pool lease %s is gone from the Prefect server (expired or revoked): it counts its %d "

@@ -9,6 +9,8 @@ a stage of a second or two sees several; the lease itself has its real duration.
 from __future__ import annotations
 
 import logging
+import sqlite3
+import threading
 import time
 import uuid
 
@@ -97,3 +99,37 @@ def test_every_stage_of_a_run_holds_its_slot_on_the_server_while_it_runs(prefect
     assert held == [("trees of step 0", 1), ("prefixes of step 0", 1), ("trees of step 1", 1)]
     assert active_slots(pool) == 0  # all given back at the run's end
     assert pool_log == []
+
+
+def test_a_slot_request_the_busy_server_refuses_is_asked_again_at_once(prefect_server, caplog):
+    """While another writer holds the server's SQLite database (here a transaction of this
+    test), Prefect's server answers the slot request 503, which Prefect's client would ask
+    again only after 2 s: the pool asks again within a fraction of a second, and has the slot
+    soon after the database is free."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    from tasks.pool import BUSY_PAUSES, ensure_pool, pool_devices, release_parked
+
+    pool = PoolConfig(name=f"test-pool-{uuid.uuid4().hex[:8]}", slots=1)
+    ensure_pool(pool)
+    database = sqlite3.connect(PREFECT_API_DATABASE_CONNECTION_URL.value().split(":///")[1], isolation_level=None)
+    acquired: list[float] = []
+
+    def holder() -> None:
+        with pool_devices(pool):
+            acquired.append(time.monotonic())
+
+    caplog.set_level(logging.DEBUG, logger="tasks.pool")
+    database.execute("BEGIN IMMEDIATE")  # the database's write lock, as the server's other writers take it
+    asking = threading.Thread(target=holder)
+    asking.start()
+    time.sleep(0.5)
+    database.execute("COMMIT")
+    freed = time.monotonic()
+    asking.join(30)
+    database.close()
+    busy = [r.getMessage() for r in caplog.records if "was busy" in r.getMessage()]
+    assert busy and acquired, (busy, acquired)
+    assert acquired[0] - freed < max(BUSY_PAUSES[:5]) + 0.5, acquired[0] - freed  # Prefect's client: 1.6 s or more
+    release_parked()
+    assert active_slots(pool.name) == 0
