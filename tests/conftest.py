@@ -8,6 +8,7 @@ import transformers
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, Qwen2Config,
                           Qwen2ForCausalLM)
 
+from forkrun import without_flow_heartbeats
 from s3server import s3_endpoint, store  # noqa: F401  (for every test module: one S3 server, started on first use)
 
 from lsreplay.core import faults
@@ -102,7 +103,7 @@ def exact_rmsnorm(monkeypatch):
 def prefect_server():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=120), without_flow_heartbeats():
         yield
 
 
