@@ -9,6 +9,7 @@ import contextvars
 import logging
 import os
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def test_a_stage_blocked_in_c_ends_its_process_at_the_deadline_and_the_run_resum
     from lsreplay.core.run import Run
 
     run_dir, home = tmp_path / "run", tmp_path / "prefect-home"
+    migrated_database(home / "prefect.db")  # a first start on a fresh machine is tests/test_first_run.py's
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, **FAST_RETRIES,
            "PYTHONPATH": str(REPO), "PREFECT_HOME": str(home), "LSREPLAY_FAULTS": "prefixes@0:stall",
            "LSREPLAY_STALL_SECONDS": "600"}
@@ -77,6 +79,17 @@ def test_a_stage_blocked_in_c_ends_its_process_at_the_deadline_and_the_run_resum
     run = Run(load_config(None, [f"run_dir={run_dir}"]))
     assert run.executions()[0, "prefixes"] == 2 and run.executions()[0, "policy"] == 1, run.executions()
     assert len(run.metrics()) == 1
+
+
+def migrated_database(path: Path) -> None:
+    """A copy of the session server's database at `path`: migrated, as `make setup` leaves
+    the user's (a temporary server creating one first spends 10-18 s on it)."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    path.parent.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(PREFECT_API_DATABASE_CONNECTION_URL.value().split(":///")[1])) as source, \
+            contextlib.closing(sqlite3.connect(path)) as copy:
+        source.backup(copy)
 
 
 def _processes_with(variable: str) -> list[int]:
