@@ -24,7 +24,7 @@ def active_slots(name: str) -> int:
         return client.read_global_concurrency_limit_by_name(name).active_slots
 
 
-def test_pool_gives_each_holder_its_own_device_and_releases_after_failures(prefect_server):
+def test_pool_gives_each_holder_its_own_device_and_releases_after_failures(prefect_server, short_handoff):
     from prefect import flow, task
 
     from tasks.pool import ensure_pool, pool_devices
@@ -77,6 +77,15 @@ def test_pool_gives_each_holder_its_own_device_and_releases_after_failures(prefe
     assert sorted(after()) and slots_come_back(pool.name)
 
 
+@pytest.fixture
+def short_handoff(monkeypatch):
+    """Holdings left unused go back after 1 s instead of HANDOFF_SECONDS (5 s), which the
+    checks that they do go back would otherwise wait out."""
+    import tasks.pool
+
+    monkeypatch.setattr(tasks.pool, "HANDOFF_SECONDS", 1.0)
+
+
 def slots_come_back(name: str) -> bool:
     from tasks.pool import HANDOFF_SECONDS
 
@@ -86,7 +95,8 @@ def slots_come_back(name: str) -> bool:
     return active_slots(name) == 0
 
 
-def test_a_holder_hands_its_slots_and_devices_to_the_next_one_in_its_process(prefect_server, monkeypatch):
+def test_a_holder_hands_its_slots_and_devices_to_the_next_one_in_its_process(prefect_server, monkeypatch,
+                                                                             short_handoff):
     import tasks.pool
     from lsreplay.core.devices import any_held
     from tasks.pool import ensure_pool, pool_devices, release_parked
