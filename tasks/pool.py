@@ -115,9 +115,8 @@ class Handoff:
     Consecutive stages (rollouts, caching pass, update) hand their slots on instead of each
     giving them back to the server and asking again: two round trips fewer per stage (each
     a write of the server's database), and the next stage computes on the device that holds
-    its resident state. A
-    holding left HANDOFF_SECONDS unused, or wanted by a thread of this process that waits
-    for the server, goes back."""
+    its resident state. A holding left HANDOFF_SECONDS unused, or wanted by a thread of this
+    process that waits for the server, goes back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -261,8 +260,8 @@ def _raise_if_busy(response) -> None:
 
 
 # Pauses before asking again where the server was busy: a database busy a moment is free
-# again within milliseconds. Prefect's client waits 2 s before its first retry, so that
-# every other run of two tiny steps in tests took 2 s longer (3.2 or 5.2 s).
+# again within milliseconds. Prefect's client waits 2 s before its first retry: a third to
+# half of the tests' tiny two-step runs took 2 s longer (5.2 s instead of 3.2 s).
 BUSY_PAUSES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.5, 1.0, 2.0, 4.0)
 
 
