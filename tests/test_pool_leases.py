@@ -119,17 +119,22 @@ def test_a_slot_request_the_busy_server_refuses_is_asked_again_at_once(prefect_s
         with pool_devices(pool):
             acquired.append(time.monotonic())
 
+    def busy() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "was busy" in r.getMessage()]
+
     caplog.set_level(logging.DEBUG, logger="tasks.pool")
     database.execute("BEGIN IMMEDIATE")  # the database's write lock, as the server's other writers take it
     asking = threading.Thread(target=holder)
     asking.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not busy() and time.monotonic() < deadline:  # until the server has answered busy
+        time.sleep(0.01)
+    time.sleep(0.2)  # and again
     database.execute("COMMIT")
     freed = time.monotonic()
     asking.join(30)
     database.close()
-    busy = [r.getMessage() for r in caplog.records if "was busy" in r.getMessage()]
-    assert busy and acquired, (busy, acquired)
+    assert len(busy()) >= 2 and acquired, (busy(), acquired)
     assert acquired[0] - freed < max(BUSY_PAUSES[:5]) + 0.5, acquired[0] - freed  # Prefect's client: 1.6 s or more
     release_parked()
     assert active_slots(pool.name) == 0
