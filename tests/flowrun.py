@@ -57,6 +57,13 @@ def stall_until_drafter_checkpointed(monkeypatch, run_dir: Path) -> None:
     monkeypatch.setenv(STALL_UNTIL_ENV, str(run_dir / "checkpoints/drafter/step_0000" / SPOT_STATE))
 
 
+def session_database() -> str:
+    """The path of the session Prefect server's SQLite database (prefect_test_harness's)."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
+
+    return PREFECT_API_DATABASE_CONNECTION_URL.value().split(":///")[1]
+
+
 def unique_pool() -> str:
     """A pool nobody else holds: a process killed while holding a slot keeps it until its
     lease expires (a minute), which later runs on the same pool would wait out."""

@@ -15,7 +15,7 @@ import time
 import uuid
 
 import pytest
-from flowrun import tiny
+from flowrun import session_database, tiny
 from test_pool import active_slots
 
 from lsreplay.core.config import PoolConfig
@@ -106,13 +106,11 @@ def test_a_slot_request_the_busy_server_refuses_is_asked_again_at_once(prefect_s
     test), Prefect's server answers the slot request 503, which Prefect's client would ask
     again only after 2 s: the pool asks again within a fraction of a second, and has the slot
     soon after the database is free."""
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
     from tasks.pool import BUSY_PAUSES, ensure_pool, pool_devices, release_parked
 
     pool = PoolConfig(name=f"test-pool-{uuid.uuid4().hex[:8]}", slots=1)
     ensure_pool(pool)
-    database = sqlite3.connect(PREFECT_API_DATABASE_CONNECTION_URL.value().split(":///")[1], isolation_level=None)
+    database = sqlite3.connect(session_database(), isolation_level=None)
     acquired: list[float] = []
 
     def holder() -> None:

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from flowrun import FAST_RETRIES, REPO, lsreplay_chain, tiny, unique_pool
+from flowrun import FAST_RETRIES, REPO, lsreplay_chain, session_database, tiny, unique_pool
 
 from lsreplay.core.config import ConfigError, load_config
 
@@ -84,10 +84,8 @@ def test_a_stage_blocked_in_c_ends_its_process_at_the_deadline_and_the_run_resum
 def migrated_database(path: Path) -> None:
     """A copy of the session server's database at `path`: migrated, as `make setup` leaves
     the user's (a temporary server creating one first spends 10-18 s on it)."""
-    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
-
     path.parent.mkdir(parents=True)
-    with contextlib.closing(sqlite3.connect(PREFECT_API_DATABASE_CONNECTION_URL.value().split(":///")[1])) as source, \
+    with contextlib.closing(sqlite3.connect(session_database())) as source, \
             contextlib.closing(sqlite3.connect(path)) as copy:
         source.backup(copy)
 
