@@ -28,6 +28,11 @@
    (two minutes).
 4. The idle engine: a CPU engine's CPU time while it waits after a call, as during the
    caching pass and the update (`--only idle`, half a minute).
+5. The engine's start, --starts times each way (`--only start`, a minute): with a fresh
+   fork server (a first engine, and what every start cost before engines were forked:
+   vLLM's imports in a new process) and forked from the running one (a retry's engine, the
+   first with a drafter): seconds from the start to the first answer (a 32-token reply),
+   and their ratio.
 
 Run it alone: the machine's other work weighs on the engines unequally.
 """
@@ -52,6 +57,7 @@ from lsreplay.data.prompt_sets import source_prompts  # noqa: E402
 from lsreplay.data.rendering import render_prompt  # noqa: E402
 from lsreplay.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
 from lsreplay.rollout.vllm_engine import VLLMEngine, engine_spec  # noqa: E402
+from lsreplay.rollout.vllm_process import close_fork_servers  # noqa: E402
 
 CONFIG = str(REPO / "configs/default.yaml")
 WORKLOADS = {
@@ -230,13 +236,37 @@ def idle_engine(seconds: float) -> None:
         engine.close()
 
 
+def compare_starts(starts: int) -> None:
+    """Seconds from an engine's start to its first answer, with a fresh fork server and
+    forked from the running one, `starts` times each (alternating)."""
+    import torch
+
+    cfg = load_config(CONFIG, [])
+    spec, prompts = engine_spec(cfg, torch.device("cpu"), str(resolve_model_dir(cfg.model)), 0, None), held_out(cfg, 1)
+    seconds: dict[str, list[float]] = {"fresh": [], "forked": []}
+    for _ in range(starts):
+        for way in seconds:
+            if way == "fresh":
+                close_fork_servers()
+            started = time.perf_counter()
+            engine = VLLMEngine(spec)
+            engine.generate(prompts, 32, [2])
+            seconds[way].append(time.perf_counter() - started)
+            engine.close()
+    fresh, forked = mean(seconds["fresh"]), mean(seconds["forked"])
+    print(f"engine start to first answer: fresh fork server {fresh:.2f} s, forked {forked:.2f} s "
+          f"({' '.join(f'{s:.2f}' for s in seconds['fresh'])} / {' '.join(f'{s:.2f}' for s in seconds['forked'])}); "
+          f"forked_start_speedup={fresh / forked:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--drafter-steps", type=int, default=80)
     parser.add_argument("--out", default=str(REPO / "runs/engines"))
     parser.add_argument("--syncs", type=int, default=6)
-    parser.add_argument("--only", choices=("steps", "tail", "sync", "idle"), help="run this part alone")
+    parser.add_argument("--starts", type=int, default=3)
+    parser.add_argument("--only", choices=("steps", "tail", "sync", "idle", "start"), help="run this part alone")
     args = parser.parse_args(argv)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -249,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         compare_sync(args.syncs, lora=True)
     if args.only in (None, "idle"):
         idle_engine(10.0)
+    if args.only in (None, "start"):
+        compare_starts(args.starts)
     return 0
 
 

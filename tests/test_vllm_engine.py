@@ -21,6 +21,7 @@ from lsreplay.models.distribution import SamplingParams, token_logprobs
 from lsreplay.rollout.episodes import sample_episodes
 from lsreplay.rollout.vllm_turns import VLLMTurns
 from lsreplay.rollout.vllm_engine import EngineError, EngineSpec, VLLMEngine
+from lsreplay.rollout.vllm_process import UNKNOWN_EXIT
 from vllm_models import STOP, VLLM_PYTHON, needs_vllm, short_prompts, vllm_installed  # noqa: F401
 from vllm_models import vllm_tied_model_dir  # noqa: F401
 
@@ -238,6 +239,7 @@ def test_every_engine_failure_closes_the_engine_and_a_fresh_one_samples_right(en
     # 2. A hung worker: the call fails at its deadline and the engine is killed. (A deadline
     # of 4 s once ran out before the first progress message on a loaded machine.)
     hung = VLLMEngine(spec(vllm_tied_model_dir, timeout_s=10.0))
+    fork_server = parent(hung.pid)
     started = time.monotonic()
     thread, raised = start_stalled_call(hung, prompts)
     thread.join(60)
@@ -246,16 +248,30 @@ def test_every_engine_failure_closes_the_engine_and_a_fresh_one_samples_right(en
     assert not Path(f"/dev/shm/__KMP_REGISTERED_LIB_{hung.pid}_0").exists()  # nothing left in shared memory
     hung.close()
 
-    # 3. A fresh engine samples right; closed while a call is in flight (its worker hung, the
+    # 3. A fresh engine samples right, forked from the fork server the others came from, and
+    # goes on when that server is gone (killed here: the next engine starts another, which
+    # forks engines that sample right). Closed while a call is in flight (its worker hung, the
     # call's deadline 30 minutes away), the close does not wait and the call fails at once.
     descriptors = len(os.listdir("/proc/self/fd"))
     fresh = VLLMEngine(spec(vllm_tied_model_dir))
+    assert parent(fresh.pid) == fork_server and fork_server != os.getpid()
+    os.kill(fork_server, signal.SIGKILL)
     trees, _ = fresh.sample_trees(prompts, [2, 2], [4], 12, 1.0, 1.0, 0, eos)
     assert [sum(t.counts) for t in trees] == [4, 4]
     assert_logprobs_are_the_models(model, prompts, trees)
-    thread, raised = start_stalled_call(fresh, prompts)
+    after = VLLMEngine(spec(vllm_tied_model_dir))
+    assert parent(after.pid) not in (fork_server, os.getpid())
+    thread, raised = start_stalled_call(after, prompts)
     started = time.monotonic()
-    fresh.close()
+    after.close()
     thread.join(30)
     assert time.monotonic() - started < 10 and not thread.is_alive() and "ended during 'trees'" in str(raised[0])
-    assert not fresh.alive() and len(os.listdir("/proc/self/fd")) == descriptors
+    assert not after.alive() and after._process.returncode == -signal.SIGKILL
+    fresh.close()  # its fork server was gone: its exit code too
+    assert not fresh.alive() and fresh._process.returncode == UNKNOWN_EXIT
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the new fork server's connection for the old one's
+
+
+def parent(pid: int) -> int:
+    """The parent process of `pid` (/proc's)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

