@@ -14,6 +14,7 @@ from s3server import BUCKET, KEY
 from lsreplay import cli
 from lsreplay.core.config import ConfigError, load_config, to_dict, to_yaml
 from lsreplay.core.run import Run, open_run_config, open_store
+from lsreplay.core.storage import RETRIES_ENV
 
 SECRET = "s3cr3t-do-not-print"
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3", "MLFLOW_TRACKING_URI")
@@ -81,6 +82,7 @@ def test_a_config_file_with_credentials_is_written_and_shown_redacted(tmp_path, 
 
 def test_an_unreachable_endpoint_is_named_without_its_credentials(tmp_path, clean_environment, monkeypatch, capsys):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv(RETRIES_ENV, "0")  # lsreplay's retries (3.5 s of backoff) would only repeat the message
     assert cli.main(["train", "storage.uri=s3://bucket/run", f"storage.endpoint_url=http://id:{SECRET}@127.0.0.1:9",
                      "storage.key=k", f"storage.secret={SECRET}"]) == 2
     err = capsys.readouterr().err

@@ -11,7 +11,7 @@ import pytest
 import torch
 from s3server import BUCKET, SECRET
 
-from lsreplay.core.storage import CorruptEntry, MissingEntry, Store, StorageError
+from lsreplay.core.storage import BACKOFF_ENV, CorruptEntry, MissingEntry, Store, StorageError
 
 
 def test_bytes_round_trip_and_entry(store):
@@ -156,6 +156,7 @@ def test_invalid_keys_are_refused(tmp_path, key):
 
 @pytest.mark.parametrize("failing", ["fsync", "replace"])
 def test_local_write_failure_leaves_old_entry_and_no_temp(tmp_path, monkeypatch, failing):
+    monkeypatch.setenv(BACKOFF_ENV, "0.01")  # each failing write is tried 4 times (3.5 s apart in all by default)
     store = Store(str(tmp_path))
     store.write_bytes("d/k", b"old")
 
