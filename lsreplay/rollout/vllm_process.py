@@ -6,8 +6,8 @@ CPU). A fork server is a process of vLLM's Python that has done those imports
 (lsreplay/rollout/vllm_worker.py --fork-server); every engine of the same environment is
 forked from it, so an engine started again (a retry after a failure, the first with a
 drafter, a resume) skips them. vLLM forks its own workers at the same point (after its
-imports, before CUDA or OpenMP start), and a forked engine samples as a fresh one does
-(tests/test_vllm_process.py).
+imports, before CUDA or OpenMP start); every vLLM test's engine is a forked one, and
+tests/test_vllm_engine.py checks the fork server's own failures.
 
 The environment is the fork server's: OpenMP reads its settings as it loads, so engines
 whose environments differ (threads, devices) get a fork server each. A fork server ends
