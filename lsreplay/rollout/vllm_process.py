@@ -17,6 +17,7 @@ their own connections.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import select
@@ -47,7 +48,7 @@ class EngineProcess:
     def __init__(self, server: ForkServer, pid: int):
         self.pid, self.returncode, self._server = pid, None, server
         self._pidfd = os.pidfd_open(pid)
-        self._lock = threading.Lock()  # reaped once, whichever thread sees the end first
+        self._lock = threading.Lock()  # reaped once, whichever thread sees the end first; no signal after
 
     def poll(self) -> int | None:
         """The exit code if the process has ended, else None."""
@@ -59,13 +60,20 @@ class EngineProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code once the process has ended; subprocess.TimeoutExpired after `timeout` s."""
-        if self.returncode is None and not select.select([self._pidfd], [], [], timeout)[0]:
-            raise subprocess.TimeoutExpired(str(WORKER), timeout)
-        return self.poll()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left < 0:
+                raise subprocess.TimeoutExpired(str(WORKER), timeout)
+            with self._lock:  # the pidfd is closed only under it, once the process is reaped
+                if self.returncode is None:
+                    select.select([self._pidfd], [], [], left)
+        return code
 
     def kill(self) -> None:
-        if self.returncode is None:
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        with self._lock, contextlib.suppress(ProcessLookupError):  # reaped by init (its server gone): as Popen's
+            if self.returncode is None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
 
 def connected(start: Callable[[str, bytes], subprocess.Popen | EngineProcess], timeout: float):
