@@ -42,18 +42,16 @@ SUPPORTED_VLLM = "0.32."
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("address", nargs="?")
+    parser.add_argument("--fork-server", metavar="ADDRESS",
+                        help="import vLLM, then fork an engine per request of the client at ADDRESS")
     parser.add_argument("--probe", action="store_true", help="print vLLM's version and text models, and exit")
-    parser.add_argument("--fork-server", action="store_true", help="import vLLM, then fork an engine per request")
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe()))
-        return
-    authkey = os.environb[b"LSREPLAY_VLLM_AUTHKEY"]
-    if args.fork_server:
-        fork_server(args.address, authkey)
+    elif args.fork_server:
+        fork_server(args.fork_server, os.environb[b"LSREPLAY_VLLM_AUTHKEY"])
     else:
-        serve(args.address, authkey)
+        parser.error("give --fork-server ADDRESS (lsreplay.rollout.vllm_process does) or --probe")
 
 
 def serve(address: str, authkey: bytes) -> None:
