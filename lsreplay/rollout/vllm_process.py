@@ -123,7 +123,7 @@ class ForkServer:
         Path(log).unlink()  # its imports went well: it prints nothing more
 
     def alive(self) -> bool:
-        return self._process.poll() is None and not self._conn.closed
+        return self._process.poll() is None  # close() ends the process too
 
     def fork(self, address: str, authkey: bytes, log: Path) -> EngineProcess:
         """An engine process that connects to `address` with `authkey`, its output to `log`."""
